@@ -207,7 +207,8 @@ def sinkhorn_knopp(outputs: torch.Tensor, lam: float = 25.0, tol: float = 1e-3,
     """SeLa's labeler: P = softmax(O)**lam, scaled alternately along rows and columns until its
     marginals are uniform (rows 1/N, columns 1/k); labels = argmax of the scaled P.  Works in the
     log domain (lam = 25 overflows float32 otherwise).  Returns (labels (N,), log_P (N, k), iters);
-    tol is the largest relative error of the column marginals."""
+    tol is the largest relative error of the row marginals (the columns are exact after each
+    column update)."""
     _check_outputs(outputs)
     n, k = outputs.shape
     logP = lam * F.log_softmax(outputs.detach().to(torch.float64), dim=1)  # (N, k)
@@ -323,6 +324,13 @@ def build_model(cfg: ModelConfig) -> OTLNet:
     if cfg.small_stem:
         net.conv1 = nn.Conv2d(3, cfg.width, 3, 1, 1, bias=False)
         net.maxpool = nn.Identity()
+    if cfg.width != 64 or cfg.small_stem:
+        for m in net.modules():  # torchvision's initialisation for the layers replaced above
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
     feat_dim = net.fc.in_features if cfg.width == 64 else 8 * cfg.width
     net.fc = nn.Identity()
     return OTLNet(net, feat_dim, cfg)
@@ -337,7 +345,7 @@ def resize_batch(x: torch.Tensor, size: int) -> torch.Tensor:
     x = x.float().div_(255) if x.dtype == torch.uint8 else x
     if x.shape[-1] != size or x.shape[-2] != size:
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return x.clamp_(0, 1)
+    return x.clamp(0, 1)
 
 
 def _blend(a, b, w):  # w: (B,) factor, 1 keeps a

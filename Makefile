@@ -1,0 +1,59 @@
+# OTL: every stage, per data set.  `make eurosat` runs prepare -> train -> kNN -> linear -> report.
+#   make eurosat                    self-supervised OTL + random-init baseline + report
+#   make eurosat-supervised         the same network and schedule on the true labels
+#   make test                       the test suite (what CI runs)
+# Variables: PRESET=auto|paper|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
+#   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags).
+
+PY        ?= .venv/bin/python
+PRESET    ?= auto
+DEVICE    ?= auto
+RUNS      ?= runs
+TRAIN_ARGS ?=
+EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSAT.zip,download)
+SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
+STAMP      = .venv/.installed
+
+.PHONY: all eurosat eurosat-supervised eurosat-data test setup clean-runs help
+.DELETE_ON_ERROR:
+
+help:
+	@sed -n '1,7p' Makefile
+
+setup: $(STAMP)
+$(STAMP): requirements.txt
+	python3 -m venv .venv
+	.venv/bin/python -m pip install -q -r requirements.txt
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+# ---------------------------------------------------------------------------- EuroSAT
+eurosat-data: $(STAMP)
+	$(PY) prepare_data.py --dataset eurosat $(SRC_FLAG) --out data/eurosat
+
+# One chain per run folder: train (resumes if interrupted), evaluate the final checkpoint and
+# the random-init snapshot (checkpoint0000.pth), then the report.
+eurosat: eurosat-data
+	@$(PY) -c "import otl; d = otl.pick_device('$(DEVICE)'); p = '$(PRESET)'; \
+	  p = ('paper' if d.type == 'cuda' else 'cpu') if p == 'auto' else p; \
+	  print('=' * 72 + f'\n  make eurosat: PRESET={p} on {d}' + (' (the CPU preset: see README for what it gives up)' if p == 'cpu' else '') + '\n' + '=' * 72)"
+	$(PY) train_otl.py --data data/eurosat --output $(RUNS)/eurosat --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/eurosat
+	$(PY) report.py --dataset eurosat --runs $(RUNS) --out results
+
+eurosat-supervised: eurosat-data
+	$(PY) train_otl.py --data data/eurosat --output $(RUNS)/eurosat_supervised --supervised --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/eurosat_supervised
+	$(PY) report.py --dataset eurosat --runs $(RUNS) --out results
+
+# evaluate the last checkpoint of RUN and its random-init snapshot
+eval-run:
+	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE)
+	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE)
+	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
+	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
+
+clean-runs:
+	rm -rf $(RUNS)

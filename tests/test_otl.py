@@ -1,0 +1,703 @@
+"""Behavioural tests for otl.py (CPU only, small and fast)."""
+import copy
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import otl
+
+torch.set_num_threads(1)
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                     reason="needs CUDA"))
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def collapsed(n, k, seed=0):
+    return torch.randn(1, k, generator=gen(seed)).expand(n, k)
+
+
+def near_collapsed(n, k, seed=0, noise=1e-5):
+    return collapsed(n, k, seed) + noise * torch.randn(n, k, generator=gen(seed + 1))
+
+
+def even_std_max(n, k):
+    # all N in one cluster, even target N/k: sqrt(((N - N/k)^2 + (k-1)(N/k)^2) / k)
+    return n / k * math.sqrt(k - 1)
+
+
+def pop_std(counts, target):
+    return (counts.double() - target.double()).pow(2).mean().sqrt().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# translate
+# ------------------------------------------------------------------------------------------------
+
+SHAPES = [(5000, 50), (21600, 128)]
+KINDS = {
+    "random": lambda n, k: torch.randn(n, k, generator=gen(1)),
+    "collapsed": lambda n, k: collapsed(n, k, seed=2),
+    "near_collapsed": lambda n, k: near_collapsed(n, k, seed=3),
+}
+_CACHE = {}
+
+
+def run_translate(kind, n, k):
+    key = (kind, n, k)
+    if key not in _CACHE:
+        O = KINDS[kind](n, k)
+        _CACHE[key] = (O, otl.translate(O))
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_translate_balances(kind, n, k):
+    O, r = run_translate(kind, n, k)
+    assert r.std_max == pytest.approx(even_std_max(n, k), rel=1e-9)
+    assert r.std < 0.01 * r.std_max
+    assert int(r.counts.sum()) == n
+    # close to the integer floor: every cluster within a couple of images of N/k
+    assert int(r.counts.max() - r.counts.min()) <= 3
+    assert (r.counts - n / k).abs().max().item() <= 3
+    # the reported std is the std of the returned counts
+    assert r.std == pytest.approx(pop_std(r.counts, r.target), abs=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["random", "collapsed"])
+def test_translate_labels_are_argmax_of_translated_outputs(kind):
+    n, k = SHAPES[0]
+    O, r = run_translate(kind, n, k)
+    assert r.T.shape == (k,)
+    assert r.labels.shape == (n,) and r.labels.dtype == torch.int64
+    Z = O.double() - r.T
+    top = Z.topk(2, dim=1).values
+    gap = top[:, 0] - top[:, 1]
+    spread = (O.max() - O.min()).item()
+    clear = gap > 1e-6 * spread  # default tie_eps
+    assert torch.equal(Z.argmax(1)[clear], r.labels[clear])
+    if kind == "random":
+        # on random outputs near-ties are rare: almost every row is decided by O - T alone
+        assert clear.float().mean().item() > 0.99
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_translate_counts_are_bincount_of_labels(kind):
+    n, k = SHAPES[0]
+    _, r = run_translate(kind, n, k)
+    assert r.counts.dtype == torch.int64
+    assert torch.equal(r.counts, torch.bincount(r.labels, minlength=k))
+    assert r.labels.min() >= 0 and r.labels.max() < k
+
+
+def test_translate_keeps_pairwise_differences():
+    n, k = SHAPES[0]
+    O, r = run_translate("random", n, k)
+    O = O.double()[:300]
+    Z = O - r.T  # the translation applies one k-vector to every row
+    dO = O[:, None, :] - O[None, :, :]
+    dZ = Z[:, None, :] - Z[None, :, :]
+    torch.testing.assert_close(dZ, dO, rtol=0, atol=1e-9)
+    torch.testing.assert_close(dZ.norm(dim=2), dO.norm(dim=2), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_translate_dtypes_and_device(dtype, device):
+    n, k = 2000, 20
+    O = torch.randn(n, k, generator=gen(5)).to(device=device, dtype=dtype)
+    before = O.clone()
+    r = otl.translate(O)
+    assert torch.equal(O, before)  # input untouched
+    assert r.labels.device.type == torch.device(device).type
+    assert r.T.device.type == torch.device(device).type
+    assert r.counts.device.type == torch.device(device).type
+    assert r.T.dtype == torch.float64
+    assert r.std < 0.01 * r.std_max
+    assert int(r.counts.max() - r.counts.min()) <= 3
+    Z = O.double() - r.T
+    top = Z.topk(2, dim=1).values
+    clear = (top[:, 0] - top[:, 1]) > 1e-6 * (O.max() - O.min()).item()
+    assert torch.equal(Z.argmax(1)[clear], r.labels[clear])
+
+
+def test_translate_does_not_modify_float64_input_without_jitter():
+    O = torch.randn(500, 10, generator=gen(6), dtype=torch.float64)
+    before = O.clone()
+    otl.translate(O, tie_eps=0)
+    assert torch.equal(O, before)
+
+
+@pytest.mark.parametrize("x", [0.5, 1, 2])
+def test_translate_uneven_target(x):
+    n, k = 5000, 50
+    target = otl.uneven_target(n, k, x)
+    r = otl.translate(torch.randn(n, k, generator=gen(7)), target=target)
+    assert torch.equal(r.target, target.double())
+    # std_max: all N in the cluster with the smallest target
+    worst = torch.zeros(k, dtype=torch.float64)
+    worst[torch.argmin(target)] = n
+    assert r.std_max == pytest.approx(pop_std(worst, target), rel=1e-9)
+    assert r.std == pytest.approx(pop_std(r.counts, target), abs=1e-9)
+    assert r.std < 0.01 * r.std_max
+    # the counts follow the target's shape, not an even split
+    even = otl.translate(torch.randn(n, k, generator=gen(7)))
+    assert pop_std(r.counts, target) < pop_std(even.counts, target) / 10
+
+
+def test_translate_custom_target():
+    n = 2000
+    target = [100, 300, 600, 1000]  # a plain list is accepted
+    r = otl.translate(torch.randn(n, 4, generator=gen(8)), target=target)
+    assert r.target.tolist() == [float(t) for t in target]
+    assert r.std < 0.01 * r.std_max
+    assert (r.counts.double() - r.target).abs().max().item() <= 0.01 * n
+
+
+def test_translate_collapsed_without_tie_break_cannot_split():
+    # the docstring: without the perturbation, identical rows stay identical whatever T is
+    n, k = 500, 10
+    r = otl.translate(collapsed(n, k, seed=9), tie_eps=0)
+    assert int((r.counts > 0).sum()) == 1
+    assert r.std == pytest.approx(r.std_max)
+
+
+def test_translate_small_problems():
+    # few rows per cluster: still within a couple of images of the even split
+    for n, k, seed in [(12, 12, 10), (30, 30, 11), (50, 10, 12), (7, 2, 13)]:
+        for O in (torch.randn(n, k, generator=gen(seed)), collapsed(n, k, seed)):
+            r = otl.translate(O)
+            assert int(r.counts.sum()) == n
+            assert int(r.counts.max() - r.counts.min()) <= 2, (n, k, seed, r.counts.tolist())
+
+
+def test_translate_result_fields():
+    n, k = 5000, 50
+    _, r = run_translate("random", n, k)
+    assert isinstance(r.iterations, int) and r.iterations >= 1
+    assert isinstance(r.std_history, list)
+    assert len(r.std_history) == r.iterations + 1  # initial std, then one per step tried
+    # the first entry is the std of the starting point (max_iter=0 returns that point)
+    r0 = otl.translate(torch.randn(n, k, generator=gen(1)), max_iter=0)
+    assert r0.iterations == 0 and r0.std_history == [r0.std]
+    assert r0.stop_reason == "max_iter"
+    assert r.std_history[0] == pytest.approx(r0.std)
+    # undone steps are worse, so the final std is the best one seen, and never above the start
+    assert r.std == pytest.approx(min(r.std_history))
+    assert r.std <= r.std_history[0]
+    assert isinstance(r.stop_reason, str)
+    assert r.stop_reason in {"balanced", "alpha0", "patience", "max_iter"}
+    assert r.seconds >= 0
+    r3 = otl.translate(torch.randn(n, k, generator=gen(1)), max_iter=3)
+    assert r3.iterations == 3 and len(r3.std_history) == 4 and r3.stop_reason == "max_iter"
+    if r.stop_reason == "balanced":
+        assert r.std == 0
+
+
+def test_translate_balanced_stop_reason():
+    # outputs whose argmax is already perfectly even (after the median start): nothing to do
+    n, k = 600, 12
+    O = 10 * F.one_hot(torch.arange(n) % k, k).float() + 0.01 * torch.randn(n, k, generator=gen(13))
+    r = otl.translate(O)
+    assert r.std == 0.0 and r.stop_reason == "balanced"
+    assert r.iterations == 0 and r.std_history == [0.0]
+    assert torch.equal(r.labels, torch.arange(n) % k)
+    assert r.counts.tolist() == [n // k] * k
+
+
+def test_translate_deterministic():
+    O = torch.randn(3000, 30, generator=gen(14))
+    a, b = otl.translate(O, seed=3), otl.translate(O.clone(), seed=3)
+    assert torch.equal(a.labels, b.labels)
+    assert torch.equal(a.T, b.T)
+    C = collapsed(3000, 30, seed=15)
+    a, b = otl.translate(C, seed=3), otl.translate(C, seed=3)
+    assert torch.equal(a.labels, b.labels)
+    # on tied outputs the seed is what decides
+    c = otl.translate(C, seed=4)
+    assert not torch.equal(a.labels, c.labels)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: torch.tensor([[0.0, float("nan")], [1.0, 2.0], [3.0, 4.0]]), "NaN"),
+    (lambda: torch.tensor([[0.0, float("inf")], [1.0, 2.0], [3.0, 4.0]]), "infinite"),
+    (lambda: torch.tensor([[0.0, 1.0], [1.0, -float("inf")]]), "infinite"),
+    (lambda: torch.randn(10, 1), "k >= 2"),
+    (lambda: torch.randn(3, 5), "N >= k"),
+    (lambda: torch.randn(10), r"\(N, k\)"),
+    (lambda: torch.randn(2, 3, 4), r"\(N, k\)"),
+])
+def test_translate_bad_outputs(make, match):
+    with pytest.raises(ValueError, match=match):
+        otl.translate(make())
+
+
+def test_translate_nan_message_names_rows():
+    O = torch.randn(20, 4)
+    O[7, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"1 rows.*\[7\]"):
+        otl.translate(O)
+
+
+def test_translate_bad_target_and_beta():
+    O = torch.randn(100, 4, generator=gen(16))
+    with pytest.raises(ValueError, match="sum to"):
+        otl.translate(O, target=[10, 20, 30, 39])
+    with pytest.raises(ValueError, match="entries"):
+        otl.translate(O, target=[25, 25, 50])
+    with pytest.raises(ValueError, match="non-negative"):
+        otl.translate(O, target=[-10, 40, 35, 35])
+    with pytest.raises(ValueError, match="finite"):
+        otl.translate(O, target=[float("nan"), 40, 30, 30])
+    for beta in (1.0, 0.5, 0.0, -2.0):
+        with pytest.raises(ValueError, match="beta"):
+            otl.translate(O, beta=beta)
+
+
+# ------------------------------------------------------------------------------------------------
+# uneven_target / even_target
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(5000, 50), (21600, 128), (1001, 7), (10, 10), (11, 2)])
+@pytest.mark.parametrize("x", [0, 0.5, 1, 2, 3.7])
+def test_uneven_target_properties(n, k, x):
+    t = otl.uneven_target(n, k, x)
+    assert t.shape == (k,)
+    assert t.sum().item() == n
+    assert torch.equal(t, t.round())
+    assert (t >= 0).all()
+    if x > 0:
+        assert (t[1:] >= t[:-1]).all()
+    # proportional to i**x up to rounding
+    w = torch.arange(1, k + 1, dtype=torch.float64) ** x
+    assert (t - w / w.sum() * n).abs().max().item() < 1 + 1e-9
+
+
+def test_uneven_target_is_uneven_and_x0_even():
+    t = otl.uneven_target(1000, 7, 0)
+    assert int(t.max() - t.min()) <= 1
+    t = otl.uneven_target(5000, 50, 0)
+    assert t.tolist() == [100.0] * 50
+    t = otl.uneven_target(5000, 50, 1)
+    assert t[-1] > 10 * t[0]
+    t = otl.uneven_target(1000, 7, -1)
+    assert (t[1:] <= t[:-1]).all() and t.sum().item() == 1000
+
+
+@pytest.mark.parametrize("n,k", [(10, 1), (5, 0), (3, 5)])
+def test_uneven_target_errors(n, k):
+    with pytest.raises(ValueError, match="k >= 2 and N >= k"):
+        otl.uneven_target(n, k, 1.0)
+
+
+def test_even_target():
+    t = otl.even_target(1000, 7)
+    assert t.dtype == torch.float64 and t.shape == (7,)
+    assert t.sum().item() == pytest.approx(1000)
+    assert torch.allclose(t, torch.full((7,), 1000 / 7, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------
+# sinkhorn_knopp
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [0.0, 5.0])
+def test_sinkhorn_marginals_and_labels(bias):
+    n, k = 2000, 20
+    O = torch.randn(n, k, generator=gen(20))
+    O[:, 0] += bias
+    labels, logQ, iters = otl.sinkhorn_knopp(O)
+    assert logQ.shape == (n, k) and labels.shape == (n,)
+    assert isinstance(iters, int) and 1 <= iters <= 1000
+    Q = logQ.exp()
+    torch.testing.assert_close(Q.sum(1), torch.full((n,), 1 / n, dtype=Q.dtype),
+                               rtol=2e-3, atol=0)
+    torch.testing.assert_close(Q.sum(0), torch.full((k,), 1 / k, dtype=Q.dtype),
+                               rtol=1e-6, atol=0)
+    assert torch.equal(labels, logQ.argmax(1))
+
+
+def test_sinkhorn_more_even_than_argmax_on_skewed_outputs():
+    n, k = 2000, 20
+    O = torch.randn(n, k, generator=gen(21))
+    O[:, 3] += 5.0
+    plain = torch.bincount(O.argmax(1), minlength=k).double()
+    labels, _, _ = otl.sinkhorn_knopp(O)
+    sk = torch.bincount(labels, minlength=k).double()
+    assert plain[3] > 0.9 * n  # the skew really collapses plain argmax
+    assert sk.std() < plain.std() / 20
+    assert sk.max() < 2 * n / k
+
+
+def test_sinkhorn_input_checks():
+    with pytest.raises(ValueError):
+        otl.sinkhorn_knopp(torch.randn(10))
+    with pytest.raises(ValueError):
+        otl.sinkhorn_knopp(torch.tensor([[float("nan"), 0.0], [0.0, 1.0]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# lct_loss
+# ------------------------------------------------------------------------------------------------
+
+def hand_lct(logits, labels):
+    V = logits.shape[0]
+    total = 0.0
+    for a in range(V):
+        for b in range(V):
+            total = total + F.cross_entropy(logits[b].float(), labels[a])
+    return total / (V * V)
+
+
+@pytest.mark.parametrize("V", [1, 2, 3])
+def test_lct_loss_matches_hand_computation(V):
+    B, k = 16, 7
+    g = gen(30 + V)
+    logits = torch.randn(V, B, k, generator=g) * 3
+    labels = torch.randint(0, k, (V, B), generator=g)
+    got = otl.lct_loss(logits, labels)
+    torch.testing.assert_close(got, hand_lct(logits, labels), rtol=1e-5, atol=1e-6)
+    plain = otl.lct_loss(logits, labels, consistent=False)
+    own = sum(F.cross_entropy(logits[v], labels[v]) for v in range(V)) / V
+    torch.testing.assert_close(plain, own, rtol=1e-5, atol=1e-6)
+    if V == 1:
+        torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-7)
+    else:
+        # views with different labels: the consistent loss really mixes views
+        assert not torch.allclose(got, plain)
+
+
+def test_lct_loss_gradients_flow():
+    V, B, k = 2, 8, 5
+    logits = torch.randn(V, B, k, generator=gen(40), requires_grad=True)
+    labels = torch.randint(0, k, (V, B), generator=gen(41))
+    loss = otl.lct_loss(logits, labels)
+    assert loss.dim() == 0 and loss.requires_grad
+    loss.backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    assert logits.grad.abs().sum() > 0
+    # d/dlogits of the mean of pairwise CE, by autograd on the hand version
+    ref = logits.detach().clone().requires_grad_(True)
+    hand_lct(ref, labels).backward()
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_lct_loss_half_precision_logits():
+    logits = torch.randn(2, 8, 5, generator=gen(42)).half()
+    labels = torch.randint(0, 5, (2, 8), generator=gen(43))
+    got = otl.lct_loss(logits, labels)
+    torch.testing.assert_close(got, hand_lct(logits.float(), labels), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("logit_shape,label_shape", [
+    ((8, 5), (8,)),
+    ((2, 8, 5), (8,)),
+    ((2, 8, 5), (2, 7)),
+    ((2, 8, 5), (3, 8)),
+    ((2, 8, 5, 1), (2, 8)),
+])
+def test_lct_loss_shape_errors(logit_shape, label_shape):
+    with pytest.raises(ValueError, match="logits"):
+        otl.lct_loss(torch.randn(*logit_shape), torch.zeros(label_shape, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------
+# discriminativeness measure
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("counts,ind,dis", [
+    ((2, 1, 1), 1, 5),
+    ((4,), 6, 0),
+    ((1, 1, 1, 1), 0, 6),
+    ((4, 0, 0), 6, 0),
+])
+def test_paper_examples(counts, ind, dis):
+    assert otl.n_indistinguishable(counts) == ind
+    assert otl.n_distinguishable(counts) == dis
+    assert otl.n_indistinguishable(torch.tensor(counts)) == ind
+    assert otl.n_distinguishable(list(counts)) == dis
+
+
+def test_ind_plus_dis_is_all_pairs():
+    g = gen(50)
+    for _ in range(20):
+        k = int(torch.randint(1, 200, (1,), generator=g))
+        counts = torch.randint(0, 500, (k,), generator=g)
+        n = int(counts.sum())
+        ind, dis = otl.n_indistinguishable(counts), otl.n_distinguishable(counts)
+        assert isinstance(ind, int) and isinstance(dis, int)
+        assert ind + dis == n * (n - 1) // 2
+        # brute force on the definition
+        brute_ind = sum(int(c) * (int(c) - 1) // 2 for c in counts)
+        assert ind == brute_ind
+
+
+def test_even_split_maximises_distinguishable_pairs():
+    n, k = 1000, 10
+    even = otl.n_distinguishable([100] * 10)
+    skew = otl.n_distinguishable(otl.uneven_target(n, k, 2).long())
+    assert even > skew
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+# ------------------------------------------------------------------------------------------------
+
+def small_cfg(**kw):
+    kw.setdefault("k", 10)
+    kw.setdefault("width", 16)
+    kw.setdefault("small_stem", True)
+    return otl.ModelConfig(**kw)
+
+
+def test_build_model_default_width_logits_and_features():
+    torch.manual_seed(0)
+    model = otl.build_model(otl.ModelConfig(k=12)).eval()
+    assert model.feat_dim == 512
+    x = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8, generator=gen(60))
+    with torch.no_grad():
+        out_u8 = model(x)
+        out_f = model(x.float() / 255)
+        feats = model.features(x)
+    assert out_u8.shape == (2, 12) and out_u8.dtype == torch.float32
+    assert feats.shape == (2, 512)
+    torch.testing.assert_close(out_u8, out_f, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.head(feats), out_u8, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [8, 16, 32])
+@pytest.mark.parametrize("small_stem", [True, False])
+def test_build_model_width_and_stem(width, small_stem):
+    torch.manual_seed(0)
+    model = otl.build_model(otl.ModelConfig(k=7, width=width, small_stem=small_stem)).eval()
+    assert model.feat_dim == 8 * width
+    assert model.backbone.conv1.out_channels == width
+    if small_stem:
+        assert model.backbone.conv1.kernel_size == (3, 3) and model.backbone.conv1.stride == (1, 1)
+        assert isinstance(model.backbone.maxpool, nn.Identity)
+    x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=gen(61))
+    with torch.no_grad():
+        assert model(x).shape == (2, 7)
+        assert model(x.float() / 255).shape == (2, 7)
+        assert model.features(x).shape == (2, 8 * width)
+
+
+def test_build_model_small_stem_default_width_at_32px():
+    torch.manual_seed(0)
+    model = otl.build_model(otl.ModelConfig(k=5, small_stem=True)).eval()
+    x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=gen(62))
+    with torch.no_grad():
+        assert model(x).shape == (2, 5)
+        assert model.features(x).shape == (2, 512)
+
+
+def test_build_model_unknown_arch():
+    with pytest.raises(ValueError, match="unknown arch"):
+        otl.build_model(otl.ModelConfig(arch="vgg11"))
+
+
+def test_model_normalisation_buffers_follow_config():
+    model = otl.build_model(small_cfg(mean=(0.1, 0.2, 0.3), std=(0.5, 0.6, 0.7)))
+    assert model.mean.flatten().tolist() == pytest.approx([0.1, 0.2, 0.3])
+    assert model.std.flatten().tolist() == pytest.approx([0.5, 0.6, 0.7])
+
+
+# ------------------------------------------------------------------------------------------------
+# batch_stats_mode
+# ------------------------------------------------------------------------------------------------
+
+def bn_state(model):
+    return {name: b.clone() for name, b in model.named_buffers()
+            if name.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+
+
+@pytest.mark.parametrize("start_training", [True, False])
+def test_batch_stats_mode(start_training):
+    torch.manual_seed(0)
+    model = otl.build_model(small_cfg())
+    model.train(start_training)
+    x = torch.rand(8, 3, 32, 32, generator=gen(70))
+    before = bn_state(model)
+    assert len(before) > 0
+    with torch.no_grad():
+        eval_out = copy.deepcopy(model).eval()(x)
+        train_out = copy.deepcopy(model).train()(x)
+        with otl.batch_stats_mode(model) as m:
+            assert m is model
+            assert not model.training
+            bns = [mod for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)]
+            assert bns and all(b.training for b in bns)
+            out = model(x)
+    # batch statistics, not running statistics
+    assert not torch.allclose(out, eval_out, atol=1e-3)
+    torch.testing.assert_close(out, train_out, rtol=1e-4, atol=1e-5)
+    after = bn_state(model)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    assert model.training == start_training
+    assert all(m.training == start_training for m in model.modules())
+    assert all(m.track_running_stats for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+def test_batch_stats_mode_restores_on_error():
+    model = otl.build_model(small_cfg()).train()
+    with pytest.raises(RuntimeError, match="boom"):
+        with otl.batch_stats_mode(model):
+            raise RuntimeError("boom")
+    assert model.training
+    assert all(m.track_running_stats for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+# ------------------------------------------------------------------------------------------------
+# augment / resize_batch
+# ------------------------------------------------------------------------------------------------
+
+def images(b=4, side=48, seed=80):
+    return torch.randint(0, 256, (b, 3, side, side), dtype=torch.uint8, generator=gen(seed))
+
+
+@pytest.mark.parametrize("strong", [False, True])
+@pytest.mark.parametrize("side,size", [(48, 32), (96, 32), (32, 32), (24, 40)])
+def test_augment_shape_range_device(strong, side, size):
+    x = images(side=side)
+    before = x.clone()
+    out = otl.augment(x, size, strong=strong)
+    assert out.shape == (4, 3, size, size)
+    assert out.dtype == torch.float32
+    assert out.device == x.device
+    assert torch.isfinite(out).all()
+    assert out.min() >= 0 and out.max() <= 1
+    assert torch.equal(x, before)
+
+
+def test_augment_float_input():
+    x = images().float() / 255
+    before = x.clone()
+    out = otl.augment(x, 32, strong=True)
+    assert out.shape == (4, 3, 32, 32) and out.min() >= 0 and out.max() <= 1
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_augment_on_cuda(device):
+    x = images().to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    out = otl.augment(x, 32, strong=True, generator=g)
+    assert out.device.type == "cuda" and out.shape == (4, 3, 32, 32)
+
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_augment_random_and_reproducible(strong):
+    x = images()
+    a, b = otl.augment(x, 32, strong=strong), otl.augment(x, 32, strong=strong)
+    assert not torch.equal(a, b)
+    g1, g2 = gen(123), gen(123)
+    c, d = otl.augment(x, 32, strong=strong, generator=g1), otl.augment(x, 32, strong=strong, generator=g2)
+    assert torch.equal(c, d)
+    e = otl.augment(x, 32, strong=strong, generator=gen(124))
+    assert not torch.equal(c, e)
+    # views of one image differ from each other within a batch too
+    same = images(b=1).expand(4, 3, 48, 48).contiguous()
+    v = otl.augment(same, 32, strong=strong, generator=gen(5))
+    assert not torch.equal(v[0], v[1])
+
+
+def test_augment_strong_has_cutout_hole():
+    # a constant image becomes non-constant only through the grey (0.5) Cutout patch
+    x = torch.full((8, 3, 32, 32), 255, dtype=torch.uint8)
+    out = otl.augment(x, 32, strong=True, generator=gen(7))
+    assert ((out == 0.5).all(1)).flatten(1).any(1).all()
+
+
+@pytest.mark.parametrize("side,size", [(64, 32), (32, 32), (20, 48)])
+def test_resize_batch(side, size):
+    x = images(side=side)
+    out = otl.resize_batch(x, size)
+    assert out.shape == (4, 3, size, size) and out.dtype == torch.float32
+    assert out.min() >= 0 and out.max() <= 1
+    const = torch.full((2, 3, side, side), 100, dtype=torch.uint8)
+    torch.testing.assert_close(otl.resize_batch(const, size),
+                               torch.full((2, 3, size, size), 100 / 255), rtol=0, atol=1e-5)
+    if side == size:
+        torch.testing.assert_close(out, x.float() / 255)
+
+
+# ------------------------------------------------------------------------------------------------
+# label_pass / extract_features
+# ------------------------------------------------------------------------------------------------
+
+def test_label_pass_and_extract_features_order():
+    torch.manual_seed(0)
+    model = otl.build_model(small_cfg(k=6))
+    imgs = images(b=10, side=32, seed=90)
+    before = bn_state(model)
+    out = otl.label_pass(model, imgs, 32, batch_size=4, bn="eval", progress=False,
+                         generator=gen(1))
+    assert out.shape == (1, 10, 6)
+    with torch.no_grad():
+        ref = copy.deepcopy(model).eval()(otl.resize_batch(imgs, 32))
+    torch.testing.assert_close(out[0], ref, rtol=1e-4, atol=1e-5)  # rows in data set order
+    out = otl.label_pass(model, imgs, 32, batch_size=16, bn="batch", progress=False,
+                         generator=gen(1))
+    with torch.no_grad():
+        ref = copy.deepcopy(model).train()(otl.resize_batch(imgs, 32))
+    torch.testing.assert_close(out[0], ref, rtol=1e-3, atol=1e-4)
+    out = otl.label_pass(model, imgs, 32, batch_size=4, views=2, strong=True, progress=False)
+    assert out.shape == (2, 10, 6) and not torch.equal(out[0], out[1])
+    for name, b in bn_state(model).items():
+        assert torch.equal(b, before[name]), name
+    assert model.training
+    feats = otl.extract_features(model, imgs, 32, batch_size=3, progress=False)
+    assert feats.shape == (10, 8 * 16) and feats.device.type == "cpu"
+    with torch.no_grad():
+        ref = copy.deepcopy(model).eval().features(otl.resize_batch(imgs, 32))
+    torch.testing.assert_close(feats, ref, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints
+# ------------------------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    cfg = small_cfg(k=9, mean=(0.4, 0.45, 0.5), std=(0.2, 0.21, 0.22))
+    model = otl.build_model(cfg)
+    # move the BatchNorm running statistics away from their defaults
+    with torch.no_grad():
+        model.train()(torch.rand(6, 3, 32, 32, generator=gen(100)))
+    model.eval()
+    path = str(tmp_path / "ckpt.pt")
+    state = {"model": model.state_dict(), "model_cfg": dataclasses.asdict(cfg),
+             "args": {"img_size": 32, "data": "somewhere"}, "epoch": 3}
+    otl.save_checkpoint(state, path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no temporary file left behind
+    loaded, ckpt = otl.load_checkpoint(path)
+    assert isinstance(loaded, otl.OTLNet)
+    assert ckpt["epoch"] == 3 and ckpt["args"] == {"img_size": 32, "data": "somewhere"}
+    assert loaded.cfg == cfg
+    x = torch.rand(4, 3, 32, 32, generator=gen(101))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x), model(x), rtol=0, atol=0)
+        # a fresh network of the same config gives other outputs: the weights were restored
+        other = otl.build_model(cfg).eval()
+        assert not torch.allclose(other(x), model(x))
+    # overwriting keeps a single, updated file
+    state["epoch"] = 4
+    otl.save_checkpoint(state, path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert otl.load_checkpoint(path)[1]["epoch"] == 4
+
+
+def test_load_checkpoint_missing(tmp_path):
+    path = str(tmp_path / "nope.pt")
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*nope.pt"):
+        otl.load_checkpoint(path)
