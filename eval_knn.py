@@ -10,10 +10,8 @@ exp(sim / T); the top-1 accuracy is reported for every k from that one search.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 import warnings
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import otl
+from otl import git_commit, write_json  # noqa: F401  (re-exported for eval_linear)
 
 __all__ = ["knn_classify", "knn_classify_torch", "knn_accuracy", "top1", "git_commit"]
 
@@ -29,25 +28,6 @@ __all__ = ["knn_classify", "knn_classify_torch", "knn_accuracy", "top1", "git_co
 # ----------------------------------------------------------------------------------------------
 # Library
 # ----------------------------------------------------------------------------------------------
-
-def git_commit() -> str:
-    """The commit of the code being run ("<sha>", "<sha>+dirty" with uncommitted changes to
-    tracked files, or "unknown" outside a repository or before the first commit)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-    try:
-        sha = git("rev-parse", "HEAD")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        dirty = ""
-    return sha + ("+dirty" if dirty else "")
-
 
 def _prepare(train_feats, train_labels, test_feats, ks, T, num_classes):
     """Check the inputs; L2-normalised float32 features, int64 labels, clipped sorted ks, C."""
@@ -177,16 +157,6 @@ def top1(preds: dict, labels: torch.Tensor) -> dict:
 def knn_accuracy(train_feats, train_labels, test_feats, test_labels, **kwargs) -> dict:
     """{k: weighted-kNN top-1 accuracy in percent}; kwargs as for knn_classify."""
     return top1(knn_classify(train_feats, train_labels, test_feats, **kwargs), test_labels)
-
-
-def write_json(obj: dict, path: str) -> None:
-    """Write atomically: a crash mid-write never leaves a half-written results file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
 
 
 def print_run_header(args) -> None:

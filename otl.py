@@ -16,8 +16,10 @@ side effects.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -30,7 +32,8 @@ __all__ = [
     "TranslateResult", "translate", "uneven_target", "even_target", "sinkhorn_knopp", "lct_loss",
     "n_indistinguishable", "n_distinguishable", "ModelConfig", "OTLNet", "build_model", "augment",
     "resize_batch", "label_pass", "extract_features", "batch_stats_mode", "save_checkpoint",
-    "load_checkpoint", "pick_device",
+    "load_checkpoint", "pick_device", "load_prepared", "checkpoint_features", "git_commit",
+    "write_json",
 ]
 
 
@@ -553,6 +556,35 @@ def load_checkpoint(path: str, device="cpu"):
     model = build_model(ModelConfig(**ckpt["model_cfg"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device), ckpt
+
+
+def git_commit() -> str:
+    """The commit of the code being run ("<sha>", "<sha>+dirty" with uncommitted changes to
+    tracked files, or "unknown" outside a repository or before the first commit)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        sha = git("rev-parse", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        dirty = ""
+    return sha + ("+dirty" if dirty else "")
+
+
+def write_json(obj: dict, path: str) -> None:
+    """Write atomically: a crash mid-write never leaves a half-written results file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
 
 
 def model_cfg_dict(cfg: ModelConfig) -> dict:

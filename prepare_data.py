@@ -165,13 +165,6 @@ def download(dataset, dest):
     return os.path.join(dest, info["archive"])
 
 
-def write_json(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-    os.replace(tmp, path)
-
-
 def main(args):
     t0 = time.time()
     if not 0 < args.test_frac < 1:
@@ -221,7 +214,7 @@ def main(args):
 
     otl.save_checkpoint({"images": imgs, "labels": labels, "classes": classes, "files": files},
                         os.path.join(args.out, "cache.pt"))
-    write_json({"seed": args.seed, "test_frac": args.test_frac, "train": train, "test": test},
+    otl.write_json({"seed": args.seed, "test_frac": args.test_frac, "train": train, "test": test},
                os.path.join(args.out, "split.json"))
     counts = torch.bincount(labels, minlength=len(classes)).tolist()
     mean = (imgs.float() / 255).mean((0, 2, 3)).tolist()
@@ -233,7 +226,7 @@ def main(args):
                 "split_seed": args.seed, "channel_mean": mean, "channel_std": std,
                 "skipped": [{"file": n, "error": w} for n, w in bad],
                 "seconds": round(time.time() - t0, 1)}
-    write_json(manifest, man_path)  # written last: its presence marks a complete cache
+    otl.write_json(manifest, man_path)  # written last: its presence marks a complete cache
     print(f"wrote {args.out}: {len(files)} images, train {len(train)} / test {len(test)}, "
           f"{len(bad)} skipped, {time.time() - t0:.0f} s")
     return manifest

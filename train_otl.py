@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -134,15 +133,6 @@ def resolve_args(args, device):
     return args
 
 
-def git_commit():
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                                       stderr=subprocess.DEVNULL).decode().strip()
-    except Exception:
-        return "unknown"
-
-
 def lr_at(args, epoch_float):
     if args.warmup_epochs and epoch_float < args.warmup_epochs:
         return args.lr * epoch_float / args.warmup_epochs
@@ -206,9 +196,8 @@ def measure_label_bn(model, images, args, device, gen, path):
         print(bn, json.dumps(rows[bn]), flush=True)
     out = {"n": images.shape[0], "k": args.k, "img_size": args.img_size, "arch": args.arch,
            "width": args.width, "small_stem": args.small_stem, "results": rows,
-           "command": " ".join([sys.executable] + sys.argv), "git_commit": git_commit()}
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+           "command": " ".join([sys.executable] + sys.argv), "git_commit": otl.git_commit()}
+    otl.write_json(out, path)
     return out
 
 
@@ -224,7 +213,7 @@ def main(args):
     device = otl.pick_device(args.device)
     args = resolve_args(args, device)
     print(f"*** preset: {args.preset_used} (device {device}) ***", flush=True)
-    print(f"git commit {git_commit()}\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())),
+    print(f"git commit {otl.git_commit()}\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())),
           flush=True)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -270,7 +259,7 @@ def main(args):
                 "pseudo_labels": labels.cpu() if labels is not None else None,
                 "rng_cpu": torch.get_rng_state(), "rng_gen": gen.get_state(),
                 "rng_cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
-                "git_commit": git_commit()}
+                "git_commit": otl.git_commit()}
 
     if args.measure_label_bn:
         return measure_label_bn(model, images, args, device, gen, os.path.join(args.output, "label_bn.json"))
@@ -338,9 +327,8 @@ def main(args):
             return None
     results = {"epochs": args.epochs, "preset": args.preset_used, "device": str(device),
                "checkpoint": os.path.abspath(ckpt_path), "train_minutes": round((time.time() - t_start) / 60, 2),
-               "command": " ".join([sys.executable] + sys.argv), "git_commit": git_commit()}
-    with open(os.path.join(args.output, "results.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
+               "command": " ".join([sys.executable] + sys.argv), "git_commit": otl.git_commit()}
+    otl.write_json(results, os.path.join(args.output, "results.json"))
     return results
 
 
