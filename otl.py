@@ -356,15 +356,15 @@ def _blend(a, b, w):  # w: (B,) factor, 1 keeps a
 
 
 def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
-            generator: torch.Generator | None = None) -> torch.Tensor:
+            cutout: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
     """Random views of a uint8 batch (B, 3, H, W), all on x's device: float [0, 1] (B, 3, size, size).
 
     simple: random resized crop (area `scale`, aspect 3/4..4/3), random flips and 90-degree
     rotations (overhead images have no up), mild colour jitter.
     strong: simple plus two RandAugment-style ops per image at random magnitude (rotate, shear,
     translate, brightness, contrast, saturation, sharpness, posterize, solarize, autocontrast,
-    equalise-like histogram stretch) and Cutout with one hole of side 16 (scaled to `size`/32
-    for other sizes), as in the paper."""
+    equalise-like histogram stretch) and Cutout with one hole of side `cutout` pixels of the
+    output (16 in the paper; 0 for none)."""
     B, dev = x.shape[0], x.device
     g = generator
 
@@ -406,7 +406,8 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     out = _blend(out, gray.expand_as(out), U(0.6, 1.4))                               # saturation
     if strong:
         out = _rand_ops(out, U, g)
-        side = max(1, round(16 * size / 32))
+    if strong and cutout > 0:
+        side = cutout
         cy_ = torch.randint(0, size, (B, 1, 1), device=dev, generator=g)
         cx_ = torch.randint(0, size, (B, 1, 1), device=dev, generator=g)
         ar_ = torch.arange(size, device=dev)
@@ -484,7 +485,7 @@ def _batches(n: int, batch_size: int, desc: str, progress: bool):
 @torch.no_grad()
 def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
                device="cpu", bn: str = "batch", views: int = 1, strong: bool = False,
-               generator=None, progress: bool = True) -> torch.Tensor:
+               cutout: int = 16, generator=None, progress: bool = True) -> torch.Tensor:
     """The network's outputs for every image: (views, N, k) float32 on `device`.  views = 1 uses
     the test-time transform; views > 1 uses random (simple or strong) augmentations.  bn="batch"
     normalises with batch statistics without touching running statistics (see batch_stats_mode);
@@ -499,7 +500,7 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
             idx = perm[s:s + batch_size]
             x = images[idx].to(device, non_blocking=True)
             for v in range(views):
-                xv = resize_batch(x, size) if views == 1 else augment(x, size, strong)
+                xv = resize_batch(x, size) if views == 1 else augment(x, size, strong, cutout=cutout)
                 with _autocast(device):
                     out[v, idx.to(device)] = model(xv).float()
     return out

@@ -29,11 +29,11 @@ import otl
 PRESETS = {
     "paper": dict(arch="resnet18", k=128, width=64, small_stem=False, img_size=224, epochs=300,
                   batch_size=256, lr=0.03, schedule="step", lr_drops=[160, 240],
-                  lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", label_every=1,
+                  lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16, label_every=1,
                   label_views=2, warmup_epochs=0),
     "cpu": dict(arch="resnet18", k=128, width=64, small_stem=False, img_size=32, epochs=8,
                 batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[], views=2,
-                lct=True, aug="strong", label_every=1, label_views=1, warmup_epochs=0),
+                lct=True, aug="strong", cutout=4, label_every=1, label_views=1, warmup_epochs=0),
 }
 DEFAULTS = PRESETS["cpu"]
 
@@ -81,6 +81,8 @@ def get_args_parser():
                    "labels of every view (true), or only its own (false)")
     g.add_argument("--aug", choices=["simple", "strong"], help="strong = RandAugment-style ops + "
                    "Cutout 16, as in the paper")
+    g.add_argument("--cutout", type=int, help="side in pixels (of the --img-size image) of the "
+                   "Cutout hole in strong augmentation; 16 in the paper at 224 px, 0 for none")
     g.add_argument("--label-every", type=int, help="epochs between label passes")
     g.add_argument("--label-views", type=int, help="views labelled per image in a label pass: 1 = "
                    "the test-time view (cheapest); V = V augmented views, one label each, which is "
@@ -150,7 +152,7 @@ def make_labels(model, images, args, device, gen):
     t0 = time.time()
     outs = otl.label_pass(model, images, args.img_size, batch_size=max(args.batch_size, 256),
                           device=device, bn=args.label_bn, views=args.label_views,
-                          strong=args.aug == "strong", generator=gen,
+                          strong=args.aug == "strong", cutout=args.cutout, generator=gen,
                           progress=not args.no_progress)  # (V, N, k)
     t_pass = time.time() - t0
     n, k = outs.shape[1], outs.shape[2]
@@ -287,7 +289,7 @@ def main(args):
                 grp["lr"] = lr
             idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
             x = images[idx.to(images.device)].to(device, non_blocking=True)
-            xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong") for _ in range(args.views)])
+            xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong", cutout=args.cutout) for _ in range(args.views)])
             if device.type == "cpu":
                 xs = xs.contiguous(memory_format=torch.channels_last)
             with otl._autocast(device) if args.amp else torch.autocast(device.type, enabled=False):
