@@ -194,6 +194,7 @@ def measure_label_bn(model, images, args, device, gen, path):
         rows[bn] = {"std_before": (raw - raw.mean()).pow(2).mean().sqrt().item(),
                     "clusters_used_before": int((raw > 0).sum()),
                     "spread": (outs.max() - outs.min()).item(),
+                    # std over the N images of each output, averaged over the k outputs
                     "mean_row_std": outs.std(0).mean().item(),
                     "std_published": pub.std, "iters_published": pub.iterations,
                     "std_ours": ours.std, "iters_ours": ours.iterations, "std_max": ours.std_max}
@@ -247,6 +248,17 @@ def main(args):
     start_epoch, labels = 0, None
     if os.path.isfile(ckpt_path):
         ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if ck["model_cfg"] != otl.model_cfg_dict(cfg):
+            diff = {k: (v, otl.model_cfg_dict(cfg)[k]) for k, v in ck["model_cfg"].items()
+                    if otl.model_cfg_dict(cfg).get(k) != v}
+            raise SystemExit(f"{ckpt_path} holds a different model (checkpoint vs now: {diff}); "
+                             "use another --output, or the flags of that run to resume it")
+        changed = {k: (v, getattr(args, k)) for k, v in ck["args"].items()
+                   if k not in ("epochs", "max_minutes", "no_progress", "device", "knn_monitor")
+                   and getattr(args, k, v) != v}
+        if changed:
+            print(f"warning: resuming with flags that differ from the checkpoint's "
+                  f"(checkpoint, now): {changed}", flush=True)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         start_epoch, labels = ck["epoch"], ck.get("pseudo_labels")

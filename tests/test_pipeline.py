@@ -213,3 +213,9 @@ def prep_download(tmp_path):
         ["--download", "--download-dir", str(tmp_path / "dl"), "--out", str(tmp_path / "out"),
          "--per-class", "1", "--workers", "1"])
     return prepare_data.main(args)
+
+
+def test_resume_with_another_model_fails_loudly(small_data, tmp_path):
+    train(small_data, tmp_path / "m", "--epochs", "1")
+    with pytest.raises(SystemExit, match="different model"):
+        train(small_data, tmp_path / "m", "--epochs", "2", "--k", "20")
