@@ -173,15 +173,28 @@ def default_output(checkpoint: str, prefix: str) -> str:
 # Program
 # ----------------------------------------------------------------------------------------------
 
-def get_args_parser():
-    p = argparse.ArgumentParser("eval_knn", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
+    """The flags every evaluation shares: which checkpoint, data, device, batch, output."""
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint written by train_otl.py; the model and the data set it was "
                         "trained on are rebuilt from it")
     p.add_argument("--data", default=None,
                    help="prepared data folder (prepare_data.py); only needed when the data "
                         "set has moved since training, otherwise the checkpoint's is used")
+    p.add_argument("--device", default="auto",
+                   help=f"device for {device_use}: auto (CUDA when present), cpu or cuda[:i]")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="images per batch for feature extraction; lower it if memory runs out "
+                        "(it does not change the features: the model is in eval mode)")
+    p.add_argument("--output", default=None,
+                   help=f"results JSON; default <checkpoint dir>/{prefix}_<checkpoint stem>.json")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (for logs and batch jobs)")
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser("eval_knn", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ks", type=int, nargs="+", default=[10, 50, 100, 200],
                    help="numbers of neighbours, all answered from one search; 20 to 200 is the "
                         "usual range (DINO reports 20, InstDisc 200); ks above the training-set "
@@ -189,16 +202,7 @@ def get_args_parser():
     p.add_argument("--temperature", type=float, default=0.1,
                    help="T in the vote weight exp(sim / T); 0.07 to 0.1 works well for "
                         "L2-normalised features, larger values approach plain majority voting")
-    p.add_argument("--device", default="auto",
-                   help="device for feature extraction and the FAISS index: auto (CUDA when "
-                        "present), cpu or cuda[:i]")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="images per batch for feature extraction; lower it if memory runs out "
-                        "(it does not change the features: the model is in eval mode)")
-    p.add_argument("--output", default=None,
-                   help="results JSON; default <checkpoint dir>/knn_<checkpoint stem>.json")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bars (for logs and batch jobs)")
+    add_checkpoint_args(p, "knn", "feature extraction and the FAISS index")
     return p
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import otl
-from eval_knn import default_output, git_commit, print_run_header, write_json
+from eval_knn import add_checkpoint_args, default_output, git_commit, print_run_header, write_json
 
 __all__ = ["linear_probe", "fit_logistic", "stratified_split", "DEFAULT_WD_GRID"]
 
@@ -130,18 +130,6 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
 def get_args_parser():
     p = argparse.ArgumentParser("eval_linear", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint written by train_otl.py; the model and the data set it was "
-                        "trained on are rebuilt from it")
-    p.add_argument("--data", default=None,
-                   help="prepared data folder (prepare_data.py); only needed when the data "
-                        "set has moved since training, otherwise the checkpoint's is used")
-    p.add_argument("--device", default="auto",
-                   help="device for feature extraction and the probe: auto (CUDA when present), "
-                        "cpu or cuda[:i]; the whole probe (6 fits) takes about 20 s on one CPU "
-                        "core for 21,600 x 512 features")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="images per batch for feature extraction; lower it if memory runs out")
     p.add_argument("--val-frac", type=float, default=0.1,
                    help="fraction of the TRAIN split held out (stratified) to choose the weight "
                         "decay; 0.1 leaves a few hundred images per class on EuroSAT-sized data")
@@ -153,10 +141,8 @@ def get_args_parser():
     p.add_argument("--max-iter", type=int, default=500,
                    help="most L-BFGS iterations per fit; 500 is ample: fits usually stop on "
                         "their tolerance well before (under 100 for 21,600 x 512 features)")
-    p.add_argument("--output", default=None,
-                   help="results JSON; default <checkpoint dir>/linear_<checkpoint stem>.json")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bars (for logs and batch jobs)")
+    add_checkpoint_args(p, "linear", "feature extraction and the probe (the whole probe, "
+                        "6 fits, takes about 20 s on one CPU core for 21,600 x 512 features)")
     return p
 
 
