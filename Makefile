@@ -14,7 +14,7 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: all eurosat eurosat-supervised eurosat-data test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data eval-run test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:

@@ -551,8 +551,8 @@ def save_checkpoint(state: dict, path: str) -> None:
 def load_checkpoint(path: str, device="cpu"):
     """(model, checkpoint dict): the model rebuilt from the ModelConfig saved in the checkpoint."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}; train one with train_otl.py "
-                                "(or pass --random-init to evaluate an untrained network)")
+        raise FileNotFoundError(f"no checkpoint at {path}; train one with train_otl.py (its run "
+                                "folder's checkpoint0000.pth is the untrained network, the baseline)")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     model = build_model(ModelConfig(**ckpt["model_cfg"]))
     model.load_state_dict(ckpt["model"])
