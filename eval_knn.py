@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import otl
-from otl import git_commit, write_json  # noqa: F401  (re-exported for eval_linear)
+from otl import git_commit, print_run_header, write_json  # noqa: F401  (re-exported for eval_linear)
 
 __all__ = ["knn_classify", "knn_classify_torch", "knn_accuracy", "top1", "git_commit"]
 
@@ -157,11 +157,6 @@ def top1(preds: dict, labels: torch.Tensor) -> dict:
 def knn_accuracy(train_feats, train_labels, test_feats, test_labels, **kwargs) -> dict:
     """{k: weighted-kNN top-1 accuracy in percent}; kwargs as for knn_classify."""
     return top1(knn_classify(train_feats, train_labels, test_feats, **kwargs), test_labels)
-
-
-def print_run_header(args) -> None:
-    print(f"git commit: {git_commit()}")
-    print("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())), flush=True)
 
 
 def default_output(checkpoint: str, prefix: str) -> str:

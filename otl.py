@@ -33,7 +33,7 @@ __all__ = [
     "n_indistinguishable", "n_distinguishable", "ModelConfig", "OTLNet", "build_model", "augment",
     "resize_batch", "label_pass", "extract_features", "batch_stats_mode", "save_checkpoint",
     "load_checkpoint", "pick_device", "load_prepared", "checkpoint_features", "git_commit",
-    "write_json",
+    "write_json", "print_run_header",
 ]
 
 
@@ -576,6 +576,12 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         dirty = ""
     return sha + ("+dirty" if dirty else "")
+
+
+def print_run_header(args) -> None:
+    """The commit and the sorted arguments, so a log says what made it."""
+    print(f"git commit: {git_commit()}")
+    print("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())), flush=True)
 
 
 def write_json(obj: dict, path: str) -> None:

@@ -167,6 +167,7 @@ def download(dataset, dest):
 
 def main(args):
     t0 = time.time()
+    otl.print_run_header(args)
     if not 0 < args.test_frac < 1:
         raise SystemExit(f"--test-frac must be between 0 and 1, got {args.test_frac}")
     size = args.size or DATASETS[args.dataset]["size"]

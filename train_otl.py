@@ -218,8 +218,7 @@ def main(args):
     device = otl.pick_device(args.device)
     args = resolve_args(args, device)
     print(f"*** preset: {args.preset_used} (device {device}) ***", flush=True)
-    print(f"git commit {otl.git_commit()}\n" + "\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())),
-          flush=True)
+    otl.print_run_header(args)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     os.makedirs(args.output, exist_ok=True)
