@@ -179,8 +179,12 @@ def main(args):
     if not items:
         raise SystemExit(f"no images ({', '.join(IMG_EXT)}) found in {source}")
     if args.per_class:
-        seen = {}
-        items = [it for it in items if seen.setdefault(it[0], []).append(1) or len(seen[it[0]]) <= args.per_class]
+        kept = {}
+        for cls, name in items:
+            kept.setdefault(cls, [])
+            if len(kept[cls]) < args.per_class:
+                kept[cls].append((cls, name))
+        items = sorted(it for group in kept.values() for it in group)
     key = {"dataset": args.dataset, "source": os.path.abspath(source), "fingerprint": fingerprint,
            "size": size, "test_frac": args.test_frac, "seed": args.seed, "per_class": args.per_class,
            "skip_bad": args.skip_bad}
