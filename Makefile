@@ -2,6 +2,7 @@
 #   make eurosat                    self-supervised OTL + random-init baseline + report
 #   make eurosat-supervised         the same network and schedule on the true labels
 #   make test                       the test suite (what CI runs)
+#   make labeler-bench              ours vs the published labeler vs Sinkhorn-Knopp: time, balance, memory
 # Variables: PRESET=auto|paper|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
 #   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags).
 
@@ -14,11 +15,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data eval-run test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data eval-run labeler-bench test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,7p' Makefile
+	@sed -n '1,8p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -54,6 +55,12 @@ eval-run:
 	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE)
 	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
 	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
+
+# ------------------------------------------------------------------------- benchmarks
+# The labelers on the same outputs (gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh and
+# of the trained network when data/eurosat and runs/eurosat exist; 1.28M x 3000, a 15 GB input).
+labeler-bench: $(STAMP)
+	$(PY) bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
 
 clean-runs:
 	rm -rf $(RUNS)

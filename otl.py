@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
-    "TranslateResult", "translate", "uneven_target", "even_target", "sinkhorn_knopp", "lct_loss",
+    "TranslateResult", "translate", "translate_published", "StreamingTranslator", "uneven_target", "even_target", "sinkhorn_knopp", "lct_loss",
     "n_indistinguishable", "n_distinguishable", "ModelConfig", "OTLNet", "build_model", "augment",
     "resize_batch", "label_pass", "extract_features", "batch_stats_mode", "save_checkpoint",
     "load_checkpoint", "pick_device", "load_prepared", "checkpoint_features", "git_commit",
@@ -53,6 +53,8 @@ class TranslateResult:
     std_max: float = 0.0          # std when all N fall in one cluster
     seconds: float = 0.0
     stop_reason: str = ""
+    refetched: int = 0            # exact method: rows re-read in full (their candidates fell short)
+    ties: int = 0                 # exact method: tied moves made strict at the end
 
 
 def even_target(n: int, k: int) -> torch.Tensor:
@@ -74,7 +76,7 @@ def uneven_target(n: int, k: int, x: float) -> torch.Tensor:
     return counts
 
 
-def _check_outputs(outputs: torch.Tensor) -> None:
+def _check_outputs(outputs: torch.Tensor, finite: bool = True) -> None:
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2:
         raise ValueError(f"outputs must be an (N, k) tensor, got {type(outputs).__name__} "
                          f"of shape {tuple(getattr(outputs, 'shape', ()))}")
@@ -83,7 +85,7 @@ def _check_outputs(outputs: torch.Tensor) -> None:
         raise ValueError(f"need k >= 2 clusters, got k={k}")
     if n < k:
         raise ValueError(f"need at least as many outputs as clusters (N >= k), got N={n}, k={k}")
-    if not torch.isfinite(outputs).all():
+    if finite and not torch.isfinite(outputs).all():
         bad = (~torch.isfinite(outputs)).any(1).nonzero().flatten()
         raise ValueError(f"outputs contain NaN or infinite values in {bad.numel()} rows "
                          f"(first: {bad[:5].tolist()}); the network has probably diverged: "
@@ -110,8 +112,45 @@ def _std(counts: torch.Tensor, target: torch.Tensor) -> float:
 
 
 def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: float = 1e-15,
-              patience: int = 10, max_iter: int = 10000, tie_eps: float = 1e-6,
-              seed: int = 0, init: str = "median") -> TranslateResult:
+              patience: int = 10, max_iter: int = 10000, tie_eps=None, seed: int = 0,
+              init: str = "median", method: str = "exact", candidates: int = 24,
+              max_candidates: int = 48, full_rows_up_to: int = 1024) -> TranslateResult:
+    """Output translation: one k-vector T such that labels = argmax(O - T) spread the N rows of
+    O over the k clusters as the target asks (even by default, or any counts summing to N).
+    T only translates O, so every difference O[s] - O[t] (and every distance) is unchanged.
+
+    method="exact" (default): counts end within 1 of the target (for an even target
+    max - min <= 1, the most even integers allow), fast at scale and never making an N x k
+    copy; see `StreamingTranslator`, which it runs on row chunks of `outputs` (same labels).
+    `candidates`, `max_candidates`, `tie_eps` (default 2**-26) and `seed` are its settings.
+
+    method="published": the authors' published algorithm (`translate_published`, the dense
+    reference), which uses `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6)
+    and `init`.
+    """
+    if method == "published":
+        return translate_published(outputs, target=target, beta=beta, alpha0=alpha0,
+                                   patience=patience, max_iter=max_iter,
+                                   tie_eps=1e-6 if tie_eps is None else tie_eps, seed=seed,
+                                   init=init)
+    if method != "exact":
+        raise ValueError(f"method must be 'exact' or 'published', got {method!r}")
+    if beta <= 1:
+        raise ValueError(f"beta must be > 1 (it shrinks the step), got {beta}")
+    _check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
+    n, k = outputs.shape
+    st = StreamingTranslator(k, target=target, seed=seed, candidates=candidates,
+                             max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
+                             distributed=False,
+                             tie_eps=2.0 ** -26 if tie_eps is None else tie_eps)
+    for s in range(0, n, st.chunk):
+        st.add(outputs[s:s + st.chunk])
+    return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
+
+
+def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: float = 1e-15,
+                        patience: int = 10, max_iter: int = 10000, tie_eps: float = 1e-6,
+                        seed: int = 0, init: str = "median") -> TranslateResult:
     """Output translation: find one k-vector T so that argmax(O - T) spreads the N rows of O over
     the k clusters as the target asks (even by default).  Paper Algorithm 1, as the authors'
     published code runs it, which differs from the pseudo-code in three ways that make it converge:
@@ -199,6 +238,626 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     return TranslateResult(labels=labels, T=T, counts=counts, target=target, iterations=it,
                            std_history=history, std=std, std_max=std_max,
                            seconds=time.perf_counter() - t0, stop_reason=reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact, fast, streaming and distributed translation (method="exact", the default)
+# ----------------------------------------------------------------------------------------------
+
+def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tensor:
+    """A fixed uniform [0, 1) number per (global row, column), from integer hashing, so that every
+    way of feeding the same outputs (dense, in batches, split over ranks) perturbs them alike.
+    rows: (r,) and cols: (r, m) int64 -> (r, m) float64."""
+    x = rows.to(torch.int64)[:, None] * 0x9E3779B1 + cols.to(torch.int64) * 0x85EBCA77 \
+        + (int(seed) % 1000003) * 0xC2B2AE3D
+    x = x ^ ((x >> 16) & 0xFFFFFFFFFFFF)
+    x = x * 0x27D4EB2F165667C5          # wraps around in int64, as intended
+    x = x ^ ((x >> 29) & 0x7FFFFFFFF)
+    return ((x >> 11) & 0x1FFFFFFFFFFFFF).to(torch.float64) / float(1 << 53)
+
+
+class _Comm:
+    """All-reduce over torch.distributed when it is initialised (and asked for), else nothing."""
+
+    def __init__(self, distributed: bool):
+        import torch.distributed as dist
+        self.on = bool(distributed) and dist.is_available() and dist.is_initialized()
+        self.dist = dist
+        self.rank = dist.get_rank() if self.on else 0
+        self.world = dist.get_world_size() if self.on else 1
+
+    def sum(self, x):
+        if self.on:
+            self.dist.all_reduce(x, op=self.dist.ReduceOp.SUM)
+        return x
+
+    def max(self, x):
+        if self.on:
+            self.dist.all_reduce(x, op=self.dist.ReduceOp.MAX)
+        return x
+
+    def min(self, x):
+        if self.on:
+            self.dist.all_reduce(x, op=self.dist.ReduceOp.MIN)
+        return x
+
+    def broadcast(self, x):
+        if self.on:
+            self.dist.broadcast(x, src=0)
+        return x
+
+
+class StreamingTranslator:
+    """Output translation fed batch by batch: never holds the dense N x k outputs.
+
+        st = StreamingTranslator(k)
+        for batch in batches:           # (n_b, k) outputs, in row order
+            st.add(batch)
+        res = st.result()               # TranslateResult for all rows added (this rank's rows)
+
+    `translate(O)` is this class fed with O in chunks, so both give the same labels and T.
+
+    Rows are kept whole (every column, 10 bytes each) when k <= `full_rows_up_to` (1024);
+    beyond that only their candidates are kept (below).  The candidate lists are what make
+    N = 1.28M, k = 3000 fit in memory; on outputs whose balancing translation is large compared
+    with the gaps between a row's best outputs (real networks far from balance) they fall short
+    and many rows are re-read, so keep whole rows wherever they fit.
+
+    How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
+    window `delta` and the tie-break size.  Every row then keeps only its candidates: the columns
+    whose O - T0 is within `delta` of the row's best (about `candidates` of them, at most
+    `max_candidates`), plus a bound `theta` on everything it dropped.  Memory: about 10 bytes per
+    candidate (1.28M rows x 48 = 0.6 GB).  The translation is solved on the candidates:
+
+    1. an ascending auction: every over-full cluster raises its T_j by just enough to shed its
+       excess (found by bisection on global counts, so ranks exchange only k-vectors);
+    2. an exact finish: shortest augmenting paths between over- and under-full clusters (a
+       Dijkstra on the k clusters, edge a -> b the cheapest row of a to move to b), with T moved
+       by the path lengths so every row stays at its argmax; several disjoint paths per round;
+    3. strict argmax: moved rows sit exactly on a tie; T is nudged along the order of those ties
+       by less than half of any other margin, so each row's label becomes its strict argmax.
+
+    The counts end within 1 of the target (floor or ceil of it; for an even target, max - min
+    <= 1).  A row whose best candidate could be beaten by a dropped column (theta) is re-read in
+    full: `translate` does that itself; here `result(refetch=fn)` needs fn(row_indices) ->
+    outputs of those rows, and raises if it is needed and missing (it is rare: raise
+    `candidates` to make it rarer).
+
+    Ties.  Exactly equal outputs (a collapsed network) cannot be separated by any translation, so
+    every output gets a fixed perturbation eps * u(row, column), u uniform in [0, 1) from a hash,
+    eps = tie_eps * max|O| of the first rows (default 2**-26, below float32 resolution).  Labels
+    are argmax(O + eps u - T): they equal argmax(O - T) except where two entries of a row of
+    O - T are within eps of each other.
+
+    Distributed.  With torch.distributed initialised and distributed=True, each rank adds its own
+    shard (rows in rank order, rank 0 holding at least the first n_init rows, or all of them, to
+    match a single process exactly); ranks exchange k-vectors (counts, bisection counts) in the
+    auction and, in the exact finish, the k x k cheapest-move matrix per round, never outputs.
+    """
+
+    def __init__(self, k: int, target=None, seed: int = 0, candidates: int = 24,
+                 max_candidates: int = 48, full_rows_up_to: int = 1024, n_init: int = 8192,
+                 tie_eps: float = 2.0 ** -26,
+                 distributed: bool = True, chunk: int = 65536):
+        if k < 2:
+            raise ValueError(f"need k >= 2 clusters, got k={k}")
+        self.k, self.target_arg, self.seed = int(k), target, int(seed)
+        self.m, self.mcap = int(candidates), int(max_candidates)
+        if self.mcap < 2 or self.m < 1:
+            raise ValueError("candidates must be >= 1 and max_candidates >= 2")
+        self.n_init, self.tie_eps, self.chunk = int(n_init), float(tie_eps), int(chunk)
+        self.comm = _Comm(distributed)
+        self.all_cols = self.k <= max(2 * self.mcap, int(full_rows_up_to))
+        self.width = self.k if self.all_cols else self.mcap
+        self.cdtype = torch.int16 if self.k < 32768 else torch.int32
+        self.buffer, self.nbuf = [], 0
+        self.V, self.C, self.theta = [], [], []
+        self.n, self.T0, self.device, self.t0 = 0, None, None, None
+
+    # -- feeding ---------------------------------------------------------------------------
+    def add(self, outputs: torch.Tensor) -> None:
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2 or outputs.shape[1] != self.k:
+            raise ValueError(f"each batch must be an (n, k={self.k}) tensor, got "
+                             f"{tuple(getattr(outputs, 'shape', ()))}")
+        if not outputs.is_floating_point():
+            raise ValueError(f"outputs must be floating point, got {outputs.dtype}")
+        outputs = outputs.detach()
+        if self.T0 is None:
+            self.buffer.append(outputs)
+            self.nbuf += outputs.shape[0]
+            if self.nbuf >= self.n_init:
+                self._start()
+            return
+        for s in range(0, outputs.shape[0], self.chunk):
+            self._extract(outputs[s:s + self.chunk])
+
+    def _start(self):
+        buf = torch.cat(self.buffer) if self.buffer else torch.zeros(0, self.k)
+        self.buffer, self.nbuf = [], 0
+        self.device = buf.device
+        head = buf[:self.n_init].to(torch.float64)
+        params = torch.zeros(self.k + 2, dtype=torch.float64, device=self.device)
+        if head.shape[0] > 0:
+            _check_outputs_finite(head)
+            params[:self.k] = head.median(dim=0).values
+            params[self.k] = self.tie_eps * max(head.abs().max().item(), 1e-30)
+            if not self.all_cols:
+                S = head - params[:self.k]
+                gaps = S.amax(1, keepdim=True) - S
+                params[self.k + 1] = gaps.kthvalue(min(self.m, self.k), dim=1).values.median()
+        if self.comm.on:   # rank 0's first rows decide, so every rank uses the same T0 and window
+            params = self.comm.broadcast(params.cpu()).to(self.device)
+        self.T0, self.eps = params[:self.k].clone(), params[self.k].item()
+        self.delta = math.inf if self.all_cols else params[self.k + 1].item()
+        for s in range(0, buf.shape[0], self.chunk):
+            self._extract(buf[s:s + self.chunk])
+
+    def _extract(self, X: torch.Tensor):
+        X = X.to(self.device)
+        n, k, w = X.shape[0], self.k, self.width
+        if n == 0:
+            return
+        if not math.isfinite(X.sum(dtype=torch.float64).item()):
+            _check_outputs_finite(X, self.n)
+        rows = torch.arange(self.n, self.n + n, device=self.device)   # local; offset added later
+        self.n += n
+        if self.all_cols:
+            cols = torch.arange(k, device=self.device).expand(n, k)
+            V = X.to(torch.float64) - self.T0 + self.eps * _tie_jitter(rows, cols, self.seed)
+            self._store(V, cols, torch.full((n,), -math.inf, dtype=torch.float64, device=self.device))
+            return
+        S = X.to(torch.float32) - self.T0.to(torch.float32)
+        rmax = S.amax(1, keepdim=True)
+        mask = S >= rmax - self.delta
+        cnt = mask.sum(1)
+        # |error| of float32 X - T0 against the float64 value, so theta stays a true bound
+        err = 2.0 ** -22 * (X.abs().amax().item() + self.T0.abs().max().item())
+        theta = rmax[:, 0].to(torch.float64) - self.delta + err + self.eps
+        V = torch.full((n, w), -math.inf, dtype=torch.float64, device=self.device)
+        C = torch.zeros((n, w), dtype=torch.int64, device=self.device)
+        many = cnt > w
+        if many.any():       # keep the best w (ties broken by the jitter) and bound the rest
+            oi = many.nonzero()[:, 0]
+            cols = torch.arange(k, device=self.device).expand(oi.numel(), k)
+            S64 = X[oi].to(torch.float64) - self.T0 + self.eps * _tie_jitter(rows[oi], cols, self.seed)
+            tv, ti = S64.topk(w + 1, dim=1)
+            V[oi], C[oi] = tv[:, :w], ti[:, :w]
+            theta[oi] = tv[:, w]      # float64 throughout here: no rounding allowance
+            mask[oi] = False
+            cnt = torch.where(many, 0, cnt)
+        r, c = mask.nonzero(as_tuple=True)
+        pos = torch.arange(r.numel(), device=self.device) - (torch.cumsum(cnt, 0) - cnt)[r]
+        V[r, pos] = (X[r, c].to(torch.float64) - self.T0[c]
+                     + self.eps * _tie_jitter(rows[r], c[:, None], self.seed)[:, 0])
+        C[r, pos] = c
+        self._store(V, C, theta)
+
+    def _store(self, V, C, theta):
+        self.V.append(V)
+        self.C.append(C.to(self.cdtype))
+        self.theta.append(theta)
+
+    # -- solving ---------------------------------------------------------------------------
+    def result(self, refetch=None, max_rounds: int = 200) -> TranslateResult:
+        if self.T0 is None:
+            self._start()
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        comm, k, dev = self.comm, self.k, self.device
+        sizes = torch.zeros(comm.world, dtype=torch.int64)
+        sizes[comm.rank] = self.n
+        sizes = comm.sum(sizes)
+        n_total = int(sizes.sum())
+        self.offset = int(sizes[:comm.rank].sum())
+        if n_total < k:
+            raise ValueError(f"need at least as many outputs as clusters (N >= k), got N={n_total}, k={k}")
+        target = _check_target(self.target_arg, n_total, k)
+        lo = (target + 1e-9).floor().long().to(dev)
+        hi = (target - 1e-9).ceil().long().to(dev)
+        if self.offset:   # the jitter must use global row numbers
+            self._rejitter(self.offset)
+        V, C, theta = (torch.cat(self.V), torch.cat(self.C), torch.cat(self.theta)) if self.V else \
+            (torch.zeros(0, self.width, dtype=torch.float64, device=dev),
+             torch.zeros(0, self.width, dtype=self.cdtype, device=dev),
+             torch.zeros(0, dtype=torch.float64, device=dev))
+        self.V, self.C, self.theta = [V], [C], [theta]
+        solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk)
+        history, refetched = [solver._std()], 0
+        for attempt in range(8):
+            balanced = solver.run(max_rounds, history, self.offset)
+            unsafe = solver.unsafe_rows()
+            n_unsafe = int(comm.sum(torch.tensor([unsafe.numel()]))[0])
+            if n_unsafe:
+                if refetch is None:
+                    raise RuntimeError(
+                        f"{n_unsafe} rows' best candidate could be beaten by a column they "
+                        "dropped; pass refetch=fn(rows) -> outputs of those rows, or use more "
+                        "candidates")
+                X = refetch((unsafe + self.offset).cpu()) if unsafe.numel() else torch.zeros(0, k)
+                solver.replace_rows(unsafe, *self._full_rows(X.to(dev), unsafe, solver.dT))
+                refetched += unsafe.numel()
+                continue
+            if balanced or self.width >= k or refetch is None:
+                break
+            # no cheap path reaches a cluster that needs rows: the candidate lists are too short
+            # for these outputs; take every column of every row (memory N x k x 10 bytes)
+            V = torch.empty(self.n, k, dtype=torch.float64, device=dev)
+            for s in range(0, self.n, self.chunk):
+                rows = torch.arange(s, min(s + self.chunk, self.n), device=dev)
+                X = refetch((rows + self.offset).cpu()).to(dev)
+                cols = torch.arange(k, device=dev).expand(rows.numel(), k)
+                V[rows] = (X.to(torch.float64) - self.T0
+                           + self.eps * _tie_jitter(rows + self.offset, cols, self.seed))
+            refetched += self.n
+            self.width = k
+            C = torch.arange(k, device=dev).to(self.cdtype).expand(self.n, k).contiguous()
+            theta = torch.full((self.n,), -math.inf, dtype=torch.float64, device=dev)
+            solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk, dT=solver.dT,
+                                  rounds=solver.rounds, phases=solver.phases)
+        solver.strictify()
+        labels, counts = solver.labels.clone(), solver.counts.clone()
+        std = _std(counts.cpu(), target)
+        std_max = max(_std(F.one_hot(torch.argmin(target), k).to(torch.float64) * n_total, target), 1e-12)
+        ok = bool(((counts >= lo) & (counts <= hi)).all())
+        res = TranslateResult(labels=labels, T=self.T0 + solver.dT, counts=counts, target=target,
+                              iterations=solver.rounds + solver.phases, std_history=history,
+                              std=std, std_max=std_max, seconds=time.perf_counter() - self.t0,
+                              stop_reason="balanced" if ok else "max_iter")
+        res.refetched, res.ties = refetched, solver.ties
+        return res
+
+    def _rejitter(self, offset):
+        # stored values carry eps * u(local row, col); swap in the global row numbers
+        start = 0
+        for V, C in zip(self.V, self.C):
+            n = V.shape[0]
+            rows = torch.arange(start, start + n, device=self.device)
+            Cl = C.long()
+            fin = torch.isfinite(V)
+            delta = _tie_jitter(rows + offset, Cl, self.seed) - _tie_jitter(rows, Cl, self.seed)
+            V += torch.where(fin, self.eps * delta, 0.0)
+            start += n
+
+    def _full_rows(self, X, rows, dT):
+        """Candidates of `rows` (local indices) from their full outputs X, chosen against the
+        current translation, so the dropped columns cannot win."""
+        n, k, w = X.shape[0], self.k, self.width
+        cols = torch.arange(k, device=self.device).expand(n, k)
+        S = X.to(torch.float64) - self.T0 + self.eps * _tie_jitter(rows + self.offset, cols, self.seed)
+        tv, ti = (S - dT).topk(w + 1, dim=1)
+        # a dropped column j has S_j - dT_j <= tv[w], so S_j <= tv[w] + max dT
+        return S.gather(1, ti[:, :w]), ti[:, :w].to(self.cdtype), tv[:, w] + dT.max()
+
+
+def _check_outputs_finite(X, row0: int = 0):
+    if not torch.isfinite(X).all():
+        bad = (~torch.isfinite(X)).any(1).nonzero().flatten() + row0
+        raise ValueError(f"outputs contain NaN or infinite values in {bad.numel()} rows "
+                         f"(first: {bad[:5].tolist()}); the network has probably diverged: "
+                         "lower the learning rate or resume from an earlier checkpoint")
+
+
+class _ExactSolver:
+    """The translation solved on candidate lists (see StreamingTranslator).  All float64."""
+
+    def __init__(self, V, C, theta, k, target, lo, hi, comm, chunk, dT=None, rounds=0, phases=0):
+        self.V, self.C, self.theta, self.k = V, C, theta, k
+        self.target, self.lo, self.hi, self.comm, self.chunk = target, lo, hi, comm, chunk
+        self.dev = V.device
+        self.dT = torch.zeros(k, dtype=torch.float64, device=self.dev) if dT is None else dT
+        self.rounds, self.phases, self.ties = rounds, phases, 0
+        self.all = torch.arange(V.shape[0], device=self.dev)
+        self.labels = self._eval(self.all)[1]
+        self.counts = self._count()
+
+    def _count(self):
+        return self.comm.sum(torch.bincount(self.labels, minlength=self.k))
+
+    def _std(self):
+        return _std(self.counts.cpu(), self.target)
+
+    def _eval(self, rows):
+        """best score, its column, the runner-up (or the bound on dropped columns), unsafe."""
+        out = [[], [], [], []]
+        tmin = self.dT.min()
+        for s in range(0, rows.numel(), self.chunk):
+            r = rows[s:s + self.chunk]
+            Cr = self.C[r].long()
+            top = (self.V[r] - self.dT[Cr]).topk(2, dim=1)
+            best = top.values[:, 0]
+            thb = self.theta[r] - tmin
+            out[0].append(best)
+            out[1].append(Cr.gather(1, top.indices[:, :1])[:, 0])
+            out[2].append(torch.maximum(top.values[:, 1], thb))
+            out[3].append(best <= thb)
+        if not out[0]:
+            e = torch.zeros(0, dtype=torch.float64, device=self.dev)
+            return e, torch.zeros(0, dtype=torch.int64, device=self.dev), e, e.bool()
+        return tuple(torch.cat(o) for o in out)
+
+    def unsafe_rows(self):
+        return self._eval(self.all)[3].nonzero()[:, 0]
+
+    def replace_rows(self, rows, V, C, theta):
+        self.V[rows], self.C[rows], self.theta[rows] = V, C, theta
+        self.labels[rows] = self._eval(rows)[1]
+        self.counts = self._count()
+
+    # -- 1. ascending auction ----------------------------------------------------------------
+    def _bisect(self, margin, lab, excess, over):
+        """r_j with #(members of j with margin < r_j) == excess_j, on global counts."""
+        k, comm = self.k, self.comm
+        mmax = torch.zeros(k, dtype=torch.float64, device=self.dev).scatter_reduce(
+            0, lab, margin, "amax")
+        lo = torch.zeros(k, dtype=torch.float64, device=self.dev)
+        hi = comm.max(mmax) * 2 + 1e-300
+        r = torch.zeros_like(lo)
+        done = ~over
+        base = torch.zeros(k, dtype=torch.int64, device=self.dev)
+        am, al = margin, lab
+        for step in range(120):
+            mid = (lo + hi) / 2
+            cnt = base + comm.sum(torch.bincount(al[am < mid[al]], minlength=k))
+            hit = (cnt == excess) & ~done
+            r = torch.where(hit, mid, r)
+            done = done | hit
+            if bool(done.all()):
+                break
+            lo = torch.where(~done & (cnt < excess), mid, lo)
+            hi = torch.where(~done & (cnt > excess), mid, hi)
+            if step % 4 == 3:   # drop members that can no longer change any count
+                below = am < lo[al]
+                base = base + comm.sum(torch.bincount(al[below & ~done[al]], minlength=k))
+                keep = ~done[al] & ~below & (am < hi[al])
+                am, al = am[keep], al[keep]
+        return torch.where(done, r, lo) * over   # unresolved (exact ties): shed fewer
+
+    def _auction(self, max_rounds, history, stall=6):
+        E_hist = []
+        while self.rounds < max_rounds:
+            excess = (self.counts - self.hi).clamp(min=0)
+            over = excess > 0
+            E_hist.append(int(excess.sum()))
+            if not bool(over.any()):
+                return
+            if len(E_hist) > stall and E_hist[-1] > 0.8 * E_hist[-1 - stall]:
+                return     # the tail is a slow random walk: the exact finish is faster
+            self.rounds += 1
+            rows = over[self.labels].nonzero()[:, 0]
+            best, _, second, _ = self._eval(rows)
+            margin = best - second
+            lab = self.labels[rows]
+            r = self._bisect(margin, lab, excess, over)
+            self.dT = self.dT + r
+            mv = rows[margin < r[lab]]
+            self.labels[mv] = self._eval(mv)[1]
+            self.counts = self._count()
+            history.append(self._std())
+
+    # -- 2. exact finish: shortest augmenting paths ------------------------------------------
+    # Moving row i from its cluster a to b loses (V_ia - dT_a) - (V_ib - dT_b) of score, so the
+    # cheapest move a -> b is W0[a, b] + dT[b] - dT[a] with W0[a, b] = min over rows of a of
+    # V_ia - V_ib: W0 does not depend on T and only the rows of clusters that moved change it.
+    def _w0(self, rows, offset, W0=None, arg=None):
+        k, dev, INF, BIG = self.k, self.dev, math.inf, torch.iinfo(torch.int64).max
+        if W0 is None:
+            W0 = torch.full((k * k,), INF, dtype=torch.float64, device=dev)
+            arg = torch.full((k * k,), BIG, dtype=torch.int64, device=dev)
+        for s in range(0, rows.numel(), self.chunk):
+            r = rows[s:s + self.chunk]
+            Cr, lab, Vr = self.C[r].long(), self.labels[r], self.V[r]
+            own = Vr.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
+            valid = (Cr != lab[:, None]) & torch.isfinite(Vr)
+            R = (own - Vr)[valid]
+            key = (lab[:, None] * k + Cr)[valid]
+            rid = (r + offset)[:, None].expand_as(Vr)[valid]
+            wc = torch.full_like(W0, INF).scatter_reduce(0, key, R, "amin")
+            hit = R == wc[key]
+            ac = torch.full_like(arg, BIG).scatter_reduce(0, key[hit], rid[hit], "amin")
+            arg = torch.where(wc < W0, ac, torch.where(wc == W0, torch.minimum(ac, arg), arg))
+            W0 = torch.minimum(W0, wc)
+        return W0, arg
+
+    def _global_edges(self, W0, arg):
+        BIG = torch.iinfo(torch.int64).max
+        if self.comm.on:
+            w = self.comm.min(W0.clone())
+            arg = self.comm.min(torch.where(W0 == w, arg, BIG))
+            W0 = w
+        k = self.k
+        dT = self.dT.cpu()
+        w = W0.view(k, k).cpu() + dT[None, :] - dT[:, None]
+        return w.clamp(min=0).numpy(), arg.view(k, k).cpu().numpy()
+
+    @staticmethod
+    def _dijkstra(w, sources):
+        """Dense Dijkstra from every source at once (numpy: k small vector steps)."""
+        import numpy as np
+        k = w.shape[0]
+        d = np.full(k, np.inf)
+        d[sources] = 0.0
+        pred = np.full(k, -1, dtype=np.int64)
+        open_ = np.ones(k, dtype=bool)
+        dd = d.copy()
+        for _ in range(k):
+            u = int(np.argmin(dd))
+            if not np.isfinite(dd[u]):
+                break
+            open_[u] = False
+            dd[u] = np.inf
+            nd = d[u] + w[u]
+            better = open_ & (nd < d)
+            d[better] = nd[better]
+            dd[better] = nd[better]
+            pred[better] = u
+        return d, pred
+
+    def _finish(self, offset, history, max_phases=10000):
+        import numpy as np
+        W0 = arg = None
+        while self.phases < max_phases:
+            counts = self.counts.cpu()
+            lo, hi = self.lo.cpu(), self.hi.cpu()
+            if bool((counts > hi).any()):
+                give, take = (counts - hi).clamp(min=0), (hi - counts).clamp(min=0)
+            elif bool((counts < lo).any()):
+                give, take = (counts - lo).clamp(min=0), (lo - counts).clamp(min=0)
+            else:
+                return True
+            give, take = give.numpy().copy(), take.numpy().copy()
+            self.phases += 1
+            if W0 is None:
+                W0, arg = self._w0(self.all, offset)
+            w, argn = self._global_edges(W0, arg)
+            d, pred = self._dijkstra(w, give > 0)
+            used, moves, D = set(), [], None
+            for b in np.argsort(d, kind="stable").tolist():   # nearest needy clusters first
+                if not np.isfinite(d[b]):
+                    break
+                if take[b] <= 0 or pred[b] < 0:
+                    continue
+                path, x, ok = [], b, True
+                while pred[x] >= 0:
+                    a = int(pred[x])
+                    i = int(argn[a, x])
+                    if i in used:
+                        ok = False
+                        break
+                    path.append((i, a, x))
+                    x = a
+                if not ok or give[x] <= 0:
+                    continue
+                give[x] -= 1
+                take[b] -= 1
+                used.update(i for i, _, _ in path)
+                moves += path
+                D = float(d[b])
+            if D is None:
+                return False
+            # potentials: every cluster closer than D moves up by D - d; tree edges become ties
+            dt = torch.from_numpy(d)
+            shift = torch.where(torch.isfinite(dt) & (dt < D), D - dt, torch.zeros_like(dt))
+            self.dT = self.dT + shift.to(self.dev)
+            touched = torch.zeros(self.k, dtype=torch.bool, device=self.dev)
+            for i, a, b in moves:
+                touched[a] = touched[b] = True
+                li = i - offset
+                if 0 <= li < self.labels.numel():
+                    self.labels[li] = b
+            self.counts = self._count()
+            history.append(self._std())
+            # the rows of every cluster that lost or gained a row are summed into W0 again
+            touched = self.comm.max(touched.to(torch.int64)).bool()
+            tk = touched.nonzero()[:, 0]
+            Wv, av = W0.view(self.k, self.k), arg.view(self.k, self.k)
+            Wv[tk], av[tk] = math.inf, torch.iinfo(torch.int64).max
+            W0, arg = self._w0(touched[self.labels].nonzero()[:, 0], offset, W0, arg)
+        return False
+
+    # -- 0. far from balance: the published rules, on the candidates -------------------------
+    def _published(self, history, beta=1.5, patience=3, max_iter=500):
+        """Global steps alpha * C (C = counts - target, scaled to max 1), alpha = (std / std_max)
+        x (range of the scores) / f, undone and f *= beta when the std gets worse.  Far from
+        balance (real networks' outputs) this moves every cluster at once, which the auction
+        below, raising over-full clusters only, does slowly."""
+        n_total = int(self.counts.sum())
+        std_max = max(_std(F.one_hot(torch.argmin(self.target), self.k).to(torch.float64)
+                           * n_total, self.target), 1e-12)
+        fin = torch.isfinite(self.V)
+        vr = torch.tensor([float(self.V[fin].max()) if fin.any() else 0.0,
+                           -float(self.V[fin].min()) if fin.any() else 0.0], dtype=torch.float64)
+        vr = self.comm.max(vr)
+        target = self.target.to(self.dev)
+        std, f, still = self._std(), 1.0, 0
+        for _ in range(max_iter):
+            if std <= 1.0:
+                return
+            C = self.counts.to(torch.float64) - target
+            C = C / C.max()
+            alpha = (std / std_max) * (float(vr.sum()) + float(self.dT.max() - self.dT.min())) / f
+            if alpha <= 1e-15:
+                return
+            old = self.dT, self.labels, self.counts
+            self.dT = self.dT + alpha * C
+            self.labels = self._eval(self.all)[1]
+            self.counts = self._count()
+            self.rounds += 1
+            new = self._std()
+            history.append(new)
+            if new > std:
+                self.dT, self.labels, self.counts = old
+                f *= beta
+                continue
+            still = still + 1 if new == std else 0
+            std = new
+            if still >= patience:
+                return
+
+    def run(self, max_rounds, history, offset=0):
+        E = float((self.counts - self.hi).clamp(min=0).sum())
+        if E > 0.02 * float(self.counts.sum()):
+            self._published(history)
+        self._auction(max_rounds, history)
+        return self._finish(offset, history)
+
+    # -- 3. strict argmax --------------------------------------------------------------------
+    def strictify(self):
+        """Moved rows sit on exact ties.  Order the clusters so that every tie a -> b (a row of a
+        with equal score in b) has pi[b] > pi[a], and add eta * pi to T with eta below half of
+        every other margin over (max pi + 1): ties resolve to the current labels, nothing else
+        changes."""
+        k, dev = self.k, self.dev
+        # ties are equal up to float64 rounding of the values involved
+        scale = float(self.dT.abs().max())
+        fin = self.V[torch.isfinite(self.V)]
+        if fin.numel():
+            scale = max(scale, float(fin.abs().max()))
+        scale = float(self.comm.max(torch.tensor([scale], dtype=torch.float64))[0]) or 1.0
+        tol = 64 * 2.0 ** -52 * scale
+        ta, tb, rmin = [], [], math.inf
+        for s in range(0, self.all.numel(), self.chunk):
+            r = self.all[s:s + self.chunk]
+            Cr, lab = self.C[r].long(), self.labels[r]
+            S = self.V[r] - self.dT[Cr]
+            own = S.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
+            valid = (Cr != lab[:, None]) & torch.isfinite(S)
+            R = own - S
+            tight = valid & (R <= tol)
+            ta.append(lab[:, None].expand_as(R)[tight])
+            tb.append(Cr[tight])
+            rest = R[valid & ~tight]
+            if rest.numel():
+                rmin = min(rmin, float(rest.min()))
+            # dropped columns: score <= theta - min dT
+            thb = self.theta[r] - self.dT.min()
+            gap = (own[:, 0] - thb)
+            gap = gap[torch.isfinite(gap)]
+            if gap.numel():
+                rmin = min(rmin, float(gap.min()))
+        adj = torch.zeros(k, k, dtype=torch.int64)
+        if ta:
+            a, b = torch.cat(ta).cpu(), torch.cat(tb).cpu()
+            adj.view(-1).index_put_((a * k + b,), torch.ones_like(a), accumulate=True)
+        adj = self.comm.sum(adj.to(dev)).cpu() > 0
+        rmin = float(self.comm.min(torch.tensor([rmin], dtype=torch.float64))[0])
+        self.ties = int(adj.sum())
+        if self.ties == 0:
+            return
+        a, b = adj.nonzero(as_tuple=True)
+        pi = torch.zeros(k, dtype=torch.float64)
+        for _ in range(k + 1):
+            new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
+            if torch.equal(new, pi):
+                break
+            pi = new
+        if not math.isfinite(rmin):
+            rmin = scale * 1e-6
+        eta = rmin / (2 * (float(pi.max()) + 1))
+        self.dT = self.dT + eta * pi.to(dev)
+        self.labels = self._eval(self.all)[1]
+        self.counts = self._count()
 
 
 # ----------------------------------------------------------------------------------------------

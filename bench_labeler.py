@@ -1,0 +1,324 @@
+"""The three labelers side by side on the same outputs: ours (otl.translate, method="exact"), the
+authors' published algorithm (otl.translate, method="published": the dense reference) and SeLa's
+Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
+
+    python bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
+    make labeler-bench                                       # the same
+    python bench_labeler.py --quick --out /tmp/lb.json       # smoke test, about a minute on 2 cores
+
+Inputs (every labeler gets exactly the same (N, k) float32 outputs):
+  gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
+  random_net      all 27,000 images of --data through the cpu preset's network (train_otl.py), freshly
+                  initialised: backbone features computed once as otl.label_pass does (BatchNorm on
+                  each shuffled batch's statistics, running statistics untouched), then for each k
+                  a fresh k-way nn.Linear head (default init, seed --seed + k).  Skipped without --data.
+  trained_net     otl.label_pass outputs of --checkpoint (its own head, k = 128) on all images.
+  gaussian_large  --large-n x --large-k (1,280,000 x 3000 float32, 15 GB), generated in chunks.
+                  Ours labels all of it; the published labeler and Sinkhorn, which hold several
+                  N x k float64 arrays, label the first --ref-n rows (64,000).  Needs ~40 GB RAM.
+Measured for every (input, k, method), each in a fresh child process (spawn) that first builds or
+loads its input: wall seconds of the labeling call, its iterations, the std of the cluster sizes
+against the even target N/k (std_floor = sqrt(f (1 - f)), f = (N mod k) / k, is the best any
+labeler can do), max - min of the sizes, and the call's peak memory: the child resets its peak RSS
+(writes 5 to /proc/self/clear_refs), runs the labeler, and reports VmHWM minus the RSS just before
+(MiB; the input itself is not counted).  Torch uses every core the process may run on.  Linux only.
+Results go to --out as they come (a killed run keeps what it measured); a failed measurement is
+recorded with its error and makes the script exit non-zero, and no numbers are made up for it.
+"""
+import argparse
+import concurrent.futures as cf
+import inspect
+import json
+import multiprocessing as mp
+import os
+import platform
+import re
+import shlex
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+
+import otl
+from train_otl import PRESETS
+
+METHODS = ("exact", "published", "sinkhorn")
+FULL = dict(n=50_000, ks=list(range(50, 1001, 50)), large_n=1_280_000, large_k=3000, ref_n=64_000,
+            real_images=None)
+QUICK = dict(n=2000, ks=[10, 50], large_n=20_000, large_k=300, ref_n=10_000, real_images=2000)
+
+
+def int_list(s):
+    """'50,100' or 'start:stop:step' (stop included)."""
+    if ":" in s:
+        a, b, c = (int(x) for x in s.split(":"))
+        return list(range(a, b + 1, c))
+    return [int(x) for x in s.split(",") if x]
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/labeler_bench.json", help="results JSON (rewritten after "
+                   "every measurement)")
+    p.add_argument("--plot", default=None, help="PNG: std and wall time against k (needs matplotlib)")
+    p.add_argument("--ks", type=int_list, help="cluster counts of the gaussian and random_net sweeps: "
+                   "'50,100' or '50:1000:50' (default 50:1000:50; --quick: 10,50)")
+    p.add_argument("--n", type=int, help="rows of the gaussian sweep (default 50,000; --quick: 2000)")
+    p.add_argument("--large-n", type=int, help="rows of the large case (default 1,280,000, ImageNet's "
+                   "training set; --quick: 20,000)")
+    p.add_argument("--large-k", type=int, help="clusters of the large case (default 3000; --quick: 300)")
+    p.add_argument("--ref-n", type=int, help="rows the published labeler and Sinkhorn get in the large "
+                   "case (default 64,000, about 1.5 GB per float64 copy at k = 3000; --quick: 10,000)")
+    p.add_argument("--skip-large", action="store_true", help="leave out the large case")
+    p.add_argument("--skip-real", action="store_true", help="leave out random_net and trained_net")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {', '.join(METHODS)}")
+    p.add_argument("--quick", action="store_true", help="small sizes for a smoke test (the flags above "
+                   "that you give still win); real inputs use a seeded subset of 2000 images")
+    p.add_argument("--seed", type=int, default=0, help="seeds the gaussian inputs, the network, heads "
+                   "and label-pass batches")
+    p.add_argument("--data", default="data/eurosat", help="prepared EuroSAT (prepare_data.py --out)")
+    p.add_argument("--checkpoint", default="runs/eurosat/checkpoint.pth", help="trained network")
+    return p
+
+
+def resolve_args(args):
+    """Fill sizes not given from --quick or the full defaults; fail on sizes that cannot work."""
+    for key, val in (QUICK if args.quick else FULL).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, val)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad or not args.methods:
+        raise SystemExit(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    if not args.ks or min(args.ks) < 2 or max(args.ks) > args.n:
+        raise SystemExit(f"--ks must lie in [2, --n={args.n}], got {args.ks}")
+    if not args.skip_large and not args.large_k <= args.ref_n <= args.large_n:
+        raise SystemExit(f"need --large-k <= --ref-n <= --large-n, got {args.large_k}, {args.ref_n}, "
+                         f"{args.large_n}")
+    if "exact" in args.methods and "method" not in inspect.signature(otl.translate).parameters:
+        raise SystemExit("otl.translate has no method= argument yet (signature "
+                         f"{inspect.signature(otl.translate)}), so ours ('exact') cannot run; "
+                         "until it lands, run with --methods published,sinkhorn")
+    return args
+
+
+def gaussian(n, k, seed, chunk=8192):
+    """torch.randn (n, k) float32, filled chunk by chunk into one preallocated tensor (peak: the
+    tensor + one chunk).  Whole chunks are always drawn, so the first m rows do not depend on n."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(n, k)
+    for s in range(0, n, chunk):
+        out[s:s + chunk] = torch.randn(chunk, k, generator=g)[:n - s]
+    return out
+
+
+def _mem_kib():
+    with open("/proc/self/status") as fh:
+        return {k: int(v) for k, v in re.findall(r"(VmRSS|VmHWM):\s+(\d+) kB", fh.read())}
+
+
+def call_labeler(method, O):
+    """(labels, iterations, stop_reason, the call as text) of one labeler on O."""
+    if method == "sinkhorn":
+        labels, _, iters = otl.sinkhorn_knopp(O, lam=25.0)
+        return labels, iters, None, "otl.sinkhorn_knopp(O, lam=25)"
+    if method == "published" and "method" not in inspect.signature(otl.translate).parameters:
+        res, call = otl.translate(O), "otl.translate(O)"  # before the method= API: the default
+    else:
+        res, call = otl.translate(O, method=method), f"otl.translate(O, method={method!r})"
+    return res.labels, res.iterations, res.stop_reason, call
+
+
+def measure(spec):
+    """Child process: build or load the input, then time one labeler and its peak memory."""
+    torch.set_num_threads(spec["threads"])
+    if spec["path"]:
+        O = torch.load(spec["path"], weights_only=True)
+    else:
+        O = gaussian(spec["n"], spec["k"], spec["seed"])
+    n, k = O.shape
+    rss = _mem_kib()["VmRSS"]
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # VmHWM restarts from the current RSS
+    t0 = time.perf_counter()
+    labels, iters, reason, call = call_labeler(spec["method"], O)
+    seconds = time.perf_counter() - t0
+    peak = _mem_kib()["VmHWM"]
+    counts = torch.bincount(labels.cpu(), minlength=k)
+    f = (n % k) / k
+    return {"seconds": round(seconds, 4), "iterations": int(iters),
+            "std": otl._std(counts, otl.even_target(n, k)), "std_floor": (f * (1 - f)) ** 0.5,
+            "max_minus_min": int(counts.max() - counts.min()), "peak_mib": round((peak - rss) / 1024, 1),
+            "rss_before_mib": round(rss / 1024, 1), "stop_reason": reason, "call": call}
+
+
+def measure_in_child(spec):
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        try:
+            return ex.submit(measure, spec).result()
+        except cf.process.BrokenProcessPool:
+            return {"error": "the child process died (killed for memory?)"}
+        except Exception as e:  # recorded, never replaced by numbers
+            return {"error": f"{type(e).__name__}: {e}"}
+
+
+@torch.no_grad()
+def batch_stat_features(model, images, size, seed, batch_size=256):
+    """Backbone features of every image exactly as otl.label_pass computes them before the head:
+    shuffled batches, BatchNorm on each batch's statistics, running statistics untouched."""
+    perm = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(seed))
+    feats = torch.empty(images.shape[0], model.feat_dim)  # (N, D)
+    with otl.batch_stats_mode(model):
+        for s in range(0, images.shape[0], batch_size):
+            idx = perm[s:s + batch_size]
+            feats[idx] = model.features(otl.resize_batch(images[idx], size)).float()
+    return feats
+
+
+def real_inputs(args, skipped):
+    """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not."""
+    try:
+        d = otl.load_prepared(args.data)
+    except FileNotFoundError as e:
+        skipped["random_net"] = skipped["trained_net"] = str(e)
+        print(f"skipping the real outputs: {e}", flush=True)
+        return
+    images = d["images"]
+    if args.real_images:
+        images = images[torch.randperm(len(images), generator=torch.Generator().manual_seed(args.seed))
+                        [:args.real_images]]
+    with open(os.path.join(args.data, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    pre = PRESETS["cpu"]
+    torch.manual_seed(args.seed)
+    model = otl.build_model(otl.ModelConfig(arch=pre["arch"], k=pre["k"], small_stem=pre["small_stem"],
+                                            width=pre["width"], mean=tuple(manifest["channel_mean"]),
+                                            std=tuple(manifest["channel_std"])))
+    t0 = time.perf_counter()
+    feats = batch_stat_features(model, images, pre["img_size"], args.seed)
+    print(f"random_net: features of {len(images):,} images in {time.perf_counter() - t0:.1f} s", flush=True)
+    for k in args.ks:
+        torch.manual_seed(args.seed + k)
+        with torch.no_grad():
+            yield "random_net", k, nn.Linear(model.feat_dim, k)(feats)  # a fresh head's outputs
+    if not os.path.isfile(args.checkpoint):
+        skipped["trained_net"] = f"no checkpoint at {args.checkpoint}"
+        print(f"skipping trained_net: no checkpoint at {args.checkpoint}", flush=True)
+        return
+    model, ckpt = otl.load_checkpoint(args.checkpoint)
+    outs = otl.label_pass(model, images, int(ckpt["args"]["img_size"]), 256, "cpu", bn="batch",
+                          generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
+    yield "trained_net", model.cfg.k, outs
+
+
+def machine_info(threads):
+    with open("/proc/cpuinfo") as fh:
+        cpu = re.search(r"model name\s*:\s*(.*)", fh.read())
+    with open("/proc/meminfo") as fh:
+        ram_kib = int(re.search(r"MemTotal:\s+(\d+)", fh.read()).group(1))
+    return {"cpu": cpu.group(1) if cpu else platform.processor(), "cores": os.cpu_count(),
+            "torch_threads": threads, "ram_gib": round(ram_kib / 2 ** 20, 1),
+            "torch": torch.__version__, "python": platform.python_version(), "os": platform.platform()}
+
+
+def plot(records, path):
+    """std and wall time against k for the gaussian sweep (solid) and random_net (dashed)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot written to {path}: matplotlib is missing (.venv/bin/python -m pip install "
+              "matplotlib)", flush=True)
+        return
+    fig, (ax_std, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colour = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green")))
+    for inp, style in (("gaussian", "o-"), ("random_net", "s--")):
+        for m in METHODS:
+            rs = sorted((r for r in records if r["input"] == inp and r["method"] == m and "std" in r),
+                        key=lambda r: r["k"])
+            if rs:
+                ks, lab = [r["k"] for r in rs], f"{m}, {inp} (N = {rs[0]['n']:,})"
+                ax_std.plot(ks, [r["std"] for r in rs], style, color=colour[m], ms=3, label=lab)
+                ax_t.plot(ks, [r["seconds"] for r in rs], style, color=colour[m], ms=3, label=lab)
+    floor = sorted({(r["k"], r["std_floor"]) for r in records if r["input"] == "gaussian" and "std" in r})
+    if floor:
+        ax_std.plot(*zip(*floor), ":", color="grey", label="integer floor (gaussian)")
+    ax_std.set(xlabel="k", ylabel="std of cluster sizes vs N/k", title="balance")
+    ax_std.set_yscale("symlog", linthresh=0.1)  # the integer floor lies in [0, 0.5]
+    ax_t.set(xlabel="k", ylabel="wall seconds", yscale="log", title="time")
+    for ax in (ax_std, ax_t):
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", flush=True)
+
+
+def main(args):
+    args = resolve_args(args)
+    otl.print_run_header(args)
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    print(f"torch threads: {threads} (the cores this process may use)", flush=True)
+    out = {"machine": machine_info(threads), "command": shlex.join([sys.executable] + sys.argv),
+           "git_commit": otl.git_commit(), "translate_signature": str(inspect.signature(otl.translate)),
+           "args": vars(args), "inputs": {
+               "gaussian": f"torch.randn(N, k) float32, seed {args.seed}, N = {args.n}",
+               "random_net": "EuroSAT images through the freshly initialised cpu-preset network "
+                             "(BatchNorm on batch statistics) and a fresh k-way nn.Linear head; N = "
+                             + (f"{args.real_images} (a seeded subset)" if args.real_images else
+                                "27,000 (every image, train and test split)"),
+               "trained_net": f"label-pass outputs of {args.checkpoint} (its head), same images",
+               "gaussian_large": f"torch.randn float32, N = {args.large_n} for exact; the published "
+                                 f"labeler and sinkhorn get the first {args.ref_n} rows (their N is "
+                                 "in each record)"},
+           "skipped": {}, "records": []}
+    print(f"{'input':<15}{'N':>10}{'k':>6}  {'method':<10}{'seconds':>9}{'iters':>7}{'std':>10}"
+          f"{'floor':>7}{'max-min':>8}{'peak MiB':>10}  stop", flush=True)
+
+    def run(name, n, k, path=None, methods=args.methods):
+        for m in methods:
+            spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path, "threads": threads}
+            rec = {"input": name, "n": n, "k": k, "method": m, **measure_in_child(spec)}
+            out["records"].append(rec)
+            otl.write_json(out, args.out)
+            line = f"{name:<15}{n:>10,}{k:>6}  {m:<10}"
+            print(line + (f"FAILED: {rec['error']}" if "error" in rec else
+                          f"{rec['seconds']:>9.2f}{rec['iterations']:>7}{rec['std']:>10.3f}"
+                          f"{rec['std_floor']:>7.3f}{rec['max_minus_min']:>8}{rec['peak_mib']:>10.1f}"
+                          f"  {rec['stop_reason'] or ''}"), flush=True)
+
+    for k in args.ks:
+        run("gaussian", args.n, k)
+    if args.skip_real:
+        out["skipped"]["random_net"] = out["skipped"]["trained_net"] = "--skip-real"
+    else:
+        with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
+            for name, k, outs in real_inputs(args, out["skipped"]):
+                path = os.path.join(tmp, f"{name}_{k}.pt")  # written once, loaded by each child
+                torch.save(outs.contiguous(), path)
+                run(name, outs.shape[0], k, path)
+                os.remove(path)
+    if args.skip_large:
+        out["skipped"]["gaussian_large"] = "--skip-large"
+    else:
+        run("gaussian_large", args.large_n, args.large_k, methods=[m for m in args.methods if m == "exact"])
+        run("gaussian_large", args.ref_n, args.large_k, methods=[m for m in args.methods if m != "exact"])
+    otl.write_json(out, args.out)
+    print(f"results: {args.out}", flush=True)
+    if args.plot:
+        plot(out["records"], args.plot)
+    failed = [r for r in out["records"] if "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(out['records'])} measurements failed (see {args.out}); "
+                         f"first: {failed[0]['input']} k={failed[0]['k']} {failed[0]['method']}: "
+                         f"{failed[0]['error']}")
+    return out
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

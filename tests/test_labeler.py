@@ -1,0 +1,226 @@
+"""The exact labeler (otl.translate, method="exact"): balance within 1 of the target, labels
+that are argmax(O - T) for one T, streaming = dense, and two gloo ranks = one process."""
+import io
+import os
+import socket
+import zipfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import otl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EUROSAT = os.path.join(HERE, "..", "..", "shared", "data", "EuroSAT.zip")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def check_translation(O, r, tie_eps=2.0 ** -26):
+    """labels are argmax(O - T), except between entries of a row within the tie-break size."""
+    n, k = O.shape
+    assert torch.equal(torch.bincount(r.labels, minlength=k), r.counts)
+    S = O.double() - r.T
+    top = S.topk(2, dim=1)
+    eps = tie_eps * O[:8192].abs().max().item()
+    wrong = top.indices[:, 0] != r.labels
+    assert not (wrong & (top.values[:, 0] - top.values[:, 1] > eps)).any()
+    # the label's score is within eps of the best one everywhere
+    own = S.gather(1, r.labels[:, None])[:, 0]
+    assert (top.values[:, 0] - own <= eps).all()
+    return int(wrong.sum())
+
+
+def check_even(r):
+    assert int(r.counts.max() - r.counts.min()) <= 1, r.counts
+    assert r.stop_reason == "balanced"
+
+
+# ---------------------------------------------------------------------------------------------
+# exact balance
+# ---------------------------------------------------------------------------------------------
+
+KS = [10] + list(range(50, 1001, 50))
+
+
+@pytest.mark.parametrize("k", KS)
+def test_exact_balance_gaussian_50k(k):
+    O = torch.randn(50_000, k, generator=gen(k))
+    r = otl.translate(O)
+    check_even(r)
+    wrong = check_translation(O, r)
+    assert wrong <= 0.005 * O.shape[0]   # only rows within eps, where the tie-break decides
+
+
+@pytest.mark.parametrize("k", [10, 128, 1000])
+def test_exact_balance_collapsed_50k(k):
+    O = torch.randn(1, k, generator=gen(k)).expand(50_000, k).contiguous()
+    r = otl.translate(O)
+    check_even(r)
+    check_translation(O, r)   # every row is a tie: the perturbation decides
+
+
+@pytest.mark.parametrize("x", [0.5, 1.0, 2.0])
+def test_exact_uneven_target_within_one(x):
+    n, k = 20_000, 100
+    target = otl.uneven_target(n, k, x)
+    O = torch.randn(n, k, generator=gen(3))
+    r = otl.translate(O, target=target)
+    assert (r.counts.double() - target).abs().max() <= 1
+    check_translation(O, r)
+
+
+def test_exact_fractional_target_within_one():
+    n, k = 10_000, 7
+    target = torch.rand(k, generator=gen(4)) + 0.5
+    target = target / target.sum() * n
+    O = torch.randn(n, k, generator=gen(5))
+    r = otl.translate(O, target=target)
+    assert ((r.counts.double() - target).abs() < 1).all()
+
+
+def _eurosat_images(n):
+    if not os.path.isfile(EUROSAT):
+        msg = f"the real EuroSAT archive is missing at {os.path.abspath(EUROSAT)}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + " (CI must have ../shared/data beside the checkout)")
+        pytest.skip(msg)
+    from PIL import Image
+    imgs = []
+    with zipfile.ZipFile(EUROSAT) as z:
+        names = sorted(x for x in z.namelist() if x.lower().endswith(".jpg"))
+        step = max(1, len(names) // n)
+        for name in names[::step][:n]:
+            im = Image.open(io.BytesIO(z.read(name))).convert("RGB")
+            imgs.append(torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+                        .view(im.size[1], im.size[0], 3).permute(2, 0, 1))
+    return torch.stack(imgs)
+
+
+@pytest.mark.parametrize("bn", ["batch", "eval"])
+def test_exact_balance_resnet18_eurosat(bn):
+    """Outputs of a randomly initialised ResNet-18 on real EuroSAT images (eval-mode BatchNorm
+    gives nearly collapsed outputs)."""
+    images = _eurosat_images(600)
+    torch.manual_seed(0)
+    model = otl.build_model(otl.ModelConfig(k=50, width=32))
+    O = otl.label_pass(model, images, 32, 200, "cpu", bn=bn, generator=gen(0),
+                       progress=False)[0]
+    r = otl.translate(O)
+    check_even(r)
+    check_translation(O, r)
+
+
+def test_exact_is_a_translation():
+    O = torch.randn(3000, 20, generator=gen(6))
+    r = otl.translate(O)
+    i, j = torch.randint(0, 3000, (2, 100), generator=gen(7))
+    d_before = O.double()[i] - O.double()[j]
+    d_after = (O.double() - r.T)[i] - (O.double() - r.T)[j]
+    assert torch.allclose(d_before, d_after, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming = dense
+# ---------------------------------------------------------------------------------------------
+
+def _stream(O, sizes, **kw):
+    st = otl.StreamingTranslator(O.shape[1], distributed=False, **kw)
+    s = 0
+    for b in sizes:
+        st.add(O[s:s + b])
+        s += b
+    st.add(O[s:])
+    return st.result(refetch=lambda rows: O[rows])
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_streaming_equals_dense(full):
+    n, k = 20_000, 300
+    O = torch.randn(n, k, generator=gen(8))
+    kw = {} if full else {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
+    dense = otl.translate(O, **kw)
+    sizes = torch.randint(1, 3000, (12,), generator=gen(9)).tolist()
+    stream = _stream(O, sizes, **kw)
+    assert torch.equal(dense.labels, stream.labels)
+    assert torch.equal(dense.T, stream.T)
+    check_even(stream)
+    if not full:
+        # the candidate lists are small: much less memory than the dense outputs
+        st = otl.StreamingTranslator(k, distributed=False, **kw)
+        assert st.width == 24
+
+
+def test_streaming_needs_refetch_when_candidates_fall_short():
+    n, k = 5000, 200
+    O = torch.randn(n, k, generator=gen(10)) + torch.linspace(0, 3, k)   # far from balance
+    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0, max_candidates=4,
+                                 candidates=2)
+    st.add(O)
+    with pytest.raises(RuntimeError, match="refetch"):
+        st.result()
+    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0, max_candidates=4,
+                                 candidates=2)
+    st.add(O)
+    r = st.result(refetch=lambda rows: O[rows])
+    assert r.refetched > 0
+    check_even(r)
+    check_translation(O, r)
+
+
+def test_streaming_bad_batches():
+    st = otl.StreamingTranslator(10, distributed=False)
+    with pytest.raises(ValueError, match="k=10"):
+        st.add(torch.randn(5, 9))
+    bad = torch.randn(20, 10)
+    bad[3, 4] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        st.add(bad)
+        st.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed: two gloo ranks on CPU = one process
+# ---------------------------------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, O, kw, out):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                           world_size=world)
+    try:
+        n = O.shape[0]
+        lo, hi = rank * n // world, (rank + 1) * n // world
+        shard = O[lo:hi]
+        st = otl.StreamingTranslator(O.shape[1], **kw)
+        for s in range(0, shard.shape[0], 1000):
+            st.add(shard[s:s + 1000])
+        r = st.result(refetch=lambda rows: O[rows])   # global row numbers
+        torch.save({"labels": r.labels, "T": r.T, "counts": r.counts}, f"{out}_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_distributed_equals_single_process(full, tmp_path):
+    n, k = 16_000, 120
+    O = torch.randn(n, k, generator=gen(11))
+    kw = {} if full else {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
+    single = otl.translate(O, **kw)
+    out = str(tmp_path / "r")
+    mp.start_processes(_rank_main, args=(2, _free_port(), O, kw, out), nprocs=2,
+                       start_method="spawn")
+    parts = [torch.load(f"{out}_{r}.pt") for r in range(2)]
+    assert torch.equal(torch.cat([p["labels"] for p in parts]), single.labels)
+    for p in parts:
+        assert torch.equal(p["T"], single.T)
+        assert torch.equal(p["counts"], single.counts)
