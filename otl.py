@@ -405,16 +405,18 @@ class StreamingTranslator:
         self.n += n
         if self.all_cols:
             cols = torch.arange(k, device=self.device).expand(n, k)
-            V = X.to(torch.float64) - self.T0 + self.eps * _tie_jitter(rows, cols, self.seed)
+            V = X.to(torch.float64) - self.T0       # the tie-break is added in result()
             self._store(V, cols, torch.full((n,), -math.inf, dtype=torch.float64, device=self.device))
             return
         S = X.to(torch.float32) - self.T0.to(torch.float32)
         rmax = S.amax(1, keepdim=True)
         mask = S >= rmax - self.delta
         cnt = mask.sum(1)
-        # |error| of float32 X - T0 against the float64 value, so theta stays a true bound
-        err = 2.0 ** -22 * (X.abs().amax().item() + self.T0.abs().max().item())
-        theta = rmax[:, 0].to(torch.float64) - self.delta + err + self.eps
+        # T0 holds float32 values (medians of them), so S = fl(X - T0) errs by at most
+        # 2^-24 |S|; near the threshold |S| ~ |rmax - delta|: a per-row allowance keeps theta a
+        # true bound on what was dropped, whatever the batch sizes
+        thr = rmax[:, 0].to(torch.float64) - self.delta
+        theta = thr + 2.0 ** -22 * thr.abs() + self.eps
         V = torch.full((n, w), -math.inf, dtype=torch.float64, device=self.device)
         C = torch.zeros((n, w), dtype=torch.int64, device=self.device)
         many = cnt > w
@@ -423,14 +425,15 @@ class StreamingTranslator:
             cols = torch.arange(k, device=self.device).expand(oi.numel(), k)
             S64 = X[oi].to(torch.float64) - self.T0 + self.eps * _tie_jitter(rows[oi], cols, self.seed)
             tv, ti = S64.topk(w + 1, dim=1)
-            V[oi], C[oi] = tv[:, :w], ti[:, :w]
-            theta[oi] = tv[:, w]      # float64 throughout here: no rounding allowance
+            C[oi] = ti[:, :w]
+            V[oi] = X[oi].to(torch.float64).gather(1, ti[:, :w]) - self.T0[ti[:, :w]]
+            # float64 here: no rounding allowance; + eps as result() re-draws the tie-break
+            theta[oi] = tv[:, w] + self.eps
             mask[oi] = False
             cnt = torch.where(many, 0, cnt)
         r, c = mask.nonzero(as_tuple=True)
         pos = torch.arange(r.numel(), device=self.device) - (torch.cumsum(cnt, 0) - cnt)[r]
-        V[r, pos] = (X[r, c].to(torch.float64) - self.T0[c]
-                     + self.eps * _tie_jitter(rows[r], c[:, None], self.seed)[:, 0])
+        V[r, pos] = X[r, c].to(torch.float64) - self.T0[c]
         C[r, pos] = c
         self._store(V, C, theta)
 
@@ -456,8 +459,7 @@ class StreamingTranslator:
         target = _check_target(self.target_arg, n_total, k)
         lo = (target + 1e-9).floor().long().to(dev)
         hi = (target - 1e-9).ceil().long().to(dev)
-        if self.offset:   # the jitter must use global row numbers
-            self._rejitter(self.offset)
+        self._add_jitter(self.offset)   # now the global row numbers are known
         V, C, theta = (torch.cat(self.V), torch.cat(self.C), torch.cat(self.theta)) if self.V else \
             (torch.zeros(0, self.width, dtype=torch.float64, device=dev),
              torch.zeros(0, self.width, dtype=self.cdtype, device=dev),
@@ -469,7 +471,7 @@ class StreamingTranslator:
             balanced = solver.run(max_rounds, history, self.offset)
             unsafe = solver.unsafe_rows()
             n_unsafe = int(comm.sum(torch.tensor([unsafe.numel()]))[0])
-            if n_unsafe:
+            if n_unsafe and attempt < 2:
                 if refetch is None:
                     raise RuntimeError(
                         f"{n_unsafe} rows' best candidate could be beaten by a column they "
@@ -479,8 +481,14 @@ class StreamingTranslator:
                 solver.replace_rows(unsafe, *self._full_rows(X.to(dev), unsafe, solver.dT))
                 refetched += unsafe.numel()
                 continue
-            if balanced or self.width >= k or refetch is None:
+            if (balanced and not n_unsafe) or self.width >= k:
                 break
+            if refetch is None:
+                raise RuntimeError(
+                    f"the candidate lists are too short for these outputs ({n_unsafe} rows' "
+                    "best candidate could be beaten by a column they dropped, or no cheap move "
+                    "reaches an under-full cluster); pass refetch=fn(rows) -> outputs of those "
+                    "rows, or keep whole rows (full_rows_up_to >= k)")
             # no cheap path reaches a cluster that needs rows: the candidate lists are too short
             # for these outputs; take every column of every row (memory N x k x 10 bytes)
             V = torch.empty(self.n, k, dtype=torch.float64, device=dev)
@@ -508,17 +516,16 @@ class StreamingTranslator:
         res.refetched, res.ties = refetched, solver.ties
         return res
 
-    def _rejitter(self, offset):
-        # stored values carry eps * u(local row, col); swap in the global row numbers
+    def _add_jitter(self, offset):
+        # stored values are O - T0; add eps * u(global row, col), the same sum in every mode
         start = 0
         for V, C in zip(self.V, self.C):
-            n = V.shape[0]
-            rows = torch.arange(start, start + n, device=self.device)
-            Cl = C.long()
-            fin = torch.isfinite(V)
-            delta = _tie_jitter(rows + offset, Cl, self.seed) - _tie_jitter(rows, Cl, self.seed)
-            V += torch.where(fin, self.eps * delta, 0.0)
-            start += n
+            for s in range(0, V.shape[0], self.chunk):
+                Vs, Cs = V[s:s + self.chunk], C[s:s + self.chunk].long()
+                rows = torch.arange(start + s, start + s + Vs.shape[0], device=self.device)
+                Vs += torch.where(torch.isfinite(Vs),
+                                  self.eps * _tie_jitter(rows + offset, Cs, self.seed), 0.0)
+            start += V.shape[0]
 
     def _full_rows(self, X, rows, dT):
         """Candidates of `rows` (local indices) from their full outputs X, chosen against the
