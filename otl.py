@@ -114,7 +114,7 @@ def _std(counts: torch.Tensor, target: torch.Tensor) -> float:
 def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: float = 1e-15,
               patience: int = 10, max_iter: int = 10000, tie_eps=None, seed: int = 0,
               init: str = "median", method: str = "exact", candidates: int = 24,
-              max_candidates: int = 48, full_rows_up_to: int = 1024) -> TranslateResult:
+              max_candidates: int = 48, full_rows_up_to: int = 128) -> TranslateResult:
     """Output translation: one k-vector T such that labels = argmax(O - T) spread the N rows of
     O over the k clusters as the target asks (even by default, or any counts summing to N).
     T only translates O, so every difference O[s] - O[t] (and every distance) is unchanged.
@@ -247,13 +247,17 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5, a
 def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tensor:
     """A fixed uniform [0, 1) number per (global row, column), from integer hashing, so that every
     way of feeding the same outputs (dense, in batches, split over ranks) perturbs them alike.
-    rows: (r,) and cols: (r, m) int64 -> (r, m) float64."""
-    x = rows.to(torch.int64)[:, None] * 0x9E3779B1 + cols.to(torch.int64) * 0x85EBCA77 \
-        + (int(seed) % 1000003) * 0xC2B2AE3D
-    x = x ^ ((x >> 16) & 0xFFFFFFFFFFFF)
-    x = x * 0x27D4EB2F165667C5          # wraps around in int64, as intended
-    x = x ^ ((x >> 29) & 0x7FFFFFFFF)
-    return ((x >> 11) & 0x1FFFFFFFFFFFFF).to(torch.float64) / float(1 << 53)
+    rows: (r,) and cols: (r, m) int64 -> (r, m) float64.  In place after the first sum: on a
+    big block, allocation costs more than the arithmetic."""
+    x = cols.to(torch.int64) * 0x85EBCA77
+    x.add_(rows.to(torch.int64)[:, None] * 0x9E3779B1 + (int(seed) % 1000003) * 0xC2B2AE3D)
+    t = torch.bitwise_right_shift(x, 16)
+    x.bitwise_xor_(t.bitwise_and_(0xFFFFFFFFFFFF))
+    x.mul_(0x27D4EB2F165667C5)          # wraps around in int64, as intended
+    torch.bitwise_right_shift(x, 29, out=t)
+    x.bitwise_xor_(t.bitwise_and_(0x7FFFFFFFF))
+    x.bitwise_right_shift_(11).bitwise_and_(0x1FFFFFFFFFFFFF)
+    return x.to(torch.float64).mul_(1.0 / float(1 << 53))
 
 
 class _Comm:
@@ -297,17 +301,22 @@ class StreamingTranslator:
 
     `translate(O)` is this class fed with O in chunks, so both give the same labels and T.
 
-    Rows are kept whole (every column, 10 bytes each) when k <= `full_rows_up_to` (1024);
+    Rows are kept whole (every column, 10 bytes each) when k <= `full_rows_up_to` (128);
     beyond that only their candidates are kept (below).  The candidate lists are what make
-    N = 1.28M, k = 3000 fit in memory; on outputs whose balancing translation is large compared
-    with the gaps between a row's best outputs (real networks far from balance) they fall short
-    and many rows are re-read, so keep whole rows wherever they fit.
+    N = 1.28M, k = 3000 fit in memory and fast; on outputs whose balancing translation is large
+    compared with the gaps between a row's best outputs (real networks far from balance) they
+    can fall short, and those rows are re-read in full (`refetch`).
 
     How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
     window `delta` and the tie-break size.  Every row then keeps only its candidates: the columns
     whose O - T0 is within `delta` of the row's best (about `candidates` of them, at most
     `max_candidates`), plus a bound `theta` on everything it dropped.  Memory: about 10 bytes per
-    candidate (1.28M rows x 48 = 0.6 GB).  The translation is solved on the candidates:
+    candidate (1.28M rows x 48 = 0.6 GB).  The translation is solved on the candidates, and
+    only on the rows that can change cluster: every row's lead at T0 (its best minus its
+    runner-up) is known, and while the translation moves no T_j by more than R relative to
+    another, a row that leads by more than R keeps its best cluster; so the rows leading by at
+    most R are solved with the others' counts fixed, and R grows (and the solve repeats from
+    where it stopped) until the translation found fits within it:
 
     1. an ascending auction: every over-full cluster raises its T_j by just enough to shed its
        excess (found by bisection on global counts, so ranks exchange only k-vectors);
@@ -331,14 +340,16 @@ class StreamingTranslator:
 
     Distributed.  With torch.distributed initialised and distributed=True, each rank adds its own
     shard (rows in rank order, rank 0 holding at least the first n_init rows, or all of them, to
-    match a single process exactly); ranks exchange k-vectors (counts, bisection counts) in the
+    match a single process exactly; pass `row_offset`, the global number of the shard's first
+    row, so that rows with more than `max_candidates` exactly tied outputs break their ties as
+    in one process, and result() checks it); ranks exchange k-vectors (counts, bisection counts) in the
     auction and, in the exact finish, the k x k cheapest-move matrix per round, never outputs.
     """
 
     def __init__(self, k: int, target=None, seed: int = 0, candidates: int = 24,
-                 max_candidates: int = 48, full_rows_up_to: int = 1024, n_init: int = 8192,
+                 max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
                  tie_eps: float = 2.0 ** -26,
-                 distributed: bool = True, chunk: int = 65536):
+                 distributed: bool = True, chunk: int = 65536, row_offset=None):
         if k < 2:
             raise ValueError(f"need k >= 2 clusters, got k={k}")
         self.k, self.target_arg, self.seed = int(k), target, int(seed)
@@ -347,12 +358,17 @@ class StreamingTranslator:
             raise ValueError("candidates must be >= 1 and max_candidates >= 2")
         self.n_init, self.tie_eps, self.chunk = int(n_init), float(tie_eps), int(chunk)
         self.comm = _Comm(distributed)
+        # global number of this rank's first row (0 in one process); only exact ties among more
+        # than max_candidates outputs of a row need it before result(), which checks it
+        self.row_offset = int(row_offset) if row_offset is not None else 0
+        self.row_offset_given = row_offset is not None or not self.comm.on
         self.all_cols = self.k <= max(2 * self.mcap, int(full_rows_up_to))
         self.width = self.k if self.all_cols else self.mcap
         self.cdtype = torch.int16 if self.k < 32768 else torch.int32
         self.buffer, self.nbuf = [], 0
         self.V, self.C, self.theta = [], [], []
         self.n, self.T0, self.device, self.t0 = 0, None, None, None
+        self.block, self._S, self._M = 8192, None, None   # candidate extraction: 8192 x k buffers
 
     # -- feeding ---------------------------------------------------------------------------
     def add(self, outputs: torch.Tensor) -> None:
@@ -377,69 +393,114 @@ class StreamingTranslator:
         buf = torch.cat(self.buffer) if self.buffer else torch.zeros(0, self.k)
         self.buffer, self.nbuf = [], 0
         self.device = buf.device
-        head = buf[:self.n_init].to(torch.float64)
-        params = torch.zeros(self.k + 2, dtype=torch.float64, device=self.device)
+        head = buf[:self.n_init]
+        head = head if head.dtype == torch.float64 else head.to(torch.float32)
+        params = torch.zeros(self.k + 3, dtype=torch.float64, device=self.device)
         if head.shape[0] > 0:
             _check_outputs_finite(head)
-            params[:self.k] = head.median(dim=0).values
+            params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
             params[self.k] = self.tie_eps * max(head.abs().max().item(), 1e-30)
-            if not self.all_cols:
-                S = head - params[:self.k]
+            if not self.all_cols:   # the window: the m-th largest gap of a typical row
+                S = head[:2048] - params[:self.k].to(head.dtype)
                 gaps = S.amax(1, keepdim=True) - S
-                params[self.k + 1] = gaps.kthvalue(min(self.m, self.k), dim=1).values.median()
+                params[self.k + 1] = gaps.kthvalue(min(self.m, self.k), dim=1).values.median().item()
+            # the first working-set width: a fifth of the rows have a smaller lead at T0
+            top2 = (head[:2048] - params[:self.k].to(head.dtype)).topk(2, dim=1).values
+            params[self.k + 2] = (top2[:, 0] - top2[:, 1]).to(torch.float64).quantile(0.2).item()
         if self.comm.on:   # rank 0's first rows decide, so every rank uses the same T0 and window
             params = self.comm.broadcast(params.cpu()).to(self.device)
         self.T0, self.eps = params[:self.k].clone(), params[self.k].item()
+        self.T0f = self.T0.to(torch.float32)     # exact for float32 outputs (medians of them)
+        self.T0abs = float(self.T0.abs().max())   # float64 outputs: T0f errs by 2^-24 of this
         self.delta = math.inf if self.all_cols else params[self.k + 1].item()
+        self.R0 = max(params[self.k + 2].item(), self.eps)
         for s in range(0, buf.shape[0], self.chunk):
             self._extract(buf[s:s + self.chunk])
 
     def _extract(self, X: torch.Tensor):
         X = X.to(self.device)
-        n, k, w = X.shape[0], self.k, self.width
-        if n == 0:
+        if X.shape[0] == 0:
             return
-        if not math.isfinite(X.sum(dtype=torch.float64).item()):
+        lo, hi = X.aminmax()      # one cheap pass; NaN and +-inf show in these
+        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
             _check_outputs_finite(X, self.n)
-        rows = torch.arange(self.n, self.n + n, device=self.device)   # local; offset added later
-        self.n += n
+        if X.dtype != torch.float64:
+            X = X.to(torch.float32)
         if self.all_cols:
-            cols = torch.arange(k, device=self.device).expand(n, k)
+            n = X.shape[0]
+            cols = torch.arange(self.k, device=self.device).expand(n, self.k)
             V = X.to(torch.float64) - self.T0       # the tie-break is added in result()
+            self.n += n
             self._store(V, cols, torch.full((n,), -math.inf, dtype=torch.float64, device=self.device))
             return
-        S = X.to(torch.float32) - self.T0.to(torch.float32)
-        rmax = S.amax(1, keepdim=True)
-        mask = S >= rmax - self.delta
-        cnt = mask.sum(1)
-        # T0 holds float32 values (medians of them), so S = fl(X - T0) errs by at most
-        # 2^-24 |S|; near the threshold |S| ~ |rmax - delta|: a per-row allowance keeps theta a
-        # true bound on what was dropped, whatever the batch sizes
-        thr = rmax[:, 0].to(torch.float64) - self.delta
-        theta = thr + 2.0 ** -22 * thr.abs() + self.eps
-        V = torch.full((n, w), -math.inf, dtype=torch.float64, device=self.device)
-        C = torch.zeros((n, w), dtype=torch.int64, device=self.device)
+        for s in range(0, X.shape[0], self.block):
+            self._extract_block(X[s:s + self.block])
+
+    def _extract_block(self, X: torch.Tensor):
+        """Candidates of one block of rows in a few passes that write nothing N x k sized: S = X - T0
+        into a reused buffer, its row maxima, a reused boolean mask S >= max - delta, and the
+        mask read 8 columns at a time as int64 words (a row keeps ~m of k columns, so almost
+        every word is 0)."""
+        n, k, w, dev = X.shape[0], self.k, self.width, self.device
+        kp = (k + 7) // 8 * 8
+        if self._S is None or self._S.shape[0] < n:
+            self._S = torch.full((max(n, self.block), kp), -math.inf, dtype=torch.float32, device=dev)
+            self._M = torch.empty((max(n, self.block), kp), dtype=torch.bool, device=dev)
+        S, M = self._S[:n], self._M[:n]                         # (n, kp); columns >= k stay -inf
+        torch.sub(X, self.T0f, out=S[:, :k])
+        rmax = S.amax(1)                                        # (n,)
+        thr = rmax - self.delta
+        torch.ge(S, thr[:, None], out=M)
+        g8 = M.view(torch.int64).nonzero()                      # (h, 2): row, word; row-major
+        flat = g8[:, 0] * (kp // 8) + g8[:, 1]
+        hit = M.view(-1, 8).index_select(0, flat).view(-1).nonzero()[:, 0]   # (c,) word * 8 + bit
+        word = hit >> 3
+        rr = g8[:, 0].index_select(0, word)                     # rows, ascending
+        cc = g8[:, 1].index_select(0, word) * 8 + (hit & 7)
+        cnt = torch.bincount(rr, minlength=n)
+        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt)[rr]
+        self.n += n
+        # fl(X - T0) errs by at most 2^-24 |S| (float64 outputs: T0f errs by 2^-24 |T0| too): a
+        # per-row allowance keeps theta a true bound on every dropped column, whatever the blocks
+        thr64 = thr.to(torch.float64)
+        t0abs = self.T0abs if X.dtype == torch.float64 else 0.0
+        theta = thr64 + 2.0 ** -22 * (thr64.abs() + t0abs) + self.eps
+        theta[cnt >= k] = -math.inf                             # nothing was dropped
         many = cnt > w
-        if many.any():       # keep the best w (ties broken by the jitter) and bound the rest
+        V = torch.full((n, w), -math.inf, dtype=torch.float64, device=dev)
+        C = torch.zeros((n, w), dtype=self.cdtype, device=dev)
+        if many.any():   # more than w near the top: keep the best w of them, bound the rest
             oi = many.nonzero()[:, 0]
-            cols = torch.arange(k, device=self.device).expand(oi.numel(), k)
-            S64 = X[oi].to(torch.float64) - self.T0 + self.eps * _tie_jitter(rows[oi], cols, self.seed)
-            tv, ti = S64.topk(w + 1, dim=1)
-            C[oi] = ti[:, :w]
-            V[oi] = X[oi].to(torch.float64).gather(1, ti[:, :w]) - self.T0[ti[:, :w]]
-            # float64 here: no rounding allowance; + eps as result() re-draws the tie-break
-            theta[oi] = tv[:, w] + self.eps
-            mask[oi] = False
-            cnt = torch.where(many, 0, cnt)
-        r, c = mask.nonzero(as_tuple=True)
-        pos = torch.arange(r.numel(), device=self.device) - (torch.cumsum(cnt, 0) - cnt)[r]
-        V[r, pos] = X[r, c].to(torch.float64) - self.T0[c]
-        C[r, pos] = c
+            e = many.index_select(0, rr).nonzero()[:, 0]        # their entries
+            # exact values with the tie-break, so that exactly tied outputs (a collapsed network)
+            # keep different columns on different rows
+            first = self.n - n + self.row_offset                # global number of row 0 here
+            if e.numel() > 0.3 * oi.numel() * k:                # most of these rows: take them whole
+                PC = torch.arange(k, device=dev).expand(oi.numel(), k)
+                P = X[oi].to(torch.float64) - self.T0
+                P += self.eps * _tie_jitter(oi + first, PC, self.seed)
+            else:
+                slot = torch.cumsum(many, 0).index_select(0, rr[e]) - 1
+                P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64, device=dev)
+                PC = torch.zeros(P.shape, dtype=torch.int64, device=dev)
+                P[slot, pos[e]] = (X.reshape(-1).index_select(0, rr[e] * k + cc[e]).to(torch.float64)
+                                   - self.T0[cc[e]]
+                                   + self.eps * _tie_jitter(rr[e] + first, cc[e][:, None], self.seed)[:, 0])
+                PC[slot, pos[e]] = cc[e]
+            tv, ti = P.topk(w + 1, dim=1)                      # (o, w + 1) among the candidates
+            theta[oi] = torch.maximum(theta[oi], tv[:, w])    # the same sum as result() makes
+            cols = PC.gather(1, ti[:, :w])                      # (o, w)
+            V[oi] = X[oi].gather(1, cols).to(torch.float64) - self.T0[cols]
+            C[oi] = cols.to(self.cdtype)
+            e = (~many).index_select(0, rr).nonzero()[:, 0]
+            rr, cc, pos = rr[e], cc[e], pos[e]
+        V[rr, pos] = X.reshape(-1).index_select(0, rr * k + cc).to(torch.float64) - self.T0[cc]  # exact
+        C[rr, pos] = cc.to(self.cdtype)
         self._store(V, C, theta)
 
     def _store(self, V, C, theta):
         self.V.append(V)
-        self.C.append(C.to(self.cdtype))
+        self.C.append(C if C.dtype == self.cdtype else C.to(self.cdtype))
         self.theta.append(theta)
 
     # -- solving ---------------------------------------------------------------------------
@@ -454,21 +515,86 @@ class StreamingTranslator:
         sizes = comm.sum(sizes)
         n_total = int(sizes.sum())
         self.offset = int(sizes[:comm.rank].sum())
+        if self.row_offset_given and self.row_offset != self.offset:
+            raise ValueError(f"row_offset={self.row_offset}, but the ranks before this one hold "
+                             f"{self.offset} rows: add shards in rank order")
         if n_total < k:
             raise ValueError(f"need at least as many outputs as clusters (N >= k), got N={n_total}, k={k}")
         target = _check_target(self.target_arg, n_total, k)
         lo = (target + 1e-9).floor().long().to(dev)
         hi = (target - 1e-9).ceil().long().to(dev)
         self._add_jitter(self.offset)   # now the global row numbers are known
-        V, C, theta = (torch.cat(self.V), torch.cat(self.C), torch.cat(self.theta)) if self.V else \
-            (torch.zeros(0, self.width, dtype=torch.float64, device=dev),
-             torch.zeros(0, self.width, dtype=self.cdtype, device=dev),
-             torch.zeros(0, dtype=torch.float64, device=dev))
-        self.V, self.C, self.theta = [V], [C], [theta]
-        solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk)
-        history, refetched = [solver._std()], 0
+        V, C, theta = self._concat()
+        # Working set.  At T = T0 every row has a best column and a margin over everything else
+        # (runner-up or theta).  While the translation found moves no T_j by more than R
+        # relative to another (span of dT < R), rows with margin > R keep their best column, so
+        # only the rows with margin <= R are solved (a few percent near balance); R grows until
+        # the span fits.
+        lab0 = torch.empty(self.n, dtype=torch.int64, device=dev)
+        margin = torch.empty(self.n, dtype=torch.float64, device=dev)
+        for s in range(0, self.n, self.chunk):
+            top = V[s:s + self.chunk].topk(2, dim=1)
+            lab0[s:s + self.chunk] = C[s:s + self.chunk].long().gather(1, top.indices[:, :1])[:, 0]
+            margin[s:s + self.chunk] = top.values[:, 0] - torch.maximum(top.values[:, 1],
+                                                                         theta[s:s + self.chunk])
+        R, dT, history, refetched, rounds, phases = self.R0, None, [], 0, 0, 0
+        while True:
+            act = (margin <= R).nonzero()[:, 0]
+            n_act = int(comm.sum(torch.tensor([act.numel()]))[0])
+            ic = comm.sum(torch.bincount(lab0[margin > R], minlength=k))   # counts of the rest
+            if n_act < n_total and bool((ic > hi).any()):
+                # the rest already overfill a cluster: widen first, by at least one more row
+                nxt = margin[margin > R].min() if bool((margin > R).any()) else torch.tensor(math.inf)
+                R = max(4 * R, float(comm.min(nxt.to(torch.float64).reshape(1).cpu())[0]))
+                continue
+            solver, got = self._solve(V[act], C[act], theta[act], act, target.to(dev) - ic,
+                                      (lo - ic).clamp(min=0), hi - ic, dT, refetch, history,
+                                      max_rounds, rounds, phases)
+            refetched += got
+            dT, rounds, phases = solver.dT, solver.rounds, solver.phases
+            span = float(dT.max() - dT.min())
+            if n_act == n_total or span < R:
+                break
+            R = max(2 * R, 2 * span)
+        labels = lab0
+        labels[act] = solver.labels
+        counts = ic + solver.counts
+        std = _std(counts.cpu(), target)
+        std_max = max(_std(F.one_hot(torch.argmin(target), k).to(torch.float64) * n_total, target), 1e-12)
+        ok = bool(((counts >= lo) & (counts <= hi)).all())
+        res = TranslateResult(labels=labels, T=self.T0 + dT, counts=counts, target=target,
+                              iterations=rounds + phases, std_history=history, std=std,
+                              std_max=std_max, seconds=time.perf_counter() - self.t0,
+                              stop_reason="balanced" if ok else "max_iter")
+        res.refetched, res.ties, res.active = refetched, solver.ties, n_act
+        return res
+
+    def _concat(self):
+        """The stored chunks as one (n, w) V and C and (n,) theta, freed chunk by chunk as they
+        are copied, so the peak is one extra chunk rather than a second copy."""
+        dev, w = self.device, self.width
+        V = torch.empty(self.n, w, dtype=torch.float64, device=dev)
+        C = torch.empty(self.n, w, dtype=self.cdtype, device=dev)
+        theta = torch.empty(self.n, dtype=torch.float64, device=dev)
+        s = 0
+        while self.V:
+            v, c, t = self.V.pop(0), self.C.pop(0), self.theta.pop(0)
+            V[s:s + v.shape[0]], C[s:s + v.shape[0]], theta[s:s + v.shape[0]] = v, c, t
+            s += v.shape[0]
+        return V, C, theta
+
+    def _solve(self, V, C, theta, rows, target, lo, hi, dT, refetch, history, max_rounds,
+               rounds, phases):
+        """The exact solver on the rows `rows` (local indices; V, C, theta are theirs), with
+        refetching of rows whose candidates fall short.  Returns (solver, rows refetched)."""
+        comm, k, dev = self.comm, self.k, self.device
+        gid = rows + self.offset
+        solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk, gid, dT=dT,
+                              rounds=rounds, phases=phases)
+        history.append(solver._std())
+        refetched, width = 0, V.shape[1]
         for attempt in range(8):
-            balanced = solver.run(max_rounds, history, self.offset)
+            balanced = solver.run(max_rounds, history)
             unsafe = solver.unsafe_rows()
             n_unsafe = int(comm.sum(torch.tensor([unsafe.numel()]))[0])
             if n_unsafe and attempt < 2:
@@ -477,11 +603,11 @@ class StreamingTranslator:
                         f"{n_unsafe} rows' best candidate could be beaten by a column they "
                         "dropped; pass refetch=fn(rows) -> outputs of those rows, or use more "
                         "candidates")
-                X = refetch((unsafe + self.offset).cpu()) if unsafe.numel() else torch.zeros(0, k)
-                solver.replace_rows(unsafe, *self._full_rows(X.to(dev), unsafe, solver.dT))
+                X = refetch(gid[unsafe].cpu()) if unsafe.numel() else torch.zeros(0, k)
+                solver.replace_rows(unsafe, *self._full_rows(X.to(dev), rows[unsafe], solver.dT))
                 refetched += unsafe.numel()
                 continue
-            if (balanced and not n_unsafe) or self.width >= k:
+            if (balanced and not n_unsafe) or width >= k:
                 break
             if refetch is None:
                 raise RuntimeError(
@@ -490,31 +616,22 @@ class StreamingTranslator:
                     "reaches an under-full cluster); pass refetch=fn(rows) -> outputs of those "
                     "rows, or keep whole rows (full_rows_up_to >= k)")
             # no cheap path reaches a cluster that needs rows: the candidate lists are too short
-            # for these outputs; take every column of every row (memory N x k x 10 bytes)
-            V = torch.empty(self.n, k, dtype=torch.float64, device=dev)
-            for s in range(0, self.n, self.chunk):
-                rows = torch.arange(s, min(s + self.chunk, self.n), device=dev)
-                X = refetch((rows + self.offset).cpu()).to(dev)
-                cols = torch.arange(k, device=dev).expand(rows.numel(), k)
-                V[rows] = (X.to(torch.float64) - self.T0
-                           + self.eps * _tie_jitter(rows + self.offset, cols, self.seed))
-            refetched += self.n
-            self.width = k
-            C = torch.arange(k, device=dev).to(self.cdtype).expand(self.n, k).contiguous()
-            theta = torch.full((self.n,), -math.inf, dtype=torch.float64, device=dev)
-            solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk, dT=solver.dT,
-                                  rounds=solver.rounds, phases=solver.phases)
+            # for these outputs; take every column of these rows (memory rows x k x 10 bytes)
+            V = torch.empty(rows.numel(), k, dtype=torch.float64, device=dev)
+            for s in range(0, rows.numel(), self.chunk):
+                r = rows[s:s + self.chunk]
+                X = refetch((r + self.offset).cpu()).to(dev)
+                cols = torch.arange(k, device=dev).expand(r.numel(), k)
+                V[s:s + r.numel()] = (X.to(torch.float64) - self.T0
+                                      + self.eps * _tie_jitter(r + self.offset, cols, self.seed))
+            refetched += rows.numel()
+            width = k
+            C = torch.arange(k, device=dev).to(self.cdtype).expand(rows.numel(), k).contiguous()
+            theta = torch.full((rows.numel(),), -math.inf, dtype=torch.float64, device=dev)
+            solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk, gid,
+                                  dT=solver.dT, rounds=solver.rounds, phases=solver.phases)
         solver.strictify()
-        labels, counts = solver.labels.clone(), solver.counts.clone()
-        std = _std(counts.cpu(), target)
-        std_max = max(_std(F.one_hot(torch.argmin(target), k).to(torch.float64) * n_total, target), 1e-12)
-        ok = bool(((counts >= lo) & (counts <= hi)).all())
-        res = TranslateResult(labels=labels, T=self.T0 + solver.dT, counts=counts, target=target,
-                              iterations=solver.rounds + solver.phases, std_history=history,
-                              std=std, std_max=std_max, seconds=time.perf_counter() - self.t0,
-                              stop_reason="balanced" if ok else "max_iter")
-        res.refetched, res.ties = refetched, solver.ties
-        return res
+        return solver, refetched
 
     def _add_jitter(self, offset):
         # stored values are O - T0; add eps * u(global row, col), the same sum in every mode
@@ -549,8 +666,9 @@ def _check_outputs_finite(X, row0: int = 0):
 class _ExactSolver:
     """The translation solved on candidate lists (see StreamingTranslator).  All float64."""
 
-    def __init__(self, V, C, theta, k, target, lo, hi, comm, chunk, dT=None, rounds=0, phases=0):
-        self.V, self.C, self.theta, self.k = V, C, theta, k
+    def __init__(self, V, C, theta, k, target, lo, hi, comm, chunk, gid, dT=None, rounds=0,
+                 phases=0):
+        self.V, self.C, self.theta, self.k, self.gid = V, C, theta, k, gid   # gid: global row ids
         self.target, self.lo, self.hi, self.comm, self.chunk = target, lo, hi, comm, chunk
         self.dev = V.device
         self.dT = torch.zeros(k, dtype=torch.float64, device=self.dev) if dT is None else dT
@@ -647,7 +765,7 @@ class _ExactSolver:
     # Moving row i from its cluster a to b loses (V_ia - dT_a) - (V_ib - dT_b) of score, so the
     # cheapest move a -> b is W0[a, b] + dT[b] - dT[a] with W0[a, b] = min over rows of a of
     # V_ia - V_ib: W0 does not depend on T and only the rows of clusters that moved change it.
-    def _w0(self, rows, offset, W0=None, arg=None):
+    def _w0(self, rows, W0=None, arg=None):
         k, dev, INF, BIG = self.k, self.dev, math.inf, torch.iinfo(torch.int64).max
         if W0 is None:
             W0 = torch.full((k * k,), INF, dtype=torch.float64, device=dev)
@@ -659,7 +777,7 @@ class _ExactSolver:
             valid = (Cr != lab[:, None]) & torch.isfinite(Vr)
             R = (own - Vr)[valid]
             key = (lab[:, None] * k + Cr)[valid]
-            rid = (r + offset)[:, None].expand_as(Vr)[valid]
+            rid = self.gid[r][:, None].expand_as(Vr)[valid]
             wc = torch.full_like(W0, INF).scatter_reduce(0, key, R, "amin")
             hit = R == wc[key]
             ac = torch.full_like(arg, BIG).scatter_reduce(0, key[hit], rid[hit], "amin")
@@ -701,7 +819,7 @@ class _ExactSolver:
             pred[better] = u
         return d, pred
 
-    def _finish(self, offset, history, max_phases=10000):
+    def _finish(self, history, max_phases=10000):
         import numpy as np
         W0 = arg = None
         while self.phases < max_phases:
@@ -716,7 +834,7 @@ class _ExactSolver:
             give, take = give.numpy().copy(), take.numpy().copy()
             self.phases += 1
             if W0 is None:
-                W0, arg = self._w0(self.all, offset)
+                W0, arg = self._w0(self.all)
             w, argn = self._global_edges(W0, arg)
             d, pred = self._dijkstra(w, give > 0)
             used, moves, D = set(), [], None
@@ -750,9 +868,12 @@ class _ExactSolver:
             touched = torch.zeros(self.k, dtype=torch.bool, device=self.dev)
             for i, a, b in moves:
                 touched[a] = touched[b] = True
-                li = i - offset
-                if 0 <= li < self.labels.numel():
-                    self.labels[li] = b
+            if moves:   # the moved rows that live here (gid is ascending)
+                ids = torch.tensor([i for i, _, _ in moves], dtype=torch.int64, device=self.dev)
+                to = torch.tensor([b for _, _, b in moves], dtype=torch.int64, device=self.dev)
+                li = torch.searchsorted(self.gid, ids).clamp(max=max(self.gid.numel() - 1, 0))
+                here = (self.gid[li] == ids) if self.gid.numel() else torch.zeros_like(ids, dtype=torch.bool)
+                self.labels[li[here]] = to[here]
             self.counts = self._count()
             history.append(self._std())
             # the rows of every cluster that lost or gained a row are summed into W0 again
@@ -760,7 +881,7 @@ class _ExactSolver:
             tk = touched.nonzero()[:, 0]
             Wv, av = W0.view(self.k, self.k), arg.view(self.k, self.k)
             Wv[tk], av[tk] = math.inf, torch.iinfo(torch.int64).max
-            W0, arg = self._w0(touched[self.labels].nonzero()[:, 0], offset, W0, arg)
+            W0, arg = self._w0(touched[self.labels].nonzero()[:, 0], W0, arg)
         return False
 
     # -- 0. far from balance: the published rules, on the candidates -------------------------
@@ -802,12 +923,12 @@ class _ExactSolver:
             if still >= patience:
                 return
 
-    def run(self, max_rounds, history, offset=0):
+    def run(self, max_rounds, history):
         E = float((self.counts - self.hi).clamp(min=0).sum())
         if E > 0.02 * float(self.counts.sum()):
             self._published(history)
         self._auction(max_rounds, history)
-        return self._finish(offset, history)
+        return self._finish(history)
 
     # -- 3. strict argmax --------------------------------------------------------------------
     def strictify(self):
