@@ -8,10 +8,12 @@ Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
 
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
-  random_net      all 27,000 images of --data through the cpu preset's network (train_otl.py), freshly
-                  initialised: backbone features computed once as otl.label_pass does (BatchNorm on
-                  each shuffled batch's statistics, running statistics untouched), then for each k
-                  a fresh k-way nn.Linear head (default init, seed --seed + k).  Skipped without --data.
+  random_net      N = --n images of --data (each of the 27,000 EuroSAT images, then each again
+                  mirrored left-right, up to 50,000) through the cpu preset's network
+                  (train_otl.py), freshly initialised: backbone features computed once by
+                  otl.label_pass(head=False) (BatchNorm on each shuffled batch's statistics,
+                  running statistics untouched), then for each k in --real-ks a fresh k-way
+                  nn.Linear head (default init, seed --seed + k).  Skipped without --data.
   trained_net     otl.label_pass outputs of --checkpoint (its own head, k = 128) on all images.
   gaussian_large  --large-n x --large-k (1,280,000 x 3000 float32, 15 GB as one array): ours is
                   fed it in chunks of 8192 rows made on the fly (StreamingTranslator, with a
@@ -49,9 +51,10 @@ import otl
 from train_otl import PRESETS
 
 METHODS = ("exact", "published", "sinkhorn")
-FULL = dict(n=50_000, ks=list(range(50, 1001, 50)), large_n=1_280_000, large_k=3000, ref_n=64_000,
-            real_images=None)
-QUICK = dict(n=2000, ks=[10, 50], large_n=20_000, large_k=300, ref_n=10_000, real_images=2000)
+FULL = dict(n=50_000, ks=list(range(50, 1001, 50)), real_ks=[10, 50, 100, 200, 500, 1000],
+            large_n=1_280_000, large_k=3000, ref_n=64_000, real_images=None)
+QUICK = dict(n=2000, ks=[10, 50], real_ks=[10, 50], large_n=20_000, large_k=300, ref_n=10_000,
+             real_images=2000)
 
 
 def int_list(s):
@@ -67,8 +70,10 @@ def get_args_parser():
     p.add_argument("--out", default="results/labeler_bench.json", help="results JSON (rewritten after "
                    "every measurement)")
     p.add_argument("--plot", default=None, help="PNG: std and wall time against k (needs matplotlib)")
-    p.add_argument("--ks", type=int_list, help="cluster counts of the gaussian and random_net sweeps: "
+    p.add_argument("--ks", type=int_list, help="cluster counts of the gaussian sweep: "
                    "'50,100' or '50:1000:50' (default 50:1000:50; --quick: 10,50)")
+    p.add_argument("--real-ks", type=int_list, help="cluster counts of the random_net sweep (default "
+                   "10,50,100,200,500,1000; --quick: 10,50)")
     p.add_argument("--n", type=int, help="rows of the gaussian sweep (default 50,000; --quick: 2000)")
     p.add_argument("--large-n", type=int, help="rows of the large case (default 1,280,000, ImageNet's "
                    "training set; --quick: 20,000)")
@@ -218,19 +223,6 @@ def measure_in_child(spec):
             return {"error": f"{type(e).__name__}: {e}"}
 
 
-@torch.no_grad()
-def batch_stat_features(model, images, size, seed, batch_size=256):
-    """Backbone features of every image exactly as otl.label_pass computes them before the head:
-    shuffled batches, BatchNorm on each batch's statistics, running statistics untouched."""
-    perm = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(seed))
-    feats = torch.empty(images.shape[0], model.feat_dim)  # (N, D)
-    with otl.batch_stats_mode(model):
-        for s in range(0, images.shape[0], batch_size):
-            idx = perm[s:s + batch_size]
-            feats[idx] = model.features(otl.resize_batch(images[idx], size)).float()
-    return feats
-
-
 def real_inputs(args, skipped):
     """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not."""
     try:
@@ -243,6 +235,7 @@ def real_inputs(args, skipped):
     if args.real_images:
         images = images[torch.randperm(len(images), generator=torch.Generator().manual_seed(args.seed))
                         [:args.real_images]]
+    n_real = min(args.n, 2 * len(images))  # N = 50,000 from 27,000 images: each also mirrored
     with open(os.path.join(args.data, "manifest.json")) as fh:
         manifest = json.load(fh)
     pre = PRESETS["cpu"]
@@ -251,9 +244,11 @@ def real_inputs(args, skipped):
                                             width=pre["width"], mean=tuple(manifest["channel_mean"]),
                                             std=tuple(manifest["channel_std"])))
     t0 = time.perf_counter()
-    feats = batch_stat_features(model, images, pre["img_size"], args.seed)
-    print(f"random_net: features of {len(images):,} images in {time.perf_counter() - t0:.1f} s", flush=True)
-    for k in args.ks:
+    both = torch.cat([images, images.flip(3)])[:n_real]
+    feats = otl.label_pass(model, both, pre["img_size"], 256, "cpu", bn="batch", head=False,
+                           generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
+    print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
+    for k in args.real_ks:
         torch.manual_seed(args.seed + k)
         with torch.no_grad():
             yield "random_net", k, nn.Linear(model.feat_dim, k)(feats)  # a fresh head's outputs
@@ -262,7 +257,7 @@ def real_inputs(args, skipped):
         print(f"skipping trained_net: no checkpoint at {args.checkpoint}", flush=True)
         return
     model, ckpt = otl.load_checkpoint(args.checkpoint)
-    outs = otl.label_pass(model, images, int(ckpt["args"]["img_size"]), 256, "cpu", bn="batch",
+    outs = otl.label_pass(model, both, int(ckpt["args"]["img_size"]), 256, "cpu", bn="batch",
                           generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
     yield "trained_net", model.cfg.k, outs
 
@@ -325,7 +320,8 @@ def main(args):
                "random_net": "EuroSAT images through the freshly initialised cpu-preset network "
                              "(BatchNorm on batch statistics) and a fresh k-way nn.Linear head; N = "
                              + (f"{args.real_images} (a seeded subset)" if args.real_images else
-                                "27,000 (every image, train and test split)"),
+                                "27,000 (every image, train and test split)")
+                             + f", each also mirrored, the first {args.n} of them",
                "trained_net": f"label-pass outputs of {args.checkpoint} (its head), same images",
                "gaussian_large": f"torch.randn float32, N = {args.large_n} for exact; the published "
                                  f"labeler and sinkhorn get the first {args.ref_n} rows (their N is "

@@ -524,19 +524,18 @@ class StreamingTranslator:
         lo = (target + 1e-9).floor().long().to(dev)
         hi = (target - 1e-9).ceil().long().to(dev)
         self._add_jitter(self.offset)   # now the global row numbers are known
-        V, C, theta = self._concat()
+        self._S = self._M = None        # the extraction buffers
         # Working set.  At T = T0 every row has a best column and a margin over everything else
         # (runner-up or theta).  While the translation found moves no T_j by more than R
         # relative to another (span of dT < R), rows with margin > R keep their best column, so
-        # only the rows with margin <= R are solved (a few percent near balance); R grows until
-        # the span fits.
+        # only the rows with margin <= R are solved (about half of them for gaussian outputs at
+        # N = 1.28M, k = 3000); R grows until the span fits.
         lab0 = torch.empty(self.n, dtype=torch.int64, device=dev)
         margin = torch.empty(self.n, dtype=torch.float64, device=dev)
-        for s in range(0, self.n, self.chunk):
-            top = V[s:s + self.chunk].topk(2, dim=1)
-            lab0[s:s + self.chunk] = C[s:s + self.chunk].long().gather(1, top.indices[:, :1])[:, 0]
-            margin[s:s + self.chunk] = top.values[:, 0] - torch.maximum(top.values[:, 1],
-                                                                         theta[s:s + self.chunk])
+        for s, V, C, theta in self._chunks():
+            top = V.topk(2, dim=1)
+            lab0[s:s + V.shape[0]] = C.long().gather(1, top.indices[:, :1])[:, 0]
+            margin[s:s + V.shape[0]] = top.values[:, 0] - torch.maximum(top.values[:, 1], theta)
         R, dT, history, refetched, rounds, phases = self.R0, None, [], 0, 0, 0
         while True:
             act = (margin <= R).nonzero()[:, 0]
@@ -547,7 +546,7 @@ class StreamingTranslator:
                 nxt = margin[margin > R].min() if bool((margin > R).any()) else torch.tensor(math.inf)
                 R = max(4 * R, float(comm.min(nxt.to(torch.float64).reshape(1).cpu())[0]))
                 continue
-            solver, got = self._solve(V[act], C[act], theta[act], act, target.to(dev) - ic,
+            solver, got = self._solve(*self._rows(act), act, target.to(dev) - ic,
                                       (lo - ic).clamp(min=0), hi - ic, dT, refetch, history,
                                       max_rounds, rounds, phases)
             refetched += got
@@ -569,19 +568,27 @@ class StreamingTranslator:
         res.refetched, res.ties, res.active = refetched, solver.ties, n_act
         return res
 
-    def _concat(self):
-        """The stored chunks as one (n, w) V and C and (n,) theta, freed chunk by chunk as they
-        are copied, so the peak is one extra chunk rather than a second copy."""
-        dev, w = self.device, self.width
-        V = torch.empty(self.n, w, dtype=torch.float64, device=dev)
-        C = torch.empty(self.n, w, dtype=self.cdtype, device=dev)
-        theta = torch.empty(self.n, dtype=torch.float64, device=dev)
+    def _chunks(self):
+        """(first row, V, C, theta) of every stored piece of at most `chunk` rows."""
         s = 0
-        while self.V:
-            v, c, t = self.V.pop(0), self.C.pop(0), self.theta.pop(0)
-            V[s:s + v.shape[0]], C[s:s + v.shape[0]], theta[s:s + v.shape[0]] = v, c, t
-            s += v.shape[0]
-        return V, C, theta
+        for V, C, theta in zip(self.V, self.C, self.theta):
+            for t in range(0, V.shape[0], self.chunk):
+                yield s + t, V[t:t + self.chunk], C[t:t + self.chunk], theta[t:t + self.chunk]
+            s += V.shape[0]
+
+    def _rows(self, rows):
+        """V, C and theta of the given local rows (ascending), copied piece by piece."""
+        out = (torch.empty(rows.numel(), self.width, dtype=torch.float64, device=self.device),
+               torch.empty(rows.numel(), self.width, dtype=self.cdtype, device=self.device),
+               torch.empty(rows.numel(), dtype=torch.float64, device=self.device))
+        start = 0
+        for parts in zip(self.V, self.C, self.theta):
+            end = start + parts[0].shape[0]
+            lo, hi = torch.searchsorted(rows, torch.tensor([start, end], device=self.device)).tolist()
+            for o, p in zip(out, parts):
+                o[lo:hi] = p[rows[lo:hi] - start]
+            start = end
+        return out
 
     def _solve(self, V, C, theta, rows, target, lo, hi, dT, refetch, history, max_rounds,
                rounds, phases):
@@ -683,18 +690,31 @@ class _ExactSolver:
     def _std(self):
         return _std(self.counts.cpu(), self.target)
 
+    def _gathered(self, d, C):
+        """d[C] for a (n, w) block of cluster numbers: index_select on int32 is several times
+        faster than advanced indexing with int64."""
+        return d.index_select(0, C.reshape(-1).to(torch.int32)).view(C.shape)
+
+    def _blocks(self, rows):
+        """(V, C, theta) of `rows` in pieces of at most `chunk`: slices when rows are all rows."""
+        for s in range(0, rows.numel(), self.chunk):
+            if rows is self.all:
+                sl = slice(s, s + self.chunk)
+                yield self.V[sl], self.C[sl], self.theta[sl]
+            else:
+                r = rows[s:s + self.chunk]
+                yield self.V[r], self.C[r], self.theta[r]
+
     def _eval(self, rows):
         """best score, its column, the runner-up (or the bound on dropped columns), unsafe."""
         out = [[], [], [], []]
         tmin = self.dT.min()
-        for s in range(0, rows.numel(), self.chunk):
-            r = rows[s:s + self.chunk]
-            Cr = self.C[r].long()
-            top = (self.V[r] - self.dT[Cr]).topk(2, dim=1)
+        for Vr, Cr, th in self._blocks(rows):
+            top = (Vr - self._gathered(self.dT, Cr)).topk(2, dim=1)
             best = top.values[:, 0]
-            thb = self.theta[r] - tmin
+            thb = th - tmin
             out[0].append(best)
-            out[1].append(Cr.gather(1, top.indices[:, :1])[:, 0])
+            out[1].append(Cr.gather(1, top.indices[:, :1])[:, 0].long())
             out[2].append(torch.maximum(top.values[:, 1], thb))
             out[3].append(best <= thb)
         if not out[0]:
@@ -770,19 +790,24 @@ class _ExactSolver:
         if W0 is None:
             W0 = torch.full((k * k,), INF, dtype=torch.float64, device=dev)
             arg = torch.full((k * k,), BIG, dtype=torch.int64, device=dev)
-        for s in range(0, rows.numel(), self.chunk):
-            r = rows[s:s + self.chunk]
+
+        def moves(r):   # (cost, key a * k + b, row) of every candidate move of rows r
             Cr, lab, Vr = self.C[r].long(), self.labels[r], self.V[r]
             own = Vr.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
             valid = (Cr != lab[:, None]) & torch.isfinite(Vr)
-            R = (own - Vr)[valid]
-            key = (lab[:, None] * k + Cr)[valid]
-            rid = self.gid[r][:, None].expand_as(Vr)[valid]
-            wc = torch.full_like(W0, INF).scatter_reduce(0, key, R, "amin")
-            hit = R == wc[key]
-            ac = torch.full_like(arg, BIG).scatter_reduce(0, key[hit], rid[hit], "amin")
-            arg = torch.where(wc < W0, ac, torch.where(wc == W0, torch.minimum(ac, arg), arg))
-            W0 = torch.minimum(W0, wc)
+            return (own - Vr)[valid], (lab[:, None] * k + Cr)[valid], valid
+
+        # two passes, in place: the cheapest cost per (a, b), then the lowest row id that has it
+        # (the same row on every rank and in every chunking)
+        for s in range(0, rows.numel(), self.chunk):
+            R, key, _ = moves(rows[s:s + self.chunk])
+            W0.scatter_reduce_(0, key, R, "amin")
+        for s in range(0, rows.numel(), self.chunk):
+            r = rows[s:s + self.chunk]
+            R, key, valid = moves(r)
+            hit = R == W0[key]
+            rid = self.gid[r][:, None].expand_as(valid)[valid]
+            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
         return W0, arg
 
     def _global_edges(self, W0, arg):
@@ -889,39 +914,50 @@ class _ExactSolver:
         """Global steps alpha * C (C = counts - target, scaled to max 1), alpha = (std / std_max)
         x (range of the scores) / f, undone and f *= beta when the std gets worse.  Far from
         balance (real networks' outputs) this moves every cluster at once, which the auction
-        below, raising over-full clusters only, does slowly."""
+        below, raising over-full clusters only, does slowly.  Only the approach: each step is an
+        argmax on float32 copies; the exact labels are taken again at the end."""
         n_total = int(self.counts.sum())
         std_max = max(_std(F.one_hot(torch.argmin(self.target), self.k).to(torch.float64)
                            * n_total, self.target), 1e-12)
-        fin = torch.isfinite(self.V)
-        vr = torch.tensor([float(self.V[fin].max()) if fin.any() else 0.0,
-                           -float(self.V[fin].min()) if fin.any() else 0.0], dtype=torch.float64)
+        V32 = self.V.to(torch.float32)                              # (n, w)
+        vmin = min((float(torch.where(torch.isfinite(v), v, math.inf).amin())
+                    for v in V32.split(self.chunk)), default=0.0)
+        vr = torch.tensor([float(V32.amax()) if V32.numel() else 0.0, -vmin], dtype=torch.float64)
         vr = self.comm.max(vr)
         target = self.target.to(self.dev)
-        std, f, still = self._std(), 1.0, 0
+
+        def labels_at(dT):
+            d32, lab = dT.to(torch.float32), torch.empty(V32.shape[0], dtype=torch.int64, device=self.dev)
+            for s in range(0, V32.shape[0], self.chunk):
+                Cs = self.C[s:s + self.chunk]
+                best = (V32[s:s + self.chunk] - self._gathered(d32, Cs)).argmax(1, keepdim=True)
+                lab[s:s + self.chunk] = Cs.gather(1, best)[:, 0]
+            return lab
+
+        dT0, std, f, still = self.dT, self._std(), 1.0, 0
         for _ in range(max_iter):
             if std <= 1.0:
-                return
+                break
             C = self.counts.to(torch.float64) - target
             C = C / C.max()
             alpha = (std / std_max) * (float(vr.sum()) + float(self.dT.max() - self.dT.min())) / f
             if alpha <= 1e-15:
-                return
-            old = self.dT, self.labels, self.counts
-            self.dT = self.dT + alpha * C
-            self.labels = self._eval(self.all)[1]
-            self.counts = self._count()
+                break
+            dT_new = self.dT + alpha * C
+            counts = self.comm.sum(torch.bincount(labels_at(dT_new), minlength=self.k))
             self.rounds += 1
-            new = self._std()
+            new = _std(counts.cpu(), self.target)
             history.append(new)
             if new > std:
-                self.dT, self.labels, self.counts = old
                 f *= beta
                 continue
             still = still + 1 if new == std else 0
-            std = new
+            self.dT, self.counts, std = dT_new, counts, new
             if still >= patience:
-                return
+                break
+        if self.dT is not dT0:   # exact labels at the T reached
+            self.labels = self._eval(self.all)[1]
+            self.counts = self._count()
 
     def run(self, max_rounds, history):
         E = float((self.counts - self.hi).clamp(min=0).sum())
@@ -939,27 +975,25 @@ class _ExactSolver:
         k, dev = self.k, self.dev
         # ties are equal up to float64 rounding of the values involved
         scale = float(self.dT.abs().max())
-        fin = self.V[torch.isfinite(self.V)]
-        if fin.numel():
-            scale = max(scale, float(fin.abs().max()))
+        for v in self.V.split(self.chunk):
+            v = v.abs()
+            scale = max(scale, float(torch.where(torch.isfinite(v), v, 0.0).amax()))
         scale = float(self.comm.max(torch.tensor([scale], dtype=torch.float64))[0]) or 1.0
         tol = 64 * 2.0 ** -52 * scale
         ta, tb, rmin = [], [], math.inf
-        for s in range(0, self.all.numel(), self.chunk):
-            r = self.all[s:s + self.chunk]
-            Cr, lab = self.C[r].long(), self.labels[r]
-            S = self.V[r] - self.dT[Cr]
+        for s, (Vr, Cr, th) in zip(range(0, self.all.numel(), self.chunk), self._blocks(self.all)):
+            Cr, lab = Cr.long(), self.labels[s:s + self.chunk]
+            S = Vr - self._gathered(self.dT, Cr)
             own = S.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
             valid = (Cr != lab[:, None]) & torch.isfinite(S)
             R = own - S
             tight = valid & (R <= tol)
             ta.append(lab[:, None].expand_as(R)[tight])
             tb.append(Cr[tight])
-            rest = R[valid & ~tight]
-            if rest.numel():
-                rmin = min(rmin, float(rest.min()))
+            if R.numel():
+                rmin = min(rmin, float(torch.where(valid & ~tight, R, math.inf).amin()))
             # dropped columns: score <= theta - min dT
-            thb = self.theta[r] - self.dT.min()
+            thb = th - self.dT.min()
             gap = (own[:, 0] - thb)
             gap = gap[torch.isfinite(gap)]
             if gap.numel():
@@ -1272,15 +1306,18 @@ def _batches(n: int, batch_size: int, desc: str, progress: bool):
 @torch.no_grad()
 def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
                device="cpu", bn: str = "batch", views: int = 1, strong: bool = False,
-               cutout: int = 16, generator=None, progress: bool = True) -> torch.Tensor:
-    """The network's outputs for every image: (views, N, k) float32 on `device`.  views = 1 uses
+               cutout: int = 16, generator=None, progress: bool = True,
+               head: bool = True) -> torch.Tensor:
+    """The network's outputs for every image: (views, N, k) float32 on `device` (head=False: the
+    backbone's features, (views, N, feat_dim), e.g. to try several heads).  views = 1 uses
     the test-time transform; views > 1 uses random (simple or strong) augmentations.  bn="batch"
     normalises with batch statistics without touching running statistics (see batch_stats_mode);
     bn="eval" uses the running statistics.  Batches are shuffled so batch statistics do not depend
     on the order of the data set."""
     n = images.shape[0]
     perm = torch.randperm(n, generator=generator)
-    out = torch.empty(views, n, model.cfg.k, device=device)
+    out = torch.empty(views, n, model.cfg.k if head else model.feat_dim, device=device)
+    fwd = model if head else model.features
     ctx = batch_stats_mode(model) if bn == "batch" else _eval_mode(model)
     with ctx:
         for s in _batches(n, batch_size, "label pass", progress):
@@ -1289,7 +1326,7 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
             for v in range(views):
                 xv = resize_batch(x, size) if views == 1 else augment(x, size, strong, cutout=cutout)
                 with _autocast(device):
-                    out[v, idx.to(device)] = model(xv).float()
+                    out[v, idx.to(device)] = fwd(xv).float()
     return out
 
 

@@ -114,6 +114,30 @@ def test_exact_balance_resnet18_eurosat(bn):
     check_translation(O, r)
 
 
+@pytest.fixture(scope="module")
+def resnet18_features():
+    """Backbone features of a randomly initialised ResNet-18 for N = 50,000 EuroSAT images (25,000
+    images and their mirror images), BatchNorm on batch statistics as in training's label pass."""
+    images = _eurosat_images(25_000)
+    images = torch.cat([images, images.flip(3)])
+    torch.manual_seed(0)
+    model = otl.build_model(otl.ModelConfig(k=10, width=32))
+    return otl.label_pass(model, images, 32, 500, "cpu", bn="batch", head=False, generator=gen(0),
+                          progress=False)[0]
+
+
+@pytest.mark.parametrize("k", KS)
+def test_exact_balance_resnet18_heads_50k(resnet18_features, k):
+    """Every k of the issue on real network outputs: a fresh k-way head on the features."""
+    torch.manual_seed(k)
+    with torch.no_grad():
+        O = torch.nn.Linear(resnet18_features.shape[1], k)(resnet18_features)
+    assert O.shape == (50_000, k)
+    r = otl.translate(O)
+    check_even(r)
+    check_translation(O, r)
+
+
 def test_exact_is_a_translation():
     O = torch.randn(3000, 20, generator=gen(6))
     r = otl.translate(O)
