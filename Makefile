@@ -59,7 +59,7 @@ eval-run:
 # ------------------------------------------------------------------------- benchmarks
 # The labelers on the same outputs (gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh and
 # of the trained network when data/eurosat and runs/eurosat exist; 1.28M x 3000 streamed in chunks).
-labeler-bench: $(STAMP)
+labeler-bench: eurosat-data
 	$(PY) bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
 
 clean-runs:

@@ -32,6 +32,7 @@ recorded with its error and makes the script exit non-zero, and no numbers are m
 """
 import argparse
 import concurrent.futures as cf
+import hashlib
 import inspect
 import json
 import multiprocessing as mp
@@ -67,6 +68,8 @@ def int_list(s):
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--summary", metavar="JSON", help="print the tables of a results JSON written "
+                   "by this script and stop")
     p.add_argument("--out", default="results/labeler_bench.json", help="results JSON (rewritten after "
                    "every measurement)")
     p.add_argument("--plot", default=None, help="PNG: std and wall time against k (needs matplotlib)")
@@ -173,9 +176,17 @@ def _record(labels, n, k, seconds, iters, reason, call, rss):
             "rss_before_mib": round(rss / 1024, 1), "stop_reason": reason, "call": call}
 
 
+def otl_sha256():
+    with open(otl.__file__, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
 def measure(spec):
     """Child process: build or load the input, then time one labeler and its peak memory."""
     torch.set_num_threads(spec["threads"])
+    if otl_sha256() != spec["otl_sha256"]:   # each child imports otl.py afresh
+        raise RuntimeError("otl.py changed since the benchmark started; its numbers would not "
+                           "belong to the recorded commit")
     if spec.get("stream"):
         return measure_stream(spec)
     if spec["path"]:
@@ -307,14 +318,50 @@ def plot(records, path):
     print(f"plot: {path}", flush=True)
 
 
+def summary(path):
+    """Markdown tables of a results JSON: per input and k, each method's seconds, max - min and
+    std (floor), and how many times faster ours is than the published labeler."""
+    with open(path) as fh:
+        res = json.load(fh)
+    recs = [r for r in res["records"] if "error" not in r]
+    lines = [f"`{res['command']}` at commit `{res['git_commit'][:7]}` on {res['machine']['cpu']} "
+             f"({res['machine']['torch_threads']} threads, torch {res['machine']['torch']})", ""]
+    head = "| input | N | k | " + " | ".join(f"{m} s (max-min, std)" for m in METHODS) + \
+        " | published / ours |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    keys = sorted({(r["input"], r["n"], r["k"]) for r in recs},
+                  key=lambda x: (["gaussian", "random_net", "trained_net", "gaussian_large"].index(x[0])
+                                 if x[0] in ("gaussian", "random_net", "trained_net", "gaussian_large")
+                                 else 9, -x[1] if x[0] == "gaussian_large" else x[1], x[2]))
+    for inp, n, k in keys:
+        by = {r["method"]: r for r in recs if (r["input"], r["n"], r["k"]) == (inp, n, k)}
+        cells = [f"{by[m]['seconds']:.2f} ({by[m]['max_minus_min']}, {by[m]['std']:.2f})" if m in by
+                 else "" for m in METHODS]
+        ratio = (f"{by['published']['seconds'] / by['exact']['seconds']:.1f}x"
+                 if "published" in by and "exact" in by else "")
+        lines.append(f"| {inp} | {n:,} | {k} | " + " | ".join(cells) + f" | {ratio} |")
+    for r in recs:
+        if r.get("working_set") is not None:
+            lines.append(f"\n{r['input']} N = {r['n']:,}, k = {r['k']}, {r['method']} streamed: "
+                         f"{r['seconds']:.2f} s, peak {r['peak_mib']:.0f} MiB above the "
+                         f"{r['rss_before_mib']:.0f} MiB before it, {r['iterations']} iterations, "
+                         f"max - min {r['max_minus_min']}, {r['working_set']:,} rows solved, "
+                         f"{r['refetched']} re-read")
+    return "\n".join(lines)
+
+
 def main(args):
+    if args.summary:
+        print(summary(args.summary))
+        return None
     args = resolve_args(args)
     otl.print_run_header(args)
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     print(f"torch threads: {threads} (the cores this process may use)", flush=True)
     out = {"machine": machine_info(threads), "command": shlex.join([sys.executable] + sys.argv),
-           "git_commit": otl.git_commit(), "translate_signature": str(inspect.signature(otl.translate)),
+           "git_commit": otl.git_commit(), "otl_sha256": otl_sha256(),
+           "translate_signature": str(inspect.signature(otl.translate)),
            "args": vars(args), "inputs": {
                "gaussian": f"torch.randn(N, k) float32, seed {args.seed}, N = {args.n}",
                "random_net": "EuroSAT images through the freshly initialised cpu-preset network "
@@ -333,7 +380,7 @@ def main(args):
     def run(name, n, k, path=None, methods=args.methods, stream=False):
         for m in methods:
             spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path, "threads": threads,
-                    "stream": stream}
+                    "stream": stream, "otl_sha256": out["otl_sha256"]}
             rec = {"input": name, "n": n, "k": k, "method": m, **measure_in_child(spec)}
             out["records"].append(rec)
             otl.write_json(out, args.out)

@@ -206,6 +206,25 @@ def test_streaming_bad_batches():
         st.result()
 
 
+def test_streaming_collapsed_rows_break_ties_by_global_row():
+    """More than max_candidates exactly tied outputs per row: the tie-break, not the column
+    order, picks each row's candidates, so the rows spread over all clusters; a shard that says
+    where it starts (row_offset) picks exactly what one process picks for the same rows."""
+    n, k, half = 24_000, 300, 12_000        # each part holds more than n_init rows: extracted now
+    O = torch.randn(1, k, generator=gen(12)).expand(n, k).contiguous()
+    dense = otl.translate(O)
+    check_even(dense)
+    st = otl.StreamingTranslator(k, distributed=False, row_offset=half)
+    st.add(O[half:])
+    X = torch.cat(st.C).long()                       # candidates of the second half
+    one = otl.StreamingTranslator(k, distributed=False)
+    one.add(O)
+    assert torch.equal(X, torch.cat(one.C)[half:].long())
+    assert X[:, 0].unique().numel() > 50             # not the same first candidate everywhere
+    with pytest.raises(ValueError, match="row_offset"):
+        st.result(refetch=lambda rows: O[rows])      # alone, this shard starts at row 0
+
+
 # ---------------------------------------------------------------------------------------------
 # distributed: two gloo ranks on CPU = one process
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +244,7 @@ def _rank_main(rank, world, port, O, kw, out):
         n = O.shape[0]
         lo, hi = rank * n // world, (rank + 1) * n // world
         shard = O[lo:hi]
-        st = otl.StreamingTranslator(O.shape[1], **kw)
+        st = otl.StreamingTranslator(O.shape[1], row_offset=lo, **kw)
         for s in range(0, shard.shape[0], 1000):
             st.add(shard[s:s + 1000])
         r = st.result(refetch=lambda rows: O[rows])   # global row numbers
