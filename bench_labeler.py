@@ -14,7 +14,8 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   otl.label_pass(head=False) (BatchNorm on each shuffled batch's statistics,
                   running statistics untouched), then for each k in --real-ks a fresh k-way
                   nn.Linear head (default init, seed --seed + k).  Skipped without --data.
-  trained_net     otl.label_pass outputs of --checkpoint (its own head, k = 128) on all images.
+  trained_net     otl.label_pass outputs of --checkpoint (its own head, k = 128) on the same
+                  N images.
   gaussian_large  --large-n x --large-k (1,280,000 x 3000 float32, 15 GB as one array): ours is
                   fed it in chunks of 8192 rows made on the fly (StreamingTranslator, with a
                   refetch that makes rows again), so it is never held whole; its seconds are the

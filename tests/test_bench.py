@@ -1,0 +1,48 @@
+"""bench_labeler.py: a tiny run end to end (children, JSON, summary), and its argument checks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run_bench(*args):
+    return subprocess.run([sys.executable, "bench_labeler.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_bench_labeler_tiny_run(tmp_path):
+    out = tmp_path / "lb.json"
+    p = run_bench("--n", "600", "--ks", "10,30", "--skip-real", "--large-n", "3000", "--large-k", "20",
+                  "--ref-n", "1000", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    recs = res["records"]
+    # every method on every gaussian k, ours streamed on the large case, all three on its head
+    assert sorted((r["input"], r["n"], r["k"], r["method"]) for r in recs) == sorted(
+        [("gaussian", 600, k, m) for k in (10, 30) for m in ("exact", "published", "sinkhorn")]
+        + [("gaussian_large", 3000, 20, "exact")]
+        + [("gaussian_large", 1000, 20, m) for m in ("exact", "published", "sinkhorn")])
+    for r in recs:
+        assert "error" not in r, r
+        assert r["seconds"] > 0 and r["peak_mib"] >= 0
+        if r["method"] == "exact":   # ours: the integer floor
+            assert r["max_minus_min"] <= 1
+            assert r["std"] == pytest.approx(r["std_floor"], abs=1e-9)
+    streamed = [r for r in recs if r.get("working_set") is not None]
+    assert len(streamed) == 1 and streamed[0]["n"] == 3000
+    assert res["skipped"]["random_net"] == "--skip-real"
+    table = run_bench("--summary", str(out))
+    assert table.returncode == 0, table.stderr
+    assert "| gaussian | 600 | 30 |" in table.stdout and "streamed" in table.stdout
+
+
+def test_bench_labeler_rejects_bad_sizes(tmp_path):
+    p = run_bench("--n", "100", "--ks", "200", "--out", str(tmp_path / "x.json"))
+    assert p.returncode != 0 and "--ks must lie in" in p.stderr
+    p = run_bench("--methods", "exact,nope", "--out", str(tmp_path / "x.json"))
+    assert p.returncode != 0 and "unknown" in p.stderr
