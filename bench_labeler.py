@@ -221,7 +221,7 @@ def measure_stream(spec):
     seconds += time.perf_counter() - t0
     rec = _record(res.labels, n, k, seconds, res.iterations, res.stop_reason,
                   "otl.StreamingTranslator(k).add(chunk) per 8192 rows, then .result(refetch=...)", rss)
-    rec.update(refetched=res.refetched, working_set=getattr(res, "active", None))
+    rec.update(refetched=res.refetched, working_set=res.active)
     return rec
 
 

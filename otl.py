@@ -55,6 +55,7 @@ class TranslateResult:
     stop_reason: str = ""
     refetched: int = 0            # exact method: rows re-read in full (their candidates fell short)
     ties: int = 0                 # exact method: tied moves made strict at the end
+    active: int = 0               # exact method: rows solved (the others kept their best cluster)
 
 
 def even_target(n: int, k: int) -> torch.Tensor:
@@ -564,8 +565,8 @@ class StreamingTranslator:
         res = TranslateResult(labels=labels, T=self.T0 + dT, counts=counts, target=target,
                               iterations=rounds + phases, std_history=history, std=std,
                               std_max=std_max, seconds=time.perf_counter() - self.t0,
-                              stop_reason="balanced" if ok else "max_iter")
-        res.refetched, res.ties, res.active = refetched, solver.ties, n_act
+                              stop_reason="balanced" if ok else "max_iter", refetched=refetched,
+                              ties=solver.ties, active=n_act)
         return res
 
     def _chunks(self):
