@@ -138,6 +138,16 @@ def test_exact_balance_resnet18_heads_50k(resnet18_features, k):
     check_translation(O, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_exact_other_dtypes(dtype):
+    """Candidates (k > 128) from float64 and half-precision outputs: balanced, and labels are
+    argmax(O - T) of those outputs."""
+    O = torch.randn(4000, 200, generator=gen(13)).to(dtype)
+    r = otl.translate(O)
+    check_even(r)
+    check_translation(O, r)
+
+
 def test_exact_is_a_translation():
     O = torch.randn(3000, 20, generator=gen(6))
     r = otl.translate(O)
