@@ -478,8 +478,7 @@ class StreamingTranslator:
             first = self.n - n + self.row_offset                # global number of row 0 here
             if e.numel() > 0.3 * oi.numel() * k:                # most of these rows: take them whole
                 PC = torch.arange(k, device=dev).expand(oi.numel(), k)
-                P = X[oi].to(torch.float64) - self.T0
-                P += self.eps * _tie_jitter(oi + first, PC, self.seed)
+                P = self._whole_rows(X[oi], oi + first)
             else:
                 slot = torch.cumsum(many, 0).index_select(0, rr[e]) - 1
                 P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64, device=dev)
@@ -629,9 +628,7 @@ class StreamingTranslator:
             for s in range(0, rows.numel(), self.chunk):
                 r = rows[s:s + self.chunk]
                 X = refetch((r + self.offset).cpu()).to(dev)
-                cols = torch.arange(k, device=dev).expand(r.numel(), k)
-                V[s:s + r.numel()] = (X.to(torch.float64) - self.T0
-                                      + self.eps * _tie_jitter(r + self.offset, cols, self.seed))
+                V[s:s + r.numel()] = self._whole_rows(X, r + self.offset)
             refetched += rows.numel()
             width = k
             C = torch.arange(k, device=dev).to(self.cdtype).expand(rows.numel(), k).contiguous()
@@ -652,12 +649,17 @@ class StreamingTranslator:
                                   self.eps * _tie_jitter(rows + offset, Cs, self.seed), 0.0)
             start += V.shape[0]
 
+    def _whole_rows(self, X, grows):
+        """O - T0 + eps u for every column of the rows X, whose global numbers are `grows`: the
+        values the candidates hold once result() has added the tie-break."""
+        cols = torch.arange(self.k, device=self.device).expand(X.shape[0], self.k)
+        return X.to(torch.float64) - self.T0 + self.eps * _tie_jitter(grows, cols, self.seed)
+
     def _full_rows(self, X, rows, dT):
         """Candidates of `rows` (local indices) from their full outputs X, chosen against the
         current translation, so the dropped columns cannot win."""
-        n, k, w = X.shape[0], self.k, self.width
-        cols = torch.arange(k, device=self.device).expand(n, k)
-        S = X.to(torch.float64) - self.T0 + self.eps * _tie_jitter(rows + self.offset, cols, self.seed)
+        w = self.width
+        S = self._whole_rows(X, rows + self.offset)
         tv, ti = (S - dT).topk(w + 1, dim=1)
         # a dropped column j has S_j - dT_j <= tv[w], so S_j <= tv[w] + max dT
         return S.gather(1, ti[:, :w]), ti[:, :w].to(self.cdtype), tv[:, w] + dT.max()
