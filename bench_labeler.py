@@ -110,10 +110,6 @@ def resolve_args(args):
     if not args.skip_large and not args.large_k <= args.ref_n <= args.large_n:
         raise SystemExit(f"need --large-k <= --ref-n <= --large-n, got {args.large_k}, {args.ref_n}, "
                          f"{args.large_n}")
-    if "exact" in args.methods and "method" not in inspect.signature(otl.translate).parameters:
-        raise SystemExit("otl.translate has no method= argument yet (signature "
-                         f"{inspect.signature(otl.translate)}), so ours ('exact') cannot run; "
-                         "until it lands, run with --methods published,sinkhorn")
     return args
 
 
@@ -153,11 +149,8 @@ def call_labeler(method, O):
     if method == "sinkhorn":
         labels, _, iters = otl.sinkhorn_knopp(O, lam=25.0)
         return labels, iters, None, "otl.sinkhorn_knopp(O, lam=25)"
-    if method == "published" and "method" not in inspect.signature(otl.translate).parameters:
-        res, call = otl.translate(O), "otl.translate(O)"  # before the method= API: the default
-    else:
-        res, call = otl.translate(O, method=method), f"otl.translate(O, method={method!r})"
-    return res.labels, res.iterations, res.stop_reason, call
+    res = otl.translate(O, method=method)
+    return res.labels, res.iterations, res.stop_reason, f"otl.translate(O, method={method!r})"
 
 
 def _start_peak():
