@@ -89,6 +89,12 @@ def get_args_parser():
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {', '.join(METHODS)}")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test (the flags above "
                    "that you give still win); real inputs use a seeded subset of 2000 images")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: inputs made on the GPU, each "
+                   "measurement in this process after a warm-up call, the median of --repeat calls, "
+                   "GPU peak memory; the large case is held whole on the GPU (not streamed) and the "
+                   "EuroSAT inputs are skipped")
+    p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement on a GPU "
+                   "(default 3; the CPU takes one)")
     p.add_argument("--seed", type=int, default=0, help="seeds the gaussian inputs, the network, heads "
                    "and label-pass batches")
     p.add_argument("--data", default="data/eurosat", help="prepared EuroSAT (prepare_data.py --out)")
@@ -107,6 +113,10 @@ def resolve_args(args):
         raise SystemExit(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
     if not args.ks or min(args.ks) < 2 or max(args.ks) > args.n:
         raise SystemExit(f"--ks must lie in [2, --n={args.n}], got {args.ks}")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        raise SystemExit(f"--device {args.device}: no CUDA GPU is visible to torch here; use --device cpu")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     if not args.skip_large and not args.large_k <= args.ref_n <= args.large_n:
         raise SystemExit(f"need --large-k <= --ref-n <= --large-n, got {args.large_k}, {args.ref_n}, "
                          f"{args.large_n}")
@@ -122,11 +132,14 @@ def gaussian_chunk(c, k, seed):
     return torch.randn(GEN_CHUNK, k, generator=torch.Generator().manual_seed(seed * 1_000_003 + c))
 
 
-def gaussian(n, k, seed):
-    """The first n rows of the gaussian input, (n, k) float32 (peak: the tensor + one chunk)."""
-    out = torch.empty(n, k)
+def gaussian(n, k, seed, device="cpu"):
+    """The first n rows of the gaussian input, (n, k) float32 (peak: the tensor + one chunk).
+    On a GPU the chunks come from a CUDA generator with the same seeds (other numbers)."""
+    out = torch.empty(n, k, device=device)
     for c, s in enumerate(range(0, n, GEN_CHUNK)):
-        out[s:s + GEN_CHUNK] = gaussian_chunk(c, k, seed)[:n - s]
+        out[s:s + GEN_CHUNK] = (gaussian_chunk(c, k, seed) if device == "cpu" else torch.randn(
+            GEN_CHUNK, k, device=device,
+            generator=torch.Generator(device=device).manual_seed(seed * 1_000_003 + c)))[:n - s]
     return out
 
 
@@ -181,6 +194,8 @@ def measure(spec):
     if otl_sha256() != spec["otl_sha256"]:   # each child imports otl.py afresh
         raise RuntimeError("otl.py changed since the benchmark started; its numbers would not "
                            "belong to the recorded commit")
+    if spec.get("device", "cpu") != "cpu":
+        return measure_gpu(spec)
     if spec.get("stream"):
         return measure_stream(spec)
     if spec["path"]:
@@ -218,7 +233,44 @@ def measure_stream(spec):
     return rec
 
 
+def measure_gpu(spec):
+    """In this process, on the GPU: the input is made there, one warm-up call on its first
+    65,536 rows loads the kernels, then --repeat timed calls (torch.cuda.synchronize around
+    each); seconds is their median.  Peak: torch.cuda.max_memory_allocated above what was
+    allocated before the call (the input is not counted)."""
+    dev = torch.device(spec["device"])
+    O = gaussian(spec["n"], spec["k"], spec["seed"], device=dev)
+    n, k = O.shape
+    call_labeler(spec["method"], O[:min(n, 65536)])
+    times, peaks = [], []
+    for _ in range(spec["repeat"]):
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        rss = _start_peak()
+        t0 = time.perf_counter()
+        labels, iters, reason, call = call_labeler(spec["method"], O)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        peaks.append((torch.cuda.max_memory_allocated(dev) - before) / 2 ** 20)
+        del labels
+    times_sorted = sorted(times)
+    labels, iters, reason, call = call_labeler(spec["method"], O)   # the labels recorded
+    rec = _record(labels, n, k, times_sorted[len(times) // 2], iters, reason, call, rss)
+    rec.update(seconds_all=[round(t, 4) for t in times], gpu_peak_mib=round(max(peaks), 1),
+               device=torch.cuda.get_device_name(dev))
+    del O
+    torch.cuda.empty_cache()
+    return rec
+
+
 def measure_in_child(spec):
+    if spec.get("device", "cpu") != "cpu":   # GPU: in this process (see measure_gpu)
+        try:
+            return measure(spec)
+        except Exception as e:  # recorded, never replaced by numbers
+            torch.cuda.empty_cache()
+            return {"error": f"{type(e).__name__}: {e}"}
     with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
         try:
             return ex.submit(measure, spec).result()
@@ -274,7 +326,8 @@ def machine_info(threads):
         ram_kib = int(re.search(r"MemTotal:\s+(\d+)", fh.read()).group(1))
     return {"cpu": cpu.group(1) if cpu else platform.processor(), "cores": os.cpu_count(),
             "torch_threads": threads, "ram_gib": round(ram_kib / 2 ** 20, 1),
-            "torch": torch.__version__, "python": platform.python_version(), "os": platform.platform()}
+            "torch": torch.__version__, "python": platform.python_version(), "os": platform.platform(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def plot(records, path):
@@ -318,8 +371,10 @@ def summary(path):
     with open(path) as fh:
         res = json.load(fh)
     recs = [r for r in res["records"] if "error" not in r]
-    lines = [f"`{res['command']}` at commit `{res['git_commit'][:7]}` on {res['machine']['cpu']} "
-             f"({res['machine']['torch_threads']} threads, torch {res['machine']['torch']})", ""]
+    on = (f"{res['machine']['gpu']}" if res["args"].get("device", "cpu") != "cpu" else
+          f"{res['machine']['cpu']} ({res['machine']['torch_threads']} threads")
+    on += f"{', ' if '(' in on else ' ('}torch {res['machine']['torch']})"
+    lines = [f"`{res['command']}` at commit `{res['git_commit'][:7]}` on {on}", ""]
     head = "| input | N | k | " + " | ".join(f"{m} s (max-min, std)" for m in METHODS) + \
         " | published / ours |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
@@ -374,7 +429,8 @@ def main(args):
     def run(name, n, k, path=None, methods=args.methods, stream=False):
         for m in methods:
             spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path, "threads": threads,
-                    "stream": stream, "otl_sha256": out["otl_sha256"]}
+                    "stream": stream, "otl_sha256": out["otl_sha256"], "device": args.device,
+                    "repeat": args.repeat}
             rec = {"input": name, "n": n, "k": k, "method": m, **measure_in_child(spec)}
             out["records"].append(rec)
             otl.write_json(out, args.out)
@@ -386,8 +442,9 @@ def main(args):
 
     for k in args.ks:
         run("gaussian", args.n, k)
-    if args.skip_real:
-        out["skipped"]["random_net"] = out["skipped"]["trained_net"] = "--skip-real"
+    if args.skip_real or args.device != "cpu":
+        out["skipped"]["random_net"] = out["skipped"]["trained_net"] = (
+            "--skip-real" if args.skip_real else f"--device {args.device}: run these on the CPU")
     else:
         with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
             for name, k, outs in real_inputs(args, out["skipped"]):
@@ -400,7 +457,7 @@ def main(args):
     else:
         # ours streamed over all N rows; then all three, ours included, on the first ref_n rows
         run("gaussian_large", args.large_n, args.large_k, methods=[m for m in args.methods if m == "exact"],
-            stream=True)
+            stream=args.device == "cpu")
         run("gaussian_large", args.ref_n, args.large_k)
     otl.write_json(out, args.out)
     print(f"results: {args.out}", flush=True)

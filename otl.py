@@ -108,8 +108,9 @@ def _check_target(target, n: int, k: int) -> torch.Tensor:
 
 
 def _std(counts: torch.Tensor, target: torch.Tensor) -> float:
-    # population std of the deviations from the target (for an even target: the std of the counts)
-    return (counts.to(torch.float64) - target).pow(2).mean().sqrt().item()
+    # population std of the deviations from the target (for an even target: the std of the counts);
+    # on the CPU, wherever the two live (a k-vector: the copy is nothing next to the .item())
+    return (counts.cpu().to(torch.float64) - target.cpu()).pow(2).mean().sqrt().item()
 
 
 def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: float = 1e-15,
@@ -262,7 +263,9 @@ def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tens
 
 
 class _Comm:
-    """All-reduce over torch.distributed when it is initialised (and asked for), else nothing."""
+    """All-reduce over torch.distributed when it is initialised (and asked for), else nothing.
+    Tensors travel on the device the backend needs (CUDA for NCCL, else the CPU) and come back
+    on their own device."""
 
     def __init__(self, distributed: bool):
         import torch.distributed as dist
@@ -270,26 +273,31 @@ class _Comm:
         self.dist = dist
         self.rank = dist.get_rank() if self.on else 0
         self.world = dist.get_world_size() if self.on else 1
+        nccl = self.on and dist.get_backend() == "nccl"
+        self.dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def _reduce(self, x, op):
+        if not self.on:
+            return x
+        y = x.to(self.dev)
+        self.dist.all_reduce(y, op=op)
+        return y if y is x else y.to(x.device)
 
     def sum(self, x):
-        if self.on:
-            self.dist.all_reduce(x, op=self.dist.ReduceOp.SUM)
-        return x
+        return self._reduce(x, self.dist.ReduceOp.SUM)
 
     def max(self, x):
-        if self.on:
-            self.dist.all_reduce(x, op=self.dist.ReduceOp.MAX)
-        return x
+        return self._reduce(x, self.dist.ReduceOp.MAX)
 
     def min(self, x):
-        if self.on:
-            self.dist.all_reduce(x, op=self.dist.ReduceOp.MIN)
-        return x
+        return self._reduce(x, self.dist.ReduceOp.MIN)
 
     def broadcast(self, x):
-        if self.on:
-            self.dist.broadcast(x, src=0)
-        return x
+        if not self.on:
+            return x
+        y = x.to(self.dev)
+        self.dist.broadcast(y, src=0)
+        return y if y is x else y.to(x.device)
 
 
 class StreamingTranslator:

@@ -205,6 +205,22 @@ def test_streaming_needs_refetch_when_candidates_fall_short():
     check_translation(O, r)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k, kw", [(100, {}), (300, {}), (200, {"full_rows_up_to": 0, "max_candidates": 8,
+                                                             "candidates": 3})])
+def test_exact_on_cuda_equals_cpu(k, kw):
+    """The same labels and T on a GPU as on the CPU: whole rows (k = 100), candidates (k = 300),
+    and candidate lists so short that rows are re-read."""
+    O = torch.randn(30_000, k, generator=gen(14))
+    cpu = otl.translate(O, **kw)
+    gpu = otl.translate(O.cuda(), **kw)
+    assert gpu.labels.device.type == "cuda" and gpu.T.device.type == "cuda"
+    assert torch.equal(cpu.labels, gpu.labels.cpu())
+    torch.testing.assert_close(cpu.T, gpu.T.cpu(), rtol=0, atol=1e-12)
+    assert gpu.refetched == cpu.refetched
+    check_even(gpu)
+
+
 def test_streaming_bad_batches():
     st = otl.StreamingTranslator(10, distributed=False)
     with pytest.raises(ValueError, match="k=10"):
