@@ -28,6 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+try:  # optional: the exact labeler's shortest paths in C; a numpy Dijkstra otherwise
+    from scipy.sparse import csr_matrix as _csr_matrix
+    from scipy.sparse.csgraph import dijkstra as _sp_dijkstra
+except ImportError:
+    _csr_matrix = _sp_dijkstra = None
+
 __all__ = [
     "TranslateResult", "translate", "translate_published", "StreamingTranslator", "uneven_target", "even_target", "sinkhorn_knopp", "lct_loss",
     "n_indistinguishable", "n_distinguishable", "ModelConfig", "OTLNet", "build_model", "augment",
@@ -399,14 +405,21 @@ class StreamingTranslator:
             self._extract(outputs[s:s + self.chunk])
 
     def _start(self):
-        buf = torch.cat(self.buffer) if self.buffer else torch.zeros(0, self.k)
-        self.buffer, self.nbuf = [], 0
-        self.device = buf.device
-        head = buf[:self.n_init]
+        pieces, self.buffer, self.nbuf = self.buffer, [], 0
+        parts, got = [], 0     # the head: a copy of the first n_init rows only
+        for p in pieces:
+            if got >= self.n_init:
+                break
+            parts.append(p[:self.n_init - got])
+            got += parts[-1].shape[0]
+        head = torch.cat(parts) if parts else torch.zeros(0, self.k)
+        self.device = head.device
         head = head if head.dtype == torch.float64 else head.to(torch.float32)
         params = torch.zeros(self.k + 3, dtype=torch.float64, device=self.device)
         if head.shape[0] > 0:
-            _check_outputs_finite(head)
+            lo, hi = head.aminmax()
+            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+                _check_outputs_finite(head)
             params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
             params[self.k] = self.tie_eps * max(head.abs().max().item(), 1e-30)
             if not self.all_cols:   # the window: the m-th largest gap of a typical row
@@ -418,13 +431,16 @@ class StreamingTranslator:
             params[self.k + 2] = (top2[:, 0] - top2[:, 1]).to(torch.float64).quantile(0.2).item()
         if self.comm.on:   # rank 0's first rows decide, so every rank uses the same T0 and window
             params = self.comm.broadcast(params.cpu()).to(self.device)
+        if self.device.type != "cpu":   # blocks sized for a CPU cache only cost launches there
+            self.block = self.chunk
         self.T0, self.eps = params[:self.k].clone(), params[self.k].item()
         self.T0f = self.T0.to(torch.float32)     # exact for float32 outputs (medians of them)
         self.T0abs = float(self.T0.abs().max())   # float64 outputs: T0f errs by 2^-24 of this
         self.delta = math.inf if self.all_cols else params[self.k + 1].item()
         self.R0 = max(params[self.k + 2].item(), self.eps)
-        for s in range(0, buf.shape[0], self.chunk):
-            self._extract(buf[s:s + self.chunk])
+        for p in pieces:
+            for s in range(0, p.shape[0], self.chunk):
+                self._extract(p[s:s + self.chunk])
 
     def _extract(self, X: torch.Tensor):
         X = X.to(self.device)
@@ -467,7 +483,7 @@ class StreamingTranslator:
         rr = g8[:, 0].index_select(0, word)                     # rows, ascending
         cc = g8[:, 1].index_select(0, word) * 8 + (hit & 7)
         cnt = torch.bincount(rr, minlength=n)
-        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt)[rr]
+        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt).index_select(0, rr)
         self.n += n
         # fl(X - T0) errs by at most 2^-24 |S| (float64 outputs: T0f errs by 2^-24 |T0| too): a
         # per-row allowance keeps theta a true bound on every dropped column, whatever the blocks
@@ -484,26 +500,31 @@ class StreamingTranslator:
             # exact values with the tie-break, so that exactly tied outputs (a collapsed network)
             # keep different columns on different rows
             first = self.n - n + self.row_offset                # global number of row 0 here
+            Xo = X.index_select(0, oi)
             if e.numel() > 0.3 * oi.numel() * k:                # most of these rows: take them whole
                 PC = torch.arange(k, device=dev).expand(oi.numel(), k)
-                P = self._whole_rows(X[oi], oi + first)
+                P = self._whole_rows(Xo, oi + first)
             else:
-                slot = torch.cumsum(many, 0).index_select(0, rr[e]) - 1
+                re, ce, pe = rr.index_select(0, e), cc.index_select(0, e), pos.index_select(0, e)
+                slot = torch.cumsum(many, 0).index_select(0, re) - 1
                 P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64, device=dev)
                 PC = torch.zeros(P.shape, dtype=torch.int64, device=dev)
-                P[slot, pos[e]] = (X.reshape(-1).index_select(0, rr[e] * k + cc[e]).to(torch.float64)
-                                   - self.T0[cc[e]]
-                                   + self.eps * _tie_jitter(rr[e] + first, cc[e][:, None], self.seed)[:, 0])
-                PC[slot, pos[e]] = cc[e]
+                at = slot * P.shape[1] + pe
+                P.view(-1).index_copy_(0, at, X.reshape(-1).index_select(0, re * k + ce).to(torch.float64)
+                                       - self.T0.index_select(0, ce)
+                                       + self.eps * _tie_jitter(re + first, ce[:, None], self.seed)[:, 0])
+                PC.view(-1).index_copy_(0, at, ce)
             tv, ti = P.topk(w + 1, dim=1)                      # (o, w + 1) among the candidates
             theta[oi] = torch.maximum(theta[oi], tv[:, w])    # the same sum as result() makes
             cols = PC.gather(1, ti[:, :w])                      # (o, w)
-            V[oi] = X[oi].gather(1, cols).to(torch.float64) - self.T0[cols]
+            V[oi] = Xo.gather(1, cols).to(torch.float64) - self.T0.index_select(0, cols.view(-1)).view(cols.shape)
             C[oi] = cols.to(self.cdtype)
             e = (~many).index_select(0, rr).nonzero()[:, 0]
-            rr, cc, pos = rr[e], cc[e], pos[e]
-        V[rr, pos] = X.reshape(-1).index_select(0, rr * k + cc).to(torch.float64) - self.T0[cc]  # exact
-        C[rr, pos] = cc.to(self.cdtype)
+            rr, cc, pos = rr.index_select(0, e), cc.index_select(0, e), pos.index_select(0, e)
+        at = rr * w + pos
+        V.view(-1).index_copy_(0, at, X.reshape(-1).index_select(0, rr * k + cc).to(torch.float64)
+                               - self.T0.index_select(0, cc))            # exact
+        C.view(-1).index_copy_(0, at, cc.to(self.cdtype))
         self._store(V, C, theta)
 
     def _store(self, V, C, theta):
@@ -609,7 +630,7 @@ class StreamingTranslator:
         history.append(solver._std())
         refetched, width = 0, V.shape[1]
         for attempt in range(8):
-            balanced = solver.run(max_rounds, history)
+            balanced = solver.run(max_rounds, history, self.R0)
             unsafe = solver.unsafe_rows()
             n_unsafe = int(comm.sum(torch.tensor([unsafe.numel()]))[0])
             if n_unsafe and attempt < 2:
@@ -759,11 +780,11 @@ class _ExactSolver:
             hit = (cnt == excess) & ~done
             r = torch.where(hit, mid, r)
             done = done | hit
-            if bool(done.all()):
-                break
             lo = torch.where(~done & (cnt < excess), mid, lo)
             hi = torch.where(~done & (cnt > excess), mid, hi)
-            if step % 4 == 3:   # drop members that can no longer change any count
+            if step % 4 == 3:   # (a GPU waits for each check) drop members that can no longer
+                if bool(done.all()):   # change any count; done ones take no more steps
+                    break
                 below = am < lo[al]
                 base = base + comm.sum(torch.bincount(al[below & ~done[al]], minlength=k))
                 keep = ~done[al] & ~below & (am < hi[al])
@@ -793,52 +814,74 @@ class _ExactSolver:
             history.append(self._std())
 
     # -- 2. exact finish: shortest augmenting paths ------------------------------------------
-    # Moving row i from its cluster a to b loses (V_ia - dT_a) - (V_ib - dT_b) of score, so the
-    # cheapest move a -> b is W0[a, b] + dT[b] - dT[a] with W0[a, b] = min over rows of a of
-    # V_ia - V_ib: W0 does not depend on T and only the rows of clusters that moved change it.
-    def _w0(self, rows, W0=None, arg=None):
-        k, dev, INF, BIG = self.k, self.dev, math.inf, torch.iinfo(torch.int64).max
-        if W0 is None:
-            W0 = torch.full((k * k,), INF, dtype=torch.float64, device=dev)
-            arg = torch.full((k * k,), BIG, dtype=torch.int64, device=dev)
-
-        def moves(r):   # (cost, key a * k + b, row) of every candidate move of rows r
-            Cr, lab, Vr = self.C[r].long(), self.labels[r], self.V[r]
-            own = Vr.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
-            valid = (Cr != lab[:, None]) & torch.isfinite(Vr)
-            return (own - Vr)[valid], (lab[:, None] * k + Cr)[valid], valid
-
-        # two passes, in place: the cheapest cost per (a, b), then the lowest row id that has it
-        # (the same row on every rank and in every chunking)
-        for s in range(0, rows.numel(), self.chunk):
-            R, key, _ = moves(rows[s:s + self.chunk])
-            W0.scatter_reduce_(0, key, R, "amin")
-        for s in range(0, rows.numel(), self.chunk):
+    # Moving row i from its cluster a to b costs r_ib = (V_ia - dT_a) - (V_ib - dT_b) >= 0 of
+    # score; the edge a -> b of the cluster graph is the cheapest such row.  A phase needs only
+    # the edges shorter than the paths it routes, so the solver keeps the moves whose cost is at
+    # most tau (a short list, built in one pass), and trusts a distance found on them only below
+    # tau minus how far T has moved since (a cost can fall by at most that much).
+    def _pairs(self, rows, tau):
+        """(row, cluster b, V_ia - V_ib) of every candidate move of `rows` (local, ascending, or
+        self.all) that costs at most tau at the current dT."""
+        out = [[], [], []]
+        for s, (Vr, Cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
             r = rows[s:s + self.chunk]
-            R, key, valid = moves(r)
-            hit = R == W0[key]
-            rid = self.gid[r][:, None].expand_as(valid)[valid]
-            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
-        return W0, arg
+            Cr, lab = Cr.long(), self.labels[r]
+            own = Vr.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
+            base = own - Vr                                  # +inf for empty slots (V = -inf)
+            cost = base + self._gathered(self.dT, Cr) - self.dT.index_select(0, lab)[:, None]
+            i, j = ((cost <= tau) & (Cr != lab[:, None])).nonzero(as_tuple=True)
+            out[0].append(r.index_select(0, i))
+            out[1].append(Cr[i, j])
+            out[2].append(base[i, j])
+        if not out[0]:
+            z = torch.zeros(0, dtype=torch.int64, device=self.dev)
+            return z, z, torch.zeros(0, dtype=torch.float64, device=self.dev)
+        return tuple(torch.cat(o) for o in out)
 
-    def _global_edges(self, W0, arg):
-        BIG = torch.iinfo(torch.int64).max
-        if self.comm.on:
+    def _edges(self, pairs, W0, arg):
+        """The cluster graph on the kept moves: (a, b, cost at the current dT, row id) per edge
+        a -> b, its cheapest move and, among equal ones, the lowest global row id (the same row on
+        every rank and in every chunking).  W0 and arg are k*k scratch arrays (inf / max), left
+        as they were found."""
+        k, BIG = self.k, torch.iinfo(torch.int64).max
+        prow, pb, pbase = pairs
+        key = self.labels.index_select(0, prow) * k + pb
+        W0.scatter_reduce_(0, key, pbase, "amin")
+        rid = self.gid.index_select(0, prow)
+        if self.comm.on:   # ranks agree on the global cheapest move first
             w = self.comm.min(W0.clone())
-            arg = self.comm.min(torch.where(W0 == w, arg, BIG))
-            W0 = w
-        k = self.k
-        dT = self.dT.cpu()
-        w = W0.view(k, k).cpu() + dT[None, :] - dT[:, None]
-        return w.clamp(min=0).numpy(), arg.view(k, k).cpu().numpy()
+            hit = pbase == w.index_select(0, key)
+            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
+            a = self.comm.min(arg.clone())
+            W0[key], arg[key] = math.inf, BIG
+            e = torch.isfinite(w).nonzero()[:, 0]
+            ew, er = w.index_select(0, e), a.index_select(0, e)
+        else:
+            hit = pbase == W0.index_select(0, key)
+            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
+            one = hit & (rid == arg.index_select(0, key))   # one entry per edge
+            e, ew, er = key[one], pbase[one], rid[one]
+            W0[key], arg[key] = math.inf, BIG
+        ea, eb = e // k, e % k
+        ew = ew + self.dT.index_select(0, eb) - self.dT.index_select(0, ea)
+        return ea.cpu().numpy(), eb.cpu().numpy(), ew.clamp(min=0).cpu().numpy(), er.cpu().numpy()
 
     @staticmethod
-    def _dijkstra(w, sources):
-        """Dense Dijkstra from every source at once (numpy: k small vector steps)."""
+    def _dijkstra(k, ea, eb, ew, sources):
+        """Shortest distances from the nearest source, and predecessors (-1: none), on the graph
+        of edges ea -> eb (weights ew >= 0).  scipy's C Dijkstra when scipy is there, else a
+        dense one in numpy (k vector steps)."""
         import numpy as np
-        k = w.shape[0]
+        src = np.flatnonzero(sources)
+        if _sp_dijkstra is not None:   # explicit zero weights stay edges in a csr matrix
+            g = _csr_matrix((ew, (ea, eb)), shape=(k, k))
+            d, pred, _ = _sp_dijkstra(g, directed=True, indices=src, min_only=True,
+                                      return_predecessors=True)
+            return d, np.where(pred < 0, -1, pred).astype(np.int64)
+        w = np.full((k, k), np.inf)
+        w[ea, eb] = ew
         d = np.full(k, np.inf)
-        d[sources] = 0.0
+        d[src] = 0.0
         pred = np.full(k, -1, dtype=np.int64)
         open_ = np.ones(k, dtype=bool)
         dd = d.copy()
@@ -855,9 +898,12 @@ class _ExactSolver:
             pred[better] = u
         return d, pred
 
-    def _finish(self, history, max_phases=10000):
+    def _finish(self, history, tau0, max_phases=10000):
         import numpy as np
-        W0 = arg = None
+        k, dev = self.k, self.dev
+        W0 = torch.full((k * k,), math.inf, dtype=torch.float64, device=dev)
+        arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
+        pairs, tau, dT_built = None, float(tau0), None
         while self.phases < max_phases:
             counts = self.counts.cpu()
             lo, hi = self.lo.cpu(), self.hi.cpu()
@@ -868,21 +914,25 @@ class _ExactSolver:
             else:
                 return True
             give, take = give.numpy().copy(), take.numpy().copy()
-            self.phases += 1
-            if W0 is None:
-                W0, arg = self._w0(self.all)
-            w, argn = self._global_edges(W0, arg)
-            d, pred = self._dijkstra(w, give > 0)
+            if pairs is None:
+                pairs, dT_built = self._pairs(self.all, tau), self.dT.clone()
+            trust = tau - float((self.dT - dT_built).max())   # every move cheaper than this is kept
+            ea, eb, ew, er = self._edges(pairs, W0, arg)
+            d, pred = self._dijkstra(k, ea, eb, ew, give > 0)
+            ek = ea * k + eb
+            order = np.argsort(ek, kind="stable")
+            at = np.searchsorted(ek, pred * k + np.arange(k), sorter=order).clip(max=max(ek.size - 1, 0))
+            row_of = er[order[at]] if ek.size else np.zeros(k, dtype=np.int64)   # edge pred[x] -> x
             used, moves, D = set(), [], None
             for b in np.argsort(d, kind="stable").tolist():   # nearest needy clusters first
-                if not np.isfinite(d[b]):
+                if not d[b] < trust:
                     break
                 if take[b] <= 0 or pred[b] < 0:
                     continue
                 path, x, ok = [], b, True
                 while pred[x] >= 0:
                     a = int(pred[x])
-                    i = int(argn[a, x])
+                    i = int(row_of[x])
                     if i in used:
                         ok = False
                         break
@@ -896,28 +946,34 @@ class _ExactSolver:
                 moves += path
                 D = float(d[b])
             if D is None:
-                return False
+                needy = d[take > 0]
+                if math.isinf(tau) or not needy.size:
+                    return False     # no cheap move reaches a cluster that needs rows
+                # the needy clusters lie beyond the kept moves: keep more and try again
+                near = float(needy.min())
+                tau = 2 * max(tau, near) if math.isfinite(near) else math.inf
+                pairs = None
+                continue
+            self.phases += 1
             # potentials: every cluster closer than D moves up by D - d; tree edges become ties
             dt = torch.from_numpy(d)
             shift = torch.where(torch.isfinite(dt) & (dt < D), D - dt, torch.zeros_like(dt))
-            self.dT = self.dT + shift.to(self.dev)
-            touched = torch.zeros(self.k, dtype=torch.bool, device=self.dev)
-            for i, a, b in moves:
-                touched[a] = touched[b] = True
-            if moves:   # the moved rows that live here (gid is ascending)
-                ids = torch.tensor([i for i, _, _ in moves], dtype=torch.int64, device=self.dev)
-                to = torch.tensor([b for _, _, b in moves], dtype=torch.int64, device=self.dev)
-                li = torch.searchsorted(self.gid, ids).clamp(max=max(self.gid.numel() - 1, 0))
-                here = (self.gid[li] == ids) if self.gid.numel() else torch.zeros_like(ids, dtype=torch.bool)
-                self.labels[li[here]] = to[here]
+            self.dT = self.dT + shift.to(dev)
+            ids = torch.tensor([i for i, _, _ in moves], dtype=torch.int64, device=dev)
+            to = torch.tensor([b for _, _, b in moves], dtype=torch.int64, device=dev)
+            li = torch.searchsorted(self.gid, ids).clamp(max=max(self.gid.numel() - 1, 0))
+            here = (self.gid[li] == ids) if self.gid.numel() else torch.zeros_like(ids, dtype=torch.bool)
+            moved = li[here].unique()            # the moved rows that live here (gid is ascending)
+            self.labels[li[here]] = to[here]
             self.counts = self._count()
             history.append(self._std())
-            # the rows of every cluster that lost or gained a row are summed into W0 again
-            touched = self.comm.max(touched.to(torch.int64)).bool()
-            tk = touched.nonzero()[:, 0]
-            Wv, av = W0.view(self.k, self.k), arg.view(self.k, self.k)
-            Wv[tk], av[tk] = math.inf, torch.iinfo(torch.int64).max
-            W0, arg = self._w0(touched[self.labels].nonzero()[:, 0], W0, arg)
+            # the moved rows' moves are relative to their new cluster: replace them, kept up to tau
+            # (from now on T only rises, so a move left out costs more than trust then too)
+            gone = torch.zeros(self.V.shape[0], dtype=torch.bool, device=dev)
+            gone[moved] = True
+            keep = ~gone.index_select(0, pairs[0])
+            new = self._pairs(moved, tau)
+            pairs = tuple(torch.cat([p[keep], q]) for p, q in zip(pairs, new))
         return False
 
     # -- 0. far from balance: the published rules, on the candidates -------------------------
@@ -930,20 +986,28 @@ class _ExactSolver:
         n_total = int(self.counts.sum())
         std_max = max(_std(F.one_hot(torch.argmin(self.target), self.k).to(torch.float64)
                            * n_total, self.target), 1e-12)
-        V32 = self.V.to(torch.float32)                              # (n, w)
-        vmin = min((float(torch.where(torch.isfinite(v), v, math.inf).amin())
-                    for v in V32.split(self.chunk)), default=0.0)
-        vr = torch.tensor([float(V32.amax()) if V32.numel() else 0.0, -vmin], dtype=torch.float64)
-        vr = self.comm.max(vr)
+        # float32 copies with int32 cluster numbers, chunk by chunk, and one reused scratch block:
+        # on the CPU a fresh (chunk, w) tensor per step costs more in page faults than the work
+        blocks = [(v.to(torch.float32), c.to(torch.int32))
+                  for v, c in zip(self.V.split(self.chunk), self.C.split(self.chunk))]
+        vmax = max((float(v.amax()) for v, _ in blocks), default=0.0)
+        vmin = min((float(torch.where(torch.isfinite(v), v, math.inf).amin()) for v, _ in blocks),
+                   default=0.0)
+        vr = self.comm.max(torch.tensor([vmax, -vmin], dtype=torch.float64))
         target = self.target.to(self.dev)
+        scratch = torch.empty(min(self.chunk, self.V.shape[0]) * self.V.shape[1], dtype=torch.float32,
+                              device=self.dev)
 
         def labels_at(dT):
-            d32, lab = dT.to(torch.float32), torch.empty(V32.shape[0], dtype=torch.int64, device=self.dev)
-            for s in range(0, V32.shape[0], self.chunk):
-                Cs = self.C[s:s + self.chunk]
-                best = (V32[s:s + self.chunk] - self._gathered(d32, Cs)).argmax(1, keepdim=True)
-                lab[s:s + self.chunk] = Cs.gather(1, best)[:, 0]
-            return lab
+            d32, out = dT.to(torch.float32), []
+            for v, c in blocks:
+                S = scratch[:v.numel()].view(v.shape)
+                torch.index_select(d32, 0, c.view(-1), out=S.view(-1))
+                torch.sub(v, S, out=S)
+                out.append(c.gather(1, S.argmax(1, keepdim=True))[:, 0])
+            if not out:
+                return torch.zeros(0, dtype=torch.int64, device=self.dev)
+            return torch.cat(out).long()
 
         dT0, std, f, still = self.dT, self._std(), 1.0, 0
         for _ in range(max_iter):
@@ -970,12 +1034,12 @@ class _ExactSolver:
             self.labels = self._eval(self.all)[1]
             self.counts = self._count()
 
-    def run(self, max_rounds, history):
+    def run(self, max_rounds, history, tau0):
         E = float((self.counts - self.hi).clamp(min=0).sum())
         if E > 0.02 * float(self.counts.sum()):
             self._published(history)
         self._auction(max_rounds, history)
-        return self._finish(history)
+        return self._finish(history, tau0)
 
     # -- 3. strict argmax --------------------------------------------------------------------
     def strictify(self):
