@@ -253,10 +253,7 @@ def measure_gpu(spec):
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         peaks.append((torch.cuda.max_memory_allocated(dev) - before) / 2 ** 20)
-        del labels
-    times_sorted = sorted(times)
-    labels, iters, reason, call = call_labeler(spec["method"], O)   # the labels recorded
-    rec = _record(labels, n, k, times_sorted[len(times) // 2], iters, reason, call, rss)
+    rec = _record(labels, n, k, sorted(times)[len(times) // 2], iters, reason, call, rss)   # last call's labels
     rec.update(seconds_all=[round(t, 4) for t in times], gpu_peak_mib=round(max(peaks), 1),
                device=torch.cuda.get_device_name(dev))
     del O
