@@ -862,24 +862,28 @@ class _ExactSolver:
             one = hit & (rid == arg.index_select(0, key))   # one entry per edge
             e, ew, er = key[one], pbase[one], rid[one]
             W0[key], arg[key] = math.inf, BIG
+        e, order = e.sort()                       # row-major: a csr matrix as it stands
+        ew, er = ew.index_select(0, order), er.index_select(0, order)
         ea, eb = e // k, e % k
         ew = ew + self.dT.index_select(0, eb) - self.dT.index_select(0, ea)
-        return ea.cpu().numpy(), eb.cpu().numpy(), ew.clamp(min=0).cpu().numpy(), er.cpu().numpy()
+        indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
+        return (e.cpu().numpy(), eb.cpu().numpy(), ew.clamp(min=0).cpu().numpy(), er.cpu().numpy(),
+                indptr.cpu().numpy())
 
     @staticmethod
-    def _dijkstra(k, ea, eb, ew, sources):
+    def _dijkstra(k, ek, eb, ew, indptr, sources):
         """Shortest distances from the nearest source, and predecessors (-1: none), on the graph
-        of edges ea -> eb (weights ew >= 0).  scipy's C Dijkstra when scipy is there, else a
-        dense one in numpy (k vector steps)."""
+        of edges ek // k -> eb (weights ew >= 0, sorted by ek, row pointers indptr).  scipy's C
+        Dijkstra when scipy is there, else a dense one in numpy (k vector steps)."""
         import numpy as np
         src = np.flatnonzero(sources)
         if _sp_dijkstra is not None:   # explicit zero weights stay edges in a csr matrix
-            g = _csr_matrix((ew, (ea, eb)), shape=(k, k))
+            g = _csr_matrix((ew, eb, indptr), shape=(k, k))
             d, pred, _ = _sp_dijkstra(g, directed=True, indices=src, min_only=True,
                                       return_predecessors=True)
             return d, np.where(pred < 0, -1, pred).astype(np.int64)
         w = np.full((k, k), np.inf)
-        w[ea, eb] = ew
+        w[ek // k, eb] = ew
         d = np.full(k, np.inf)
         d[src] = 0.0
         pred = np.full(k, -1, dtype=np.int64)
@@ -917,12 +921,10 @@ class _ExactSolver:
             if pairs is None:
                 pairs, dT_built = self._pairs(self.all, tau), self.dT.clone()
             trust = tau - float((self.dT - dT_built).max())   # every move cheaper than this is kept
-            ea, eb, ew, er = self._edges(pairs, W0, arg)
-            d, pred = self._dijkstra(k, ea, eb, ew, give > 0)
-            ek = ea * k + eb
-            order = np.argsort(ek, kind="stable")
-            at = np.searchsorted(ek, pred * k + np.arange(k), sorter=order).clip(max=max(ek.size - 1, 0))
-            row_of = er[order[at]] if ek.size else np.zeros(k, dtype=np.int64)   # edge pred[x] -> x
+            ek, eb, ew, er, indptr = self._edges(pairs, W0, arg)
+            d, pred = self._dijkstra(k, ek, eb, ew, indptr, give > 0)
+            at = np.searchsorted(ek, pred * k + np.arange(k)).clip(max=max(ek.size - 1, 0))
+            row_of = er[at] if ek.size else np.zeros(k, dtype=np.int64)   # edge pred[x] -> x
             used, moves, D = set(), [], None
             for b in np.argsort(d, kind="stable").tolist():   # nearest needy clusters first
                 if not d[b] < trust:

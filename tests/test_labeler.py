@@ -221,6 +221,23 @@ def test_exact_on_cuda_equals_cpu(k, kw):
     check_even(gpu)
 
 
+@pytest.mark.parametrize("k", [20, 300])
+def test_exact_without_scipy(monkeypatch, k):
+    """otl.py stands alone: without scipy the exact finish runs its numpy Dijkstra, with the
+    same balance and the same translation-only labels."""
+    O = torch.randn(6000, k, generator=gen(15)) + torch.linspace(0, 1, k)   # needs the finish
+    with_scipy = otl.translate(O)
+    monkeypatch.setattr(otl, "_sp_dijkstra", None)
+    calls, dijkstra = [], otl._ExactSolver._dijkstra
+    monkeypatch.setattr(otl._ExactSolver, "_dijkstra",
+                        staticmethod(lambda *a: calls.append(1) or dijkstra(*a)))
+    r = otl.translate(O)
+    assert calls                                 # the finish ran, on the numpy Dijkstra
+    check_even(r)
+    check_translation(O, r)
+    check_even(with_scipy)
+
+
 def test_streaming_bad_batches():
     st = otl.StreamingTranslator(10, distributed=False)
     with pytest.raises(ValueError, match="k=10"):
