@@ -347,6 +347,11 @@ class StreamingTranslator:
     outputs of those rows, and raises if it is needed and missing (it is rare: raise
     `candidates` to make it rarer).
 
+    Outputs must be finite: NaN and +-inf raise ValueError, except that with candidate lists
+    (k > full_rows_up_to) a -inf after the first n_init rows is let through unchecked: it can
+    never be a row's best or a candidate, so it changes nothing (the check rides on the row
+    maxima, which saves a pass over the outputs).
+
     Ties.  Exactly equal outputs (a collapsed network) cannot be separated by any translation, so
     every output gets a fixed perturbation eps * u(row, column), u uniform in [0, 1) from a hash,
     eps = tie_eps * max|O| of the first rows (default 2**-26, below float32 resolution).  Labels
@@ -446,12 +451,12 @@ class StreamingTranslator:
         X = X.to(self.device)
         if X.shape[0] == 0:
             return
-        lo, hi = X.aminmax()      # one cheap pass; NaN and +-inf show in these
-        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
-            _check_outputs_finite(X, self.n)
         if X.dtype != torch.float64:
             X = X.to(torch.float32)
         if self.all_cols:
+            lo, hi = X.aminmax()      # one cheap pass; NaN and +-inf show in these
+            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+                _check_outputs_finite(X, self.n)
             n = X.shape[0]
             cols = torch.arange(self.k, device=self.device).expand(n, self.k)
             V = X.to(torch.float64) - self.T0       # the tie-break is added in result()
@@ -474,6 +479,8 @@ class StreamingTranslator:
         S, M = self._S[:n], self._M[:n]                         # (n, kp); columns >= k stay -inf
         torch.sub(X, self.T0f, out=S[:, :k])
         rmax = S.amax(1)                                        # (n,)
+        if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
+            _check_outputs_finite(X, self.n)        # -inf never makes a candidate, so it may stay
         thr = rmax - self.delta
         torch.ge(S, thr[:, None], out=M)
         g8 = M.view(torch.int64).nonzero()                      # (h, 2): row, word; row-major
@@ -774,9 +781,12 @@ class _ExactSolver:
         done = ~over
         base = torch.zeros(k, dtype=torch.int64, device=self.dev)
         am, al = margin, lab
+        zero = torch.zeros(k, dtype=torch.int64, device=self.dev)
         for step in range(120):
             mid = (lo + hi) / 2
-            cnt = base + comm.sum(torch.bincount(al[am < mid[al]], minlength=k))
+            # a count without a boolean index: that would make a GPU wait at every step
+            below = (am < mid.index_select(0, al)).to(torch.int64)
+            cnt = base + comm.sum(zero.scatter_add(0, al, below))
             hit = (cnt == excess) & ~done
             r = torch.where(hit, mid, r)
             done = done | hit
@@ -983,8 +993,11 @@ class _ExactSolver:
         """Global steps alpha * C (C = counts - target, scaled to max 1), alpha = (std / std_max)
         x (range of the scores) / f, undone and f *= beta when the std gets worse.  Far from
         balance (real networks' outputs) this moves every cluster at once, which the auction
-        below, raising over-full clusters only, does slowly.  Only the approach: each step is an
-        argmax on float32 copies; the exact labels are taken again at the end."""
+        below, raising over-full clusters only, does slowly.  One change: after a step that
+        removed less than 30 % of the std (ratio r = new / old), f is multiplied by 1 - r, at
+        least 0.5 (a linear response would need 1 / (1 - r) times the step); the published rule shrinks the std by a
+        few per cent per step.  Only the approach: each step is an argmax on float32 copies; the
+        exact labels are taken again at the end."""
         n_total = int(self.counts.sum())
         std_max = max(_std(F.one_hot(torch.argmin(self.target), self.k).to(torch.float64)
                            * n_total, self.target), 1e-12)
@@ -1029,6 +1042,8 @@ class _ExactSolver:
                 f *= beta
                 continue
             still = still + 1 if new == std else 0
+            if 0.7 < new / std < 1:   # a linear response would need 1 / (1 - ratio) times the step
+                f *= max(1 - new / std, 0.5)
             self.dT, self.counts, std = dT_new, counts, new
             if still >= patience:
                 break

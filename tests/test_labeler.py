@@ -249,6 +249,20 @@ def test_streaming_bad_batches():
         st.result()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_streaming_bad_values_with_candidate_lists(bad):
+    """k > 128 (candidate lists): NaN or +inf in a row after the first batch is still caught,
+    with its global row number."""
+    O = torch.randn(20_000, 300, generator=gen(16))
+    O[15_000, 7] = bad
+    st = otl.StreamingTranslator(300, distributed=False)
+    with pytest.raises(ValueError, match=r"NaN or infinite values in 1 rows \(first: \[15000\]\)"):
+        for s in range(0, 20_000, 4096):
+            st.add(O[s:s + 4096])
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        otl.translate(O)
+
+
 def test_streaming_collapsed_rows_break_ties_by_global_row():
     """More than max_candidates exactly tied outputs per row: the tie-break, not the column
     order, picks each row's candidates, so the rows spread over all clusters; a shard that says
