@@ -770,8 +770,32 @@ class _ExactSolver:
         self.counts = self._count()
 
     # -- 1. ascending auction ----------------------------------------------------------------
-    def _bisect(self, margin, lab, excess, over):
-        """r_j with #(members of j with margin < r_j) == excess_j, on global counts."""
+    def _shed(self, margin, lab, excess, over):
+        """r_j for each over-full cluster j: the midpoint of the excess_j-th and the next smallest
+        margin among its members (all ranks), so that exactly excess_j of them lie below it
+        (fewer where those two are equal); twice the largest when all must go.  One process on
+        a GPU sorts the margins; otherwise a bisection on global counts finds the gap and two
+        all-reduced k-vectors its ends, the same numbers (a GPU would wait at every step)."""
+        k = self.k
+        if self.dev.type != "cpu" and not self.comm.on and margin.numel():
+            order = torch.argsort(margin, stable=True)
+            order = order.index_select(0, torch.argsort(lab.index_select(0, order), stable=True))
+            ms = margin.index_select(0, order)
+            cnt = torch.bincount(lab, minlength=k)
+            first = torch.cumsum(cnt, 0) - cnt
+            last = ms.numel() - 1
+            a = ms.index_select(0, (first + excess - 1).clamp(0, last))
+            nxt = ms.index_select(0, (first + excess).clamp(0, last))
+            b = torch.where(excess < cnt, nxt, math.inf)
+        else:
+            a, b = self._bisect_gap(margin, lab, excess, over)
+        r = torch.where(torch.isinf(b), 2 * a + 1e-300, (a + b) / 2)
+        return torch.where(over, r, 0.0)
+
+    def _bisect_gap(self, margin, lab, excess, over):
+        """(largest margin below the cut, smallest at or above it) per cluster, where the cut
+        leaves exactly excess_j members of j below it (found by bisection on global counts; for
+        exactly equal margins at the cut, both ends are that value)."""
         k, comm = self.k, self.comm
         mmax = torch.zeros(k, dtype=torch.float64, device=self.dev).scatter_reduce(
             0, lab, margin, "amax")
@@ -792,14 +816,20 @@ class _ExactSolver:
             done = done | hit
             lo = torch.where(~done & (cnt < excess), mid, lo)
             hi = torch.where(~done & (cnt > excess), mid, hi)
-            if step % 4 == 3:   # (a GPU waits for each check) drop members that can no longer
-                if bool(done.all()):   # change any count; done ones take no more steps
+            if step % 4 == 3:   # drop members that can no longer change any count; done ones
+                if bool(done.all()):   # take no more steps
                     break
                 below = am < lo[al]
                 base = base + comm.sum(torch.bincount(al[below & ~done[al]], minlength=k))
                 keep = ~done[al] & ~below & (am < hi[al])
                 am, al = am[keep], al[keep]
-        return torch.where(done, r, lo) * over   # unresolved (exact ties): shed fewer
+        cut = torch.where(done, r, lo).index_select(0, lab)   # unresolved: exact ties at the cut
+        below = margin < cut
+        a = comm.max(torch.full((k,), -math.inf, dtype=torch.float64, device=self.dev)
+                     .scatter_reduce(0, lab[below], margin[below], "amax"))
+        b = comm.min(torch.full((k,), math.inf, dtype=torch.float64, device=self.dev)
+                     .scatter_reduce(0, lab[~below], margin[~below], "amin"))
+        return torch.where(done, a, b), b
 
     def _auction(self, max_rounds, history, stall=6):
         E_hist = []
@@ -814,9 +844,11 @@ class _ExactSolver:
             self.rounds += 1
             rows = over[self.labels].nonzero()[:, 0]
             best, _, second, _ = self._eval(rows)
-            margin = best - second
+            # a row whose best could be beaten by a dropped column (margin < 0) cannot be shed
+            # by moving T; it counts as margin 0 here and is re-read in full later
+            margin = (best - second).clamp(min=0)
             lab = self.labels[rows]
-            r = self._bisect(margin, lab, excess, over)
+            r = self._shed(margin, lab, excess, over)
             self.dT = self.dT + r
             mv = rows[margin < r[lab]]
             self.labels[mv] = self._eval(mv)[1]
