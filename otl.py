@@ -333,11 +333,13 @@ class StreamingTranslator:
     most R are solved with the others' counts fixed, and R grows (and the solve repeats from
     where it stopped) until the translation found fits within it:
 
-    1. an ascending auction: every over-full cluster raises its T_j by just enough to shed its
-       excess (found by bisection on global counts, so ranks exchange only k-vectors);
+    1. an ascending auction: every over-full cluster raises its T_j to the middle of the gap
+       that leaves just its excess below (far from balance, global steps of the published
+       rules come first; ranks exchange only k-vectors);
     2. an exact finish: shortest augmenting paths between over- and under-full clusters (a
-       Dijkstra on the k clusters, edge a -> b the cheapest row of a to move to b), with T moved
-       by the path lengths so every row stays at its argmax; several disjoint paths per round;
+       Dijkstra on the k clusters over the moves that cost at most tau, edge a -> b the
+       cheapest row of a to move to b), with T moved by the path lengths so every row stays at
+       its argmax; several disjoint paths per round;
     3. strict argmax: moved rows sit exactly on a tie; T is nudged along the order of those ties
        by less than half of any other margin, so each row's label becomes its strict argmax.
 
@@ -871,7 +873,7 @@ class _ExactSolver:
             own = Vr.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
             base = own - Vr                                  # +inf for empty slots (V = -inf)
             cost = base + self._gathered(self.dT, Cr) - self.dT.index_select(0, lab)[:, None]
-            i, j = ((cost <= tau) & (Cr != lab[:, None])).nonzero(as_tuple=True)
+            i, j = ((cost <= tau) & (Cr != lab[:, None]) & torch.isfinite(base)).nonzero(as_tuple=True)
             out[0].append(r.index_select(0, i))
             out[1].append(Cr[i, j])
             out[2].append(base[i, j])
@@ -1027,9 +1029,9 @@ class _ExactSolver:
         balance (real networks' outputs) this moves every cluster at once, which the auction
         below, raising over-full clusters only, does slowly.  One change: after a step that
         removed less than 30 % of the std (ratio r = new / old), f is multiplied by 1 - r, at
-        least 0.5 (a linear response would need 1 / (1 - r) times the step); the published rule shrinks the std by a
-        few per cent per step.  Only the approach: each step is an argmax on float32 copies; the
-        exact labels are taken again at the end."""
+        least 0.5 (a linear response would need 1 / (1 - r) times the step); the published rule
+        shrinks the std by a few per cent per step.  Only the approach: each step is an argmax
+        on float32 copies; the exact labels are taken again at the end."""
         n_total = int(self.counts.sum())
         std_max = max(_std(F.one_hot(torch.argmin(self.target), self.k).to(torch.float64)
                            * n_total, self.target), 1e-12)
