@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,3 +47,12 @@ def test_bench_labeler_rejects_bad_sizes(tmp_path):
     assert p.returncode != 0 and "--ks must lie in" in p.stderr
     p = run_bench("--methods", "exact,nope", "--out", str(tmp_path / "x.json"))
     assert p.returncode != 0 and "unknown" in p.stderr
+    p = run_bench("--repeat", "0", "--out", str(tmp_path / "x.json"))
+    assert p.returncode != 0 and "--repeat must be >= 1" in p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_bench_labeler_gpu_flag_without_a_gpu(tmp_path):
+    p = run_bench("--device", "cuda", "--quick", "--out", str(tmp_path / "x.json"))
+    assert p.returncode != 0 and "no CUDA GPU is visible" in p.stderr
+    assert not (tmp_path / "x.json").exists()
