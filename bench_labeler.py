@@ -5,6 +5,7 @@ Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
     python bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
     make labeler-bench                                       # the same
     python bench_labeler.py --quick --out /tmp/lb.json       # smoke test, about a minute on 2 cores
+    make labeler-bench-gpu                                   # on a CUDA GPU (--device cuda)
 
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
@@ -28,6 +29,9 @@ against the even target N/k (std_floor = sqrt(f (1 - f)), f = (N mod k) / k, is 
 labeler can do), max - min of the sizes, and the call's peak memory: the child resets its peak RSS
 (writes 5 to /proc/self/clear_refs), runs the labeler, and reports VmHWM minus the RSS just before
 (MiB; the input itself is not counted).  Torch uses every core the process may run on.  Linux only.
+With --device cuda every measurement runs in this process on the GPU (see measure_gpu): the
+Gaussian inputs come from a CUDA generator, the large case sits whole in GPU memory, and the
+EuroSAT inputs are left to the CPU run.
 Results go to --out as they come (a killed run keeps what it measured); a failed measurement is
 recorded with its error and makes the script exit non-zero, and no numbers are made up for it.
 """
