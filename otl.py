@@ -997,7 +997,8 @@ class _ExactSolver:
                     return False     # no cheap move reaches a cluster that needs rows
                 # the needy clusters lie beyond the kept moves: keep more and try again
                 near = float(needy.min())
-                tau = 2 * max(tau, near) if math.isfinite(near) else math.inf
+                grown = 2 * max(tau, near) if math.isfinite(near) else math.inf
+                tau = grown if grown > tau else math.inf     # tau = 0 (exact ties, no tie-break)
                 pairs = None
                 continue
             self.phases += 1
