@@ -282,12 +282,16 @@ class _Comm:
         nccl = self.on and dist.get_backend() == "nccl"
         self.dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def _reduce(self, x, op):
+    def _on_backend(self, x, collective):
+        """collective(y) in place on x, moved to the backend's device and back."""
         if not self.on:
             return x
         y = x.to(self.dev)
-        self.dist.all_reduce(y, op=op)
+        collective(y)
         return y if y is x else y.to(x.device)
+
+    def _reduce(self, x, op):
+        return self._on_backend(x, lambda y: self.dist.all_reduce(y, op=op))
 
     def sum(self, x):
         return self._reduce(x, self.dist.ReduceOp.SUM)
@@ -299,11 +303,7 @@ class _Comm:
         return self._reduce(x, self.dist.ReduceOp.MIN)
 
     def broadcast(self, x):
-        if not self.on:
-            return x
-        y = x.to(self.dev)
-        self.dist.broadcast(y, src=0)
-        return y if y is x else y.to(x.device)
+        return self._on_backend(x, lambda y: self.dist.broadcast(y, src=0))
 
 
 class StreamingTranslator:
@@ -424,9 +424,7 @@ class StreamingTranslator:
         head = head if head.dtype == torch.float64 else head.to(torch.float32)
         params = torch.zeros(self.k + 3, dtype=torch.float64, device=self.device)
         if head.shape[0] > 0:
-            lo, hi = head.aminmax()
-            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
-                _check_outputs_finite(head)
+            _check_outputs_finite(head)
             params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
             params[self.k] = self.tie_eps * max(head.abs().max().item(), 1e-30)
             if not self.all_cols:   # the window: the m-th largest gap of a typical row
@@ -456,9 +454,7 @@ class StreamingTranslator:
         if X.dtype != torch.float64:
             X = X.to(torch.float32)
         if self.all_cols:
-            lo, hi = X.aminmax()      # one cheap pass; NaN and +-inf show in these
-            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
-                _check_outputs_finite(X, self.n)
+            _check_outputs_finite(X, self.n)
             n = X.shape[0]
             cols = torch.arange(self.k, device=self.device).expand(n, self.k)
             V = X.to(torch.float64) - self.T0       # the tie-break is added in result()
@@ -704,7 +700,10 @@ class StreamingTranslator:
 
 
 def _check_outputs_finite(X, row0: int = 0):
-    if not torch.isfinite(X).all():
+    if X.numel() == 0:
+        return
+    lo, hi = X.aminmax()      # one cheap pass, no N x k mask; NaN and +-inf show in these
+    if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
         bad = (~torch.isfinite(X)).any(1).nonzero().flatten() + row0
         raise ValueError(f"outputs contain NaN or infinite values in {bad.numel()} rows "
                          f"(first: {bad[:5].tolist()}); the network has probably diverged: "
