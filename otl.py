@@ -466,32 +466,37 @@ class StreamingTranslator:
 
     def _extract_block(self, X: torch.Tensor):
         """Candidates of one block of rows in a few passes that write nothing N x k sized: S = X - T0
-        into a reused buffer, its row maxima, a reused boolean mask S >= max - delta, and the
+        into a reused buffer, its row maxima, a reused int8 mask S >= max - delta, and the
         mask read 8 columns at a time as int64 words (a row keeps ~m of k columns, so almost
         every word is 0)."""
         n, k, w, dev = X.shape[0], self.k, self.width, self.device
         kp = (k + 7) // 8 * 8
-        # S = X - T0 a few rows at a time (on the CPU: small enough to stay in cache between
-        # its three passes), the mask for all n rows
+        # S = X - T0 a few rows at a time (on the CPU: small enough to stay in cache between its
+        # passes), then D = S - (row max - delta) in place; the mask of all n rows is D >= 0 as
+        # int8 -1 / 0, from D's sign bit: integer shifts and a narrowing copy are several times
+        # faster than a comparison writing bool.  fl(S - thr) >= 0 exactly when S >= thr.
         sub = n if dev.type != "cpu" else max(1, (4 << 20) // (4 * kp))
         if self._M is None or self._M.shape[0] < n:
             self._S = torch.full((min(max(n, self.block), sub), kp), -math.inf, dtype=torch.float32,
                                  device=dev)                    # columns >= k stay -inf
-            self._M = torch.empty((max(n, self.block), kp), dtype=torch.bool, device=dev)
+            self._M = torch.empty((max(n, self.block), kp), dtype=torch.int8, device=dev)
         M, rmax = self._M[:n], torch.empty(n, dtype=torch.float32, device=dev)
         for s in range(0, n, sub):
             e = min(s + sub, n)
-            S = self._S[:e - s]
-            torch.sub(X[s:e], self.T0f, out=S[:, :k])
-            torch.amax(S, 1, out=rmax[s:e])
-            torch.ge(S, (rmax[s:e] - self.delta)[:, None], out=M[s:e])
+            D = self._S[:e - s]
+            torch.sub(X[s:e], self.T0f, out=D[:, :k])
+            torch.amax(D, 1, out=rmax[s:e])
+            torch.sub(D, (rmax[s:e] - self.delta)[:, None], out=D)
+            M[s:e].copy_(D.view(torch.int32).bitwise_right_shift_(31)).bitwise_not_()
+            if kp > k:   # the shift turned the -inf padding into NaN
+                D[:, k:] = -math.inf
         if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
             _check_outputs_finite(X, self.n)        # -inf never makes a candidate, so it may stay
         thr = rmax - self.delta
         g8 = M.view(torch.int64).nonzero()                      # (h, 2): row, word; row-major
         flat = g8[:, 0] * (kp // 8) + g8[:, 1]
-        hit = M.view(torch.int64).view(-1).index_select(0, flat).view(torch.bool).nonzero()[:, 0]
-        # hit: (c,) word * 8 + bit
+        hit = M.view(torch.int64).view(-1).index_select(0, flat).view(torch.int8).nonzero()[:, 0]
+        # hit: (c,) word * 8 + byte
         word = hit >> 3
         rr = g8[:, 0].index_select(0, word)                     # rows, ascending
         cc = g8[:, 1].index_select(0, word) * 8 + (hit & 7)
@@ -737,7 +742,7 @@ class _ExactSolver:
         self.target, self.lo, self.hi, self.comm, self.chunk = target, lo, hi, comm, chunk
         self.dev = V.device
         self.dT = torch.zeros(k, dtype=torch.float64, device=self.dev) if dT is None else dT
-        self.rounds, self.phases, self.ties = rounds, phases, 0
+        self.rounds, self.phases, self.ties, self._last = rounds, phases, 0, None
         self.all = torch.arange(V.shape[0], device=self.dev)
         self.labels = self._eval(self.all)[1]
         self.counts = self._count()
@@ -780,9 +785,12 @@ class _ExactSolver:
         return tuple(torch.cat(o) for o in out)
 
     def unsafe_rows(self):
-        return self._eval(self.all)[3].nonzero()[:, 0]
+        ev = self._eval(self.all)
+        self._last = (self.dT, ev)     # strictify() reuses it while dT and the rows stay
+        return ev[3].nonzero()[:, 0]
 
     def replace_rows(self, rows, V, C, theta):
+        self._last = None
         self.V[rows], self.C[rows], self.theta[rows] = V, C, theta
         self.labels[rows] = self._eval(rows)[1]
         self.counts = self._count()
@@ -1138,18 +1146,24 @@ class _ExactSolver:
         """Moved rows sit on exact ties.  Order the clusters so that every tie a -> b (a row of a
         with equal score in b) has pi[b] > pi[a], and add eta * pi to T with eta below half of
         every other margin over (max pi + 1): ties resolve to the current labels, nothing else
-        changes."""
+        changes.  One look at every row (its best, runner-up and margin) finds the few rows
+        with a tie; only those are looked at column by column, and only they can change."""
         k, dev = self.k, self.dev
         # ties are equal up to float64 rounding of the values involved
         scale = float(self.dT.abs().max())
         for v in self.V.split(self.chunk):
-            v = v.abs()
-            scale = max(scale, float(torch.where(torch.isfinite(v), v, 0.0).amax()))
+            scale = max(scale, float(v.amax()), -float(torch.where(torch.isfinite(v), v, 0.0).amin()))
         scale = float(self.comm.max(torch.tensor([scale], dtype=torch.float64))[0]) or 1.0
         tol = 64 * 2.0 ** -52 * scale
-        ta, tb, rmin = [], [], math.inf
-        for s, (Vr, Cr, th) in zip(range(0, self.all.numel(), self.chunk), self._blocks(self.all)):
-            Cr, lab = Cr.long(), self.labels[s:s + self.chunk]
+        last = self._last
+        best, arg, second, _ = last[1] if last is not None and last[0] is self.dT else self._eval(self.all)
+        margin = best - second          # over the runner-up and the dropped columns' bound
+        near = (margin <= tol) | (arg != self.labels)
+        rmin = float(torch.where(near, math.inf, margin).amin()) if margin.numel() else math.inf
+        tied = near.nonzero()[:, 0]     # the rest: every other score is more than tol below
+        ta, tb = [], []
+        for s, (Vr, Cr, th) in zip(range(0, tied.numel(), self.chunk), self._blocks(tied)):
+            Cr, lab = Cr.long(), self.labels.index_select(0, tied[s:s + self.chunk])
             S = Vr - self._gathered(self.dT, Cr)
             own = S.gather(1, (Cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
             valid = (Cr != lab[:, None]) & torch.isfinite(S)
@@ -1185,7 +1199,8 @@ class _ExactSolver:
             rmin = scale * 1e-6
         eta = rmin / (2 * (float(pi.max()) + 1))
         self.dT = self.dT + eta * pi.to(dev)
-        self.labels = self._eval(self.all)[1]
+        # a row outside `tied` leads by at least rmin > 2 eta max(pi): it keeps its label
+        self.labels[tied] = self._eval(tied)[1]
         self.counts = self._count()
 
 
