@@ -633,8 +633,9 @@ class StreamingTranslator:
         for parts in zip(self.V, self.C, self.theta):
             end = start + parts[0].shape[0]
             lo, hi = torch.searchsorted(rows, torch.tensor([start, end], device=self.device)).tolist()
+            idx = rows[lo:hi] - start
             for o, p in zip(out, parts):
-                o[lo:hi] = p[rows[lo:hi] - start]
+                torch.index_select(p, 0, idx, out=o[lo:hi])
             start = end
         return out
 
@@ -688,10 +689,10 @@ class StreamingTranslator:
 
     def _add_jitter(self, offset):
         # stored values are O - T0; add eps * u(global row, col), the same sum in every mode
-        start = 0
+        start, step = 0, self.chunk if self.device.type != "cpu" else 8192   # CPU: temporaries in cache
         for V, C in zip(self.V, self.C):
-            for s in range(0, V.shape[0], self.chunk):
-                Vs, Cs = V[s:s + self.chunk], C[s:s + self.chunk].long()
+            for s in range(0, V.shape[0], step):
+                Vs, Cs = V[s:s + step], C[s:s + step].long()
                 rows = torch.arange(start + s, start + s + Vs.shape[0], device=self.device)
                 Vs.add_(_tie_jitter(rows + offset, Cs, self.seed), alpha=self.eps)   # -inf stays
             start += V.shape[0]
@@ -766,7 +767,7 @@ class _ExactSolver:
                 yield self.V[sl], self.C[sl], self.theta[sl]
             else:
                 r = rows[s:s + self.chunk]
-                yield self.V[r], self.C[r], self.theta[r]
+                yield self.V.index_select(0, r), self.C.index_select(0, r), self.theta.index_select(0, r)
 
     def _eval(self, rows):
         """best score, its column, the runner-up (or the bound on dropped columns), unsafe."""
