@@ -1092,14 +1092,15 @@ class _ExactSolver:
 
         def labels_at(dT):
             """(labels, rows whose truncated candidates may miss their argmax) at dT, all ranks"""
-            d32, out, unsure = (dT - ref).to(torch.float32), [], torch.zeros((), dtype=torch.int64)
+            d32, out = (dT - ref).to(torch.float32), []
+            unsure, dmin = torch.zeros((), dtype=torch.int64, device=self.dev), d32.min()
             for v, c, b in blocks:
                 S = scratch[:v.numel()].view(v.shape)
                 torch.index_select(d32, 0, c.view(-1), out=S.view(-1))
                 torch.sub(v, S, out=S)
                 arg = S.argmax(1, keepdim=True)
                 if b is not None:   # a dropped candidate scores at most b - min dT
-                    unsure = unsure + (S.gather(1, arg)[:, 0] < b - d32.min()).sum().cpu()
+                    unsure = unsure + (S.gather(1, arg)[:, 0] < b - dmin).sum()
                 out.append(c.gather(1, arg)[:, 0])
             lab = torch.cat(out).long() if out else torch.zeros(0, dtype=torch.int64, device=self.dev)
             return lab, int(self.comm.sum(unsure.reshape(1))[0])
