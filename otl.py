@@ -1057,8 +1057,8 @@ class _ExactSolver:
         removed less than 30 % of the std (ratio r = new / old), f is multiplied by 1 - r, at
         least 0.5 (a linear response would need 1 / (1 - r) times the step); the published rule
         shrinks the std by a few per cent per step.  The range of the scores is that of the
-        rows' best `top` candidates (a smaller first step than the range of all of them, which
-        took 46 instead of 36 steps on gaussian outputs at N = 1.28M, k = 3000).  Only the
+        rows' best `top` candidates: a smaller first step than with the range of all of them,
+        which took 46 rounds in all instead of 36 on gaussian outputs at N = 1.28M, k = 3000.  Only the
         approach: each step is an argmax on float32 copies of those candidates; the exact labels
         are taken again at the end."""
         n_total = int(self.counts.sum())
