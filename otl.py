@@ -514,7 +514,11 @@ class StreamingTranslator:
         V = torch.full((n * w + 1,), -math.inf, dtype=torch.float64, device=dev)
         C = torch.zeros(n * w + 1, dtype=self.cdtype, device=dev)
         at = rr * w + pos
-        val = X.reshape(-1).index_select(0, rr * k + cc).to(torch.float64) - self.T0.index_select(0, cc)
+
+        def exact(r, c):   # O - T0 in float64 at rows r, columns c
+            return X.reshape(-1).index_select(0, r * k + c).to(torch.float64) - self.T0.index_select(0, c)
+
+        val = exact(rr, cc)
         if many.any():   # more than w near the top: keep the best w of them, bound the rest
             oi = many.nonzero()[:, 0]
             e = many.index_select(0, rr).nonzero()[:, 0]        # their entries
@@ -537,8 +541,7 @@ class StreamingTranslator:
             theta[oi] = torch.maximum(theta[oi], tv[:, w])    # the same sum as result() makes
             cols = PC.gather(1, ti[:, :w]).reshape(-1)         # (o * w,)
             om = (oi[:, None] * w + torch.arange(w, device=dev)).view(-1)
-            V.index_copy_(0, om, X.reshape(-1).index_select(0, oi.repeat_interleave(w) * k + cols)
-                          .to(torch.float64) - self.T0.index_select(0, cols))
+            V.index_copy_(0, om, exact(oi.repeat_interleave(w), cols))
             C.index_copy_(0, om, cols.to(self.cdtype))
             at = torch.where(many.index_select(0, rr), n * w, at)   # the rest: the spare slot
         V.index_copy_(0, at, val)                                    # exact
@@ -1058,9 +1061,9 @@ class _ExactSolver:
         least 0.5 (a linear response would need 1 / (1 - r) times the step); the published rule
         shrinks the std by a few per cent per step.  The range of the scores is that of the
         rows' best `top` candidates: a smaller first step than with the range of all of them,
-        which took 46 rounds in all instead of 36 on gaussian outputs at N = 1.28M, k = 3000.  Only the
-        approach: each step is an argmax on float32 copies of those candidates; the exact labels
-        are taken again at the end."""
+        which took 46 rounds in all instead of 36 on gaussian outputs at N = 1.28M, k = 3000.
+        Only the approach: each step is an argmax on float32 copies of those candidates; the
+        exact labels are taken again at the end."""
         n_total = int(self.counts.sum())
         std_max = max(_std(F.one_hot(torch.argmin(self.target), self.k).to(torch.float64)
                            * n_total, self.target), 1e-12)
