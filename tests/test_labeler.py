@@ -188,6 +188,67 @@ def test_streaming_equals_dense(full):
         assert st.width == 24
 
 
+@pytest.mark.parametrize("k, shift", [(300, 0.0), (50, 0.0), (200, 2.0)])
+def test_result_holds_each_row_once(monkeypatch, k, shift):
+    """result() moves the rows it solves out of the store (the solver's copy is not held
+    twice), also when the working set widens and a second solve takes more rows (here k = 50
+    and k = 200 do); the result is the same as translate's, and the translator is spent."""
+    O = torch.randn(20_000, k, generator=gen(17)) + torch.linspace(0, shift, k)
+    seen, solve = [], otl.StreamingTranslator._solve
+
+    def checked(self, V, C, theta, rows, *a, **kw):
+        seen.append(rows.numel())
+        assert sum(v.shape[0] for v in self.V) + V.shape[0] == self.n   # each row once
+        rest = sorted(set(range(self.n)) - set(rows.tolist()))
+        assert torch.equal(self.kept, torch.tensor(rest, dtype=torch.long))
+        return solve(self, V, C, theta, rows, *a, **kw)
+
+    monkeypatch.setattr(otl.StreamingTranslator, "_solve", checked)
+    st = otl.StreamingTranslator(k, distributed=False)
+    st.add(O)
+    r = st.result(refetch=lambda rows: O[rows])
+    assert seen and seen[-1] == r.active
+    if k != 300:
+        assert len(seen) > 1                  # the widening path ran
+    monkeypatch.setattr(otl.StreamingTranslator, "_solve", solve)
+    ref = otl.translate(O)
+    assert torch.equal(r.labels, ref.labels) and torch.equal(r.T, ref.T)
+    check_even(r)
+    with pytest.raises(RuntimeError, match="once"):
+        st.result()
+    with pytest.raises(RuntimeError, match="new StreamingTranslator"):
+        st.add(O[:10])
+
+
+def test_widening_after_whole_rows(monkeypatch):
+    """A solve that fell back to whole rows, then a wider one: the rows of the first come from
+    its solver cut back to their best candidates (with a true bound on the rest), and the
+    result is still exact and translation-only."""
+    O = torch.randn(20_000, 200, generator=gen(17)) + torch.linspace(0, 2.0, 200)
+    run, take, widths = otl._ExactSolver.run, otl.StreamingTranslator._take, []
+    forced = []
+
+    def fail_once(self, *a):    # as if no cheap move reached a needy cluster: whole rows
+        ok = run(self, *a)
+        forced.append(self.V.shape[1])
+        return ok and len(forced) > 1
+
+    def spy(self, rows, prev=None):
+        if prev is not None:
+            widths.append(prev[1].V.shape[1])
+        return take(self, rows, prev)
+
+    monkeypatch.setattr(otl._ExactSolver, "run", fail_once)
+    monkeypatch.setattr(otl.StreamingTranslator, "_take", spy)
+    st = otl.StreamingTranslator(200, distributed=False, full_rows_up_to=0)
+    st.add(O)
+    r = st.result(refetch=lambda rows: O[rows])
+    assert forced[:2] == [48, 200] and 200 in widths    # the cut-back path ran
+    assert r.refetched > 0
+    check_even(r)
+    check_translation(O, r)
+
+
 def test_streaming_needs_refetch_when_candidates_fall_short():
     n, k = 5000, 200
     O = torch.randn(n, k, generator=gen(10)) + torch.linspace(0, 3, k)   # far from balance
