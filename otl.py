@@ -391,7 +391,9 @@ class StreamingTranslator:
         self.V, self.C, self.theta = [], [], []
         self.n, self.T0, self.device, self.t0 = 0, None, None, None
         self.kept, self.used = None, False   # local rows the store holds (None: all); result() ran
-        self.block, self._S, self._M = 8192, None, None   # candidate extraction: 8192 x k buffers
+        # rows per pass (candidate extraction, the solver): on the CPU 8192, so that a pass's
+        # temporaries stay in cache and are reused rather than mapped afresh; `chunk` on a GPU
+        self.block, self._S, self._M = 8192, None, None
 
     # -- feeding ---------------------------------------------------------------------------
     def add(self, outputs: torch.Tensor) -> None:
@@ -497,13 +499,12 @@ class StreamingTranslator:
         if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
             _check_outputs_finite(X, self.n)        # -inf never makes a candidate, so it may stay
         thr = rmax - self.delta
-        g8 = M.view(torch.int64).nonzero()                      # (h, 2): row, word; row-major
-        flat = g8[:, 0] * (kp // 8) + g8[:, 1]
-        hit = M.view(torch.int64).view(-1).index_select(0, flat).view(torch.int8).nonzero()[:, 0]
-        # hit: (c,) word * 8 + byte
-        word = hit >> 3
-        rr = g8[:, 0].index_select(0, word)                     # rows, ascending
-        cc = g8[:, 1].index_select(0, word) * 8 + (hit & 7)
+        W = M.view(-1).view(torch.int64)
+        fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
+        hit = W.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # (c,) word * 8 + byte
+        g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)  # flat positions in M, ascending
+        rr = torch.div(g, kp, rounding_mode="floor")            # rows, ascending
+        cc = g.sub_(rr * kp)
         cnt = torch.bincount(rr, minlength=n)
         pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt).index_select(0, rr)
         self.n += n
@@ -635,11 +636,11 @@ class StreamingTranslator:
         return res
 
     def _chunks(self):
-        """(first row, V, C, theta) of every stored piece of at most `chunk` rows."""
+        """(first row, V, C, theta) of every stored piece of at most `block` rows."""
         s = 0
         for V, C, theta in zip(self.V, self.C, self.theta):
-            for t in range(0, V.shape[0], self.chunk):
-                yield s + t, V[t:t + self.chunk], C[t:t + self.chunk], theta[t:t + self.chunk]
+            for t in range(0, V.shape[0], self.block):
+                yield s + t, V[t:t + self.block], C[t:t + self.block], theta[t:t + self.block]
             s += V.shape[0]
 
     def _take(self, rows, prev=None):
@@ -697,7 +698,7 @@ class StreamingTranslator:
         refetching of rows whose candidates fall short.  Returns (solver, rows refetched)."""
         comm, k, dev = self.comm, self.k, self.device
         gid = rows + self.offset
-        solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk, gid, dT=dT,
+        solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.block, gid, dT=dT,
                               rounds=rounds, phases=phases, labels=labels)
         history.append(solver._std())
         refetched, width = 0, V.shape[1]
@@ -734,14 +735,14 @@ class StreamingTranslator:
             width = k
             C = torch.arange(k, device=dev).to(self.cdtype).expand(rows.numel(), k).contiguous()
             theta = torch.full((rows.numel(),), -math.inf, dtype=torch.float64, device=dev)
-            solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.chunk, gid,
+            solver = _ExactSolver(V, C, theta, k, target, lo, hi, comm, self.block, gid,
                                   dT=solver.dT, rounds=solver.rounds, phases=solver.phases)
         solver.strictify()
         return solver, refetched
 
     def _add_jitter(self, offset):
         # stored values are O - T0; add eps * u(global row, col), the same sum in every mode
-        start, step = 0, self.chunk if self.device.type != "cpu" else 8192   # CPU: temporaries in cache
+        start, step = 0, self.block
         for V, C in zip(self.V, self.C):
             for s in range(0, V.shape[0], step):
                 Vs, Cs = V[s:s + step], C[s:s + step].long()
@@ -1124,9 +1125,9 @@ class _ExactSolver:
         # rest, and past 1 % of all rows (T has moved far from Tr) the candidates are chosen
         # again at the current T.
         def make_blocks(ref):
-            out = []
+            out, moved = [], bool(ref.any())      # at T0 (ref = 0) the scores are V itself
             for v, c in zip(self.V.split(self.chunk), self.C.split(self.chunk)):
-                v = v - self._gathered(ref, c)
+                v = v - self._gathered(ref, c) if moved else v
                 b = None
                 if v.shape[1] > top + 1:
                     tv, i = v.topk(top + 1, dim=1)
