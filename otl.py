@@ -312,7 +312,8 @@ class StreamingTranslator:
         st = StreamingTranslator(k)
         for batch in batches:           # (n_b, k) outputs, in row order
             st.add(batch)
-        res = st.result()               # TranslateResult for all rows added (this rank's rows)
+        res = st.result()               # TranslateResult for all rows added (this rank's rows);
+                                        # once: it consumes the stored candidates
 
     `translate(O)` is this class fed with O in chunks, so both give the same labels and T.
 
@@ -326,7 +327,8 @@ class StreamingTranslator:
     window `delta` and the tie-break size.  Every row then keeps only its candidates: the columns
     whose O - T0 is within `delta` of the row's best (about `candidates` of them, at most
     `max_candidates`), plus a bound `theta` on everything it dropped.  Memory: about 10 bytes per
-    candidate (1.28M rows x 48 = 0.6 GB).  The translation is solved on the candidates, and
+    candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it solves out of this store, so
+    none is held twice).  The translation is solved on the candidates, and
     only on the rows that can change cluster: every row's lead at T0 (its best minus its
     runner-up) is known, and while the translation moves no T_j by more than R relative to
     another, a row that leads by more than R keeps its best cluster; so the rows leading by at
