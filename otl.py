@@ -661,10 +661,7 @@ class StreamingTranslator:
             at = torch.searchsorted(rows, prows)
             parts = (sv.V, sv.C, sv.theta)
             if sv.V.shape[1] != w:       # whole rows (the fallback): their best w at its T
-                S = sv.V - sv._gathered(sv.dT, sv.C)
-                tv, ti = S.topk(w + 1, dim=1)
-                parts = (sv.V.gather(1, ti[:, :w]), sv.C.gather(1, ti[:, :w]),
-                         torch.maximum(sv.theta, tv[:, w] + sv.dT.max()))
+                parts = self._cut(sv.V, sv.dT, sv.C, sv.theta)
             for o, p in zip(out, parts):
                 o.index_copy_(0, at, p.to(o.dtype))
             new = torch.ones(n_out, dtype=torch.bool, device=dev)
@@ -761,11 +758,19 @@ class StreamingTranslator:
     def _full_rows(self, X, rows, dT):
         """Candidates of `rows` (local indices) from their full outputs X, chosen against the
         current translation, so the dropped columns cannot win."""
+        return self._cut(self._whole_rows(X, rows + self.offset), dT)
+
+    def _cut(self, S, dT, C=None, theta=None):
+        """(V, C, theta) of each row's best `width` entries of S at the translation dT, with a
+        bound on the rest: a dropped column j has S_j - dT_j <= tv[w], so S_j <= tv[w] + max dT.
+        C: the columns of S's entries (None: S holds every column); theta: an earlier bound."""
         w = self.width
-        S = self._whole_rows(X, rows + self.offset)
-        tv, ti = (S - dT).topk(w + 1, dim=1)
-        # a dropped column j has S_j - dT_j <= tv[w], so S_j <= tv[w] + max dT
-        return S.gather(1, ti[:, :w]), ti[:, :w].to(self.cdtype), tv[:, w] + dT.max()
+        tv, ti = (S - (dT if C is None else dT.index_select(0, C.reshape(-1).long()).view(C.shape))
+                  ).topk(w + 1, dim=1)
+        ti = ti[:, :w]
+        bound = tv[:, w] + dT.max()
+        return (S.gather(1, ti), (ti if C is None else C.gather(1, ti)).to(self.cdtype),
+                bound if theta is None else torch.maximum(theta, bound))
 
 
 def _top2_(S):
