@@ -4,6 +4,7 @@
 #   make test                       the test suite (what CI runs)
 #   make labeler-bench              ours vs the published labeler vs Sinkhorn-Knopp: time, balance, memory
 #   make labeler-bench-gpu          the same on a CUDA GPU
+#   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
 # Variables: PRESET=auto|paper|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
 #   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags).
 
@@ -16,11 +17,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data eval-run labeler-bench labeler-bench-gpu test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data eval-run labeler-bench labeler-bench-gpu ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,9p' Makefile
+	@sed -n '1,10p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -38,9 +39,8 @@ eurosat-data: $(STAMP)
 # One chain per run folder: train (resumes if interrupted), evaluate the final checkpoint and
 # the random-init snapshot (checkpoint0000.pth), then the report.
 eurosat: eurosat-data
-	@$(PY) -c "import otl; d = otl.pick_device('$(DEVICE)'); p = '$(PRESET)'; \
-	  p = ('paper' if d.type == 'cuda' else 'cpu') if p == 'auto' else p; \
-	  print('=' * 72 + f'\n  make eurosat: PRESET={p} on {d}' + (' (the CPU preset: see README for what it gives up)' if p == 'cpu' else '') + '\n' + '=' * 72)"
+	@$(PY) -c "import utils; d = utils.pick_device('$(DEVICE)'); p = utils.preset_for('$(PRESET)', d); \
+	  print('=' * 72 + f'\n  make eurosat: PRESET={p} on {d}' + (' (the CPU preset: docs/presets.md says what it gives up)' if p == 'cpu' else '') + '\n' + '=' * 72)"
 	$(PY) train_otl.py --data data/eurosat --output $(RUNS)/eurosat --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
 	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/eurosat
 	$(PY) report.py --dataset eurosat --runs $(RUNS) --out results
@@ -68,6 +68,11 @@ labeler-bench: eurosat-data
 labeler-bench-gpu: $(STAMP)
 	PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $(PY) bench_labeler.py --device cuda --skip-real \
 	  --ref-n 640000 --repeat 3 --out results/labeler_bench_gpu.json --plot results/labeler_bench_gpu.png
+
+# ------------------------------------------------------------------------- experiments
+# The label pass's BatchNorm mode on a fresh cpu-preset network (docs/label_bn.md)
+ablation-label-bn: eurosat-data
+	$(PY) ablations.py label-bn --data data/eurosat --output $(RUNS)/label_bn --device $(DEVICE)
 
 clean-runs:
 	rm -rf $(RUNS)

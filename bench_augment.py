@@ -16,6 +16,7 @@ import time
 import torch
 
 import otl
+import utils
 
 
 def get_args_parser():
@@ -53,7 +54,7 @@ def timeit(fn, repeats, device):
 
 
 def main(args):
-    device = otl.pick_device(args.device)
+    device = utils.pick_device(args.device)
     x = torch.randint(0, 256, (args.batch, 3, 64, 64), dtype=torch.uint8)
     xd = x.to(device)
     rows = {}

@@ -11,7 +11,7 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
   random_net      N = --n images of --data (each of the 27,000 EuroSAT images, then each again
                   mirrored left-right, up to 50,000) through the cpu preset's network
-                  (train_otl.py), freshly initialised: backbone features computed once by
+                  (utils.PRESETS), freshly initialised: backbone features computed once by
                   otl.label_pass(head=False) (BatchNorm on each shuffled batch's statistics,
                   running statistics untouched), then for each k in --real-ks a fresh k-way
                   nn.Linear head (default init, seed --seed + k).  Skipped without --data.
@@ -54,7 +54,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import otl
-from train_otl import PRESETS
+import utils
 
 METHODS = ("exact", "published", "sinkhorn")
 FULL = dict(n=50_000, ks=list(range(50, 1001, 50)), real_ks=[10, 50, 100, 200, 500, 1000],
@@ -182,7 +182,7 @@ def _record(labels, n, k, seconds, iters, reason, call, rss):
     counts = torch.bincount(labels.cpu(), minlength=k)
     f = (n % k) / k
     return {"seconds": round(seconds, 4), "iterations": int(iters),
-            "std": otl._std(counts, otl.even_target(n, k)), "std_floor": (f * (1 - f)) ** 0.5,
+            "std": (counts.double() - n / k).pow(2).mean().sqrt().item(), "std_floor": (f * (1 - f)) ** 0.5,
             "max_minus_min": int(counts.max() - counts.min()), "peak_mib": round((peak - rss) / 1024, 1),
             "rss_before_mib": round(rss / 1024, 1), "stop_reason": reason, "call": call}
 
@@ -284,7 +284,7 @@ def measure_in_child(spec):
 def real_inputs(args, skipped):
     """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not."""
     try:
-        d = otl.load_prepared(args.data)
+        d = utils.load_prepared(args.data)
     except FileNotFoundError as e:
         skipped["random_net"] = skipped["trained_net"] = str(e)
         print(f"skipping the real outputs: {e}", flush=True)
@@ -296,7 +296,7 @@ def real_inputs(args, skipped):
     n_real = min(args.n, 2 * len(images))  # N = 50,000 from 27,000 images: each also mirrored
     with open(os.path.join(args.data, "manifest.json")) as fh:
         manifest = json.load(fh)
-    pre = PRESETS["cpu"]
+    pre = utils.PRESETS["cpu"]
     torch.manual_seed(args.seed)
     model = otl.build_model(otl.ModelConfig(arch=pre["arch"], k=pre["k"], small_stem=pre["small_stem"],
                                             width=pre["width"], mean=tuple(manifest["channel_mean"]),
@@ -314,7 +314,7 @@ def real_inputs(args, skipped):
         skipped["trained_net"] = f"no checkpoint at {args.checkpoint}"
         print(f"skipping trained_net: no checkpoint at {args.checkpoint}", flush=True)
         return
-    model, ckpt = otl.load_checkpoint(args.checkpoint)
+    model, ckpt = utils.load_checkpoint(args.checkpoint)
     outs = otl.label_pass(model, both, int(ckpt["args"]["img_size"]), 256, "cpu", bn="batch",
                           generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
     yield "trained_net", model.cfg.k, outs
@@ -405,12 +405,12 @@ def main(args):
         print(summary(args.summary))
         return None
     args = resolve_args(args)
-    otl.print_run_header(args)
+    utils.print_run_header(args)
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     print(f"torch threads: {threads} (the cores this process may use)", flush=True)
     out = {"machine": machine_info(threads), "command": shlex.join([sys.executable] + sys.argv),
-           "git_commit": otl.git_commit(), "otl_sha256": otl_sha256(),
+           "git_commit": utils.git_commit(), "otl_sha256": otl_sha256(),
            "translate_signature": str(inspect.signature(otl.translate)),
            "args": vars(args), "inputs": {
                "gaussian": f"torch.randn(N, k) float32, seed {args.seed}, N = {args.n}",
@@ -434,7 +434,7 @@ def main(args):
                     "repeat": args.repeat}
             rec = {"input": name, "n": n, "k": k, "method": m, **measure_in_child(spec)}
             out["records"].append(rec)
-            otl.write_json(out, args.out)
+            utils.write_json(out, args.out)
             line = f"{name:<15}{n:>10,}{k:>6}  {m:<10}"
             print(line + (f"FAILED: {rec['error']}" if "error" in rec else
                           f"{rec['seconds']:>9.2f}{rec['iterations']:>7}{rec['std']:>10.3f}"
@@ -460,7 +460,7 @@ def main(args):
         run("gaussian_large", args.large_n, args.large_k, methods=[m for m in args.methods if m == "exact"],
             stream=args.device == "cpu")
         run("gaussian_large", args.ref_n, args.large_k)
-    otl.write_json(out, args.out)
+    utils.write_json(out, args.out)
     print(f"results: {args.out}", flush=True)
     if args.plot:
         plot(out["records"], args.plot)

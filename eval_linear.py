@@ -2,7 +2,7 @@
 
     python eval_linear.py --checkpoint runs/eurosat/checkpoint.pth
 
-Features of the saved train/test split come from otl.checkpoint_features (cached beside the
+Features of the saved train/test split come from utils.checkpoint_features (cached beside the
 checkpoint, shared with eval_knn.py).  The L2 weight decay is chosen on a seeded, stratified
 held-out part of the TRAIN split; the probe is then refitted on the whole train split with that
 value and scored once on the test split, which plays no part in the choice.
@@ -10,18 +10,14 @@ value and scored once on the test split, which plays no part in the choice.
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import otl
-from eval_knn import add_checkpoint_args, default_output, git_commit, print_run_header, write_json
+import utils
 
-__all__ = ["linear_probe", "fit_logistic", "stratified_split", "DEFAULT_WD_GRID"]
+__all__ = ["linear_probe", "fit_logistic", "DEFAULT_WD_GRID"]
 
 # decades from nearly unregularised (sklearn C ~ 5 at N = 20k) to strong (C ~ 5e-4), for
 # standardised features and a mean loss; weak features (early epochs) want the strong end
@@ -31,23 +27,6 @@ DEFAULT_WD_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 # ----------------------------------------------------------------------------------------------
 # Library
 # ----------------------------------------------------------------------------------------------
-
-def stratified_split(labels: torch.Tensor, frac: float, seed: int = 0):
-    """(fit indices, held-out indices): a seeded `frac` of each class held out (at least one image
-    of every class that has two or more)."""
-    if not 0 < frac < 1:
-        raise ValueError(f"the validation fraction must be in (0, 1), got {frac}")
-    labels = torch.as_tensor(labels).long().flatten().cpu()
-    g = torch.Generator().manual_seed(seed)
-    fit, held = [], []
-    for c in torch.unique(labels).tolist():
-        idx = (labels == c).nonzero().flatten()
-        idx = idx[torch.randperm(idx.numel(), generator=g)]
-        n_val = min(max(1, round(frac * idx.numel())), idx.numel() - 1)
-        held.append(idx[:n_val])
-        fit.append(idx[n_val:])
-    return torch.cat(fit).sort().values, torch.cat(held).sort().values
-
 
 def _standardise(train: torch.Tensor, *others: torch.Tensor):
     # statistics of the training rows only; constant features get std 1 (they stay 0)
@@ -105,7 +84,7 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
     ytr = torch.as_tensor(train_labels).long().flatten().to(dev)
     C = int(ytr.max()) + 1  # classes from the training labels, never a constant
 
-    fit, held = stratified_split(ytr.cpu(), val_frac, seed)
+    fit, held = utils.stratified_split(ytr.cpu(), val_frac, seed)
     fit, held = fit.to(dev), held.to(dev)
     Xf, Xv = _standardise(Xtr[fit], Xtr[held])
     scores = {}
@@ -141,31 +120,25 @@ def get_args_parser():
     p.add_argument("--max-iter", type=int, default=500,
                    help="most L-BFGS iterations per fit; 500 is ample: fits usually stop on "
                         "their tolerance well before (under 100 for 21,600 x 512 features)")
-    add_checkpoint_args(p, "linear", "feature extraction and the probe (the whole probe, "
+    utils.add_checkpoint_args(p, "linear", "feature extraction and the probe (the whole probe, "
                         "6 fits, takes about 20 s on one CPU core for 21,600 x 512 features)")
     return p
 
 
 def main(args):
     t0 = time.time()
-    print_run_header(args)
+    utils.print_run_header(args)
     if not 0 < args.val_frac < 1:
         raise SystemExit(f"--val-frac must be in (0, 1), got {args.val_frac}")
     if min(args.wd_grid) < 0:
         raise SystemExit(f"--wd-grid values must be >= 0, got {args.wd_grid}")
-    device = otl.pick_device(args.device)
-    feats = otl.checkpoint_features(args.checkpoint, args.data, device=device,
-                                    batch_size=args.batch_size, progress=not args.no_progress)
+    device, feats = utils.eval_features(args)
     probe = linear_probe(feats["train"], feats["train_labels"], feats["test"],
                          feats["test_labels"], grid=args.wd_grid, val_frac=args.val_frac,
                          seed=args.seed, device=device, max_iter=args.max_iter)
-    out = args.output or default_output(args.checkpoint, "linear")
-    res = {**probe, "checkpoint": os.path.abspath(args.checkpoint), "epoch": feats["epoch"],
-           "data_dir": os.path.abspath(feats["data_dir"]), "n_train": feats["train"].shape[0],
-           "n_test": feats["test"].shape[0], "feat_dim": feats["train"].shape[1],
-           "command": shlex.join(sys.argv), "args": vars(args), "git_commit": git_commit(),
-           "seconds": time.time() - t0}
-    write_json(res, out)
+    out = args.output or utils.default_output(args.checkpoint, "linear")
+    res = {**probe, **utils.eval_record(args, feats, time.time() - t0)}
+    utils.write_json(res, out)
     wd = res["chosen"]["weight_decay"]
     if len(set(args.wd_grid)) > 1 and wd in (min(args.wd_grid), max(args.wd_grid)):
         print(f"note: the chosen weight decay is at an end of --wd-grid {args.wd_grid}; "

@@ -6,7 +6,7 @@
 The output folder holds cache.pt, split.json (a seeded random train/test split, stratified by
 class: the paper's 80/20 protocol) and manifest.json (source, checksum, per-class counts, split
 sizes, skipped files).  Rerunning with the same arguments and an unchanged source reuses the cache;
-anything else rebuilds it.  The format is documented in otl.py above `load_prepared`.
+anything else rebuilds it.  The format is documented in utils.py above `load_prepared`.
 """
 import argparse
 import hashlib
@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import torch
 
-import otl
+import utils
 
 IMG_EXT = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp")
 
@@ -140,19 +140,6 @@ def decode_all(source, names, size, workers, progress=True):
     return images, bad
 
 
-def stratified_split(labels, test_frac, seed):
-    """A seeded random split that holds out round(test_frac * n_c) images of every class c."""
-    g = torch.Generator().manual_seed(seed)
-    train, test = [], []
-    for c in torch.unique(labels).tolist():
-        idx = (labels == c).nonzero().flatten()
-        idx = idx[torch.randperm(idx.numel(), generator=g)]
-        n_test = int(round(test_frac * idx.numel()))
-        test += idx[:n_test].tolist()
-        train += idx[n_test:].tolist()
-    return sorted(train), sorted(test)
-
-
 def download(dataset, dest):
     """The official archive, from the address torchvision's EuroSAT uses, md5 checked by
     torchvision's download_url; returns its path."""
@@ -167,7 +154,7 @@ def download(dataset, dest):
 
 def main(args):
     t0 = time.time()
-    otl.print_run_header(args)
+    utils.print_run_header(args)
     if not 0 < args.test_frac < 1:
         raise SystemExit(f"--test-frac must be between 0 and 1, got {args.test_frac}")
     size = args.size or DATASETS[args.dataset]["size"]
@@ -215,12 +202,12 @@ def main(args):
     labels = torch.tensor([cls_idx[items[i][0]] for i in keep], dtype=torch.long)
     imgs = torch.from_numpy(np.stack([images[i] for i in keep]))  # (N, 3, size, size) uint8
     files = [names[i] for i in keep]
-    train, test = stratified_split(labels, args.test_frac, args.seed)
+    train, test = (t.tolist() for t in utils.stratified_split(labels, args.test_frac, args.seed))
 
-    otl.save_checkpoint({"images": imgs, "labels": labels, "classes": classes, "files": files},
-                        os.path.join(args.out, "cache.pt"))
-    otl.write_json({"seed": args.seed, "test_frac": args.test_frac, "train": train, "test": test},
-               os.path.join(args.out, "split.json"))
+    utils.save_checkpoint({"images": imgs, "labels": labels, "classes": classes, "files": files},
+                          os.path.join(args.out, "cache.pt"))
+    utils.write_json({"seed": args.seed, "test_frac": args.test_frac, "train": train, "test": test},
+                     os.path.join(args.out, "split.json"))
     counts = torch.bincount(labels, minlength=len(classes)).tolist()
     mean = (imgs.float() / 255).mean((0, 2, 3)).tolist()
     std = (imgs.float() / 255).std((0, 2, 3)).tolist()
@@ -231,7 +218,7 @@ def main(args):
                 "split_seed": args.seed, "channel_mean": mean, "channel_std": std,
                 "skipped": [{"file": n, "error": w} for n, w in bad],
                 "seconds": round(time.time() - t0, 1)}
-    otl.write_json(manifest, man_path)  # written last: its presence marks a complete cache
+    utils.write_json(manifest, man_path)  # written last: its presence marks a complete cache
     print(f"wrote {args.out}: {len(files)} images, train {len(train)} / test {len(test)}, "
           f"{len(bad)} skipped, {time.time() - t0:.0f} s")
     return manifest

@@ -4,6 +4,9 @@
 
 Reads <runs>/<dataset>/ (OTL) and <runs>/<dataset>_supervised/ when present: knn_*.json and
 linear_*.json for the final checkpoint and the random-init snapshot, log.jsonl and results.json.
+--otl-run and --name report another run folder under another name, e.g. a run with other flags:
+
+    python report.py --dataset eurosat --runs runs --otl-run eurosat_exact --name eurosat_exact
 """
 import argparse
 import json
@@ -23,7 +26,10 @@ def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="eurosat", choices=sorted(PAPER))
     p.add_argument("--runs", default="runs", help="folder holding the run folders")
-    p.add_argument("--out", default="results", help="where <dataset>.md and <dataset>.json go")
+    p.add_argument("--out", default="results", help="where <name>.md and <name>.json go")
+    p.add_argument("--otl-run", default=None, help="the OTL run folder under --runs (default: "
+                   "<dataset>)")
+    p.add_argument("--name", default=None, help="the report's file name (default: <dataset>)")
     return p
 
 
@@ -61,9 +67,10 @@ def _row(name, res, note=""):
 
 def main(args):
     paper = PAPER[args.dataset]
-    otl_run = run_summary(os.path.join(args.runs, args.dataset))
+    report_name = args.name or args.dataset
+    otl_run = run_summary(os.path.join(args.runs, args.otl_run or args.dataset))
     sup_run = run_summary(os.path.join(args.runs, f"{args.dataset}_supervised"))
-    lines = [f"# {args.dataset}: results", "",
+    lines = [f"# {report_name}: results", "",
              "Top-1 accuracy (%) on the test split (seeded random 20 %); kNN weighted by exp(sim/0.1).",
              "", "| model | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear | notes |",
              "|---|---|---|---|---|---|---|"]
@@ -80,9 +87,9 @@ def main(args):
     lines.append(_row("supervised (paper)", paper["supervised"], "ResNet-18, 224 px"))
     lines += ["", f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}."]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.dataset}.md"), "w") as fh:
+    with open(os.path.join(args.out, f"{report_name}.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, f"{args.dataset}.json"), "w") as fh:
+    with open(os.path.join(args.out, f"{report_name}.json"), "w") as fh:
         json.dump({"dataset": args.dataset, "otl": otl_run, "supervised": sup_run, "paper": paper,
                    "machine": {"machine": platform.machine(), "cpus": os.cpu_count(),
                                "platform": platform.platform()}}, fh, indent=1)

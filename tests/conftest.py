@@ -1,6 +1,38 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+EUROSAT = os.path.join(ROOT, "..", "shared", "data", "EuroSAT.zip")
+PER_CLASS = 20  # small_data: 200 real images, 160 train, 40 test
+
+
+@pytest.fixture(scope="session")
+def eurosat_zip():
+    """The real EuroSAT archive in ../shared/data (its absence fails under CI=true)."""
+    if not os.path.isfile(EUROSAT):
+        msg = f"the real EuroSAT archive is missing at {os.path.abspath(EUROSAT)}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + " (CI must have ../shared/data beside the checkout)")
+        pytest.skip(msg)
+    return EUROSAT
+
+
+def prep(src, out, *extra):
+    """prepare_data.py's main on `src` with one worker."""
+    import prepare_data
+    args = prepare_data.get_args_parser().parse_args(
+        ["--source", str(src), "--out", str(out), "--workers", "1", *extra])
+    return prepare_data.main(args)
+
+
+@pytest.fixture(scope="session")
+def small_data(eurosat_zip, tmp_path_factory):
+    """A prepared folder of PER_CLASS real EuroSAT images per class."""
+    out = tmp_path_factory.mktemp("eurosat") / "data"
+    prep(eurosat_zip, out, "--per-class", str(PER_CLASS))
+    return out

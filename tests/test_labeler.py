@@ -11,12 +11,15 @@ import torch.multiprocessing as mp
 
 import otl
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EUROSAT = os.path.join(HERE, "..", "..", "shared", "data", "EuroSAT.zip")
+from conftest import EUROSAT
 
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def exact(O, **kw):
+    return otl.translate(O, method="exact", **kw)
 
 
 def check_translation(O, r, tie_eps=2.0 ** -26):
@@ -49,7 +52,7 @@ KS = [10] + list(range(50, 1001, 50))
 @pytest.mark.parametrize("k", KS)
 def test_exact_balance_gaussian_50k(k):
     O = torch.randn(50_000, k, generator=gen(k))
-    r = otl.translate(O)
+    r = exact(O)
     check_even(r)
     wrong = check_translation(O, r)
     assert wrong <= 0.01 * O.shape[0]   # only rows within eps, where the tie-break decides
@@ -58,7 +61,7 @@ def test_exact_balance_gaussian_50k(k):
 @pytest.mark.parametrize("k", [10, 128, 1000])
 def test_exact_balance_collapsed_50k(k):
     O = torch.randn(1, k, generator=gen(k)).expand(50_000, k).contiguous()
-    r = otl.translate(O)
+    r = exact(O)
     check_even(r)
     check_translation(O, r)   # every row is a tie: the perturbation decides
 
@@ -68,7 +71,7 @@ def test_exact_uneven_target_within_one(x):
     n, k = 20_000, 100
     target = otl.uneven_target(n, k, x)
     O = torch.randn(n, k, generator=gen(3))
-    r = otl.translate(O, target=target)
+    r = exact(O, target=target)
     assert (r.counts.double() - target).abs().max() <= 1
     check_translation(O, r)
 
@@ -78,7 +81,7 @@ def test_exact_fractional_target_within_one():
     target = torch.rand(k, generator=gen(4)) + 0.5
     target = target / target.sum() * n
     O = torch.randn(n, k, generator=gen(5))
-    r = otl.translate(O, target=target)
+    r = exact(O, target=target)
     assert ((r.counts.double() - target).abs() < 1).all()
 
 
@@ -109,7 +112,7 @@ def test_exact_balance_resnet18_eurosat(bn):
     model = otl.build_model(otl.ModelConfig(k=50, width=32))
     O = otl.label_pass(model, images, 32, 200, "cpu", bn=bn, generator=gen(0),
                        progress=False)[0]
-    r = otl.translate(O)
+    r = exact(O)
     check_even(r)
     check_translation(O, r)
 
@@ -133,7 +136,7 @@ def test_exact_balance_resnet18_heads_50k(resnet18_features, k):
     with torch.no_grad():
         O = torch.nn.Linear(resnet18_features.shape[1], k)(resnet18_features)
     assert O.shape == (50_000, k)
-    r = otl.translate(O)
+    r = exact(O)
     check_even(r)
     check_translation(O, r)
 
@@ -143,14 +146,14 @@ def test_exact_other_dtypes(dtype):
     """Candidates (k > 128) from float64 and half-precision outputs: balanced, and labels are
     argmax(O - T) of those outputs."""
     O = torch.randn(4000, 200, generator=gen(13)).to(dtype)
-    r = otl.translate(O)
+    r = exact(O)
     check_even(r)
     check_translation(O, r)
 
 
 def test_exact_is_a_translation():
     O = torch.randn(3000, 20, generator=gen(6))
-    r = otl.translate(O)
+    r = exact(O)
     i, j = torch.randint(0, 3000, (2, 100), generator=gen(7))
     d_before = O.double()[i] - O.double()[j]
     d_after = (O.double() - r.T)[i] - (O.double() - r.T)[j]
@@ -176,7 +179,7 @@ def test_streaming_equals_dense(full):
     n, k = 20_000, 300
     O = torch.randn(n, k, generator=gen(8))
     kw = {} if full else {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
-    dense = otl.translate(O, **kw)
+    dense = exact(O, **kw)
     sizes = torch.randint(1, 3000, (12,), generator=gen(9)).tolist()
     stream = _stream(O, sizes, **kw)
     assert torch.equal(dense.labels, stream.labels)
@@ -196,12 +199,12 @@ def test_result_holds_each_row_once(monkeypatch, k, shift):
     O = torch.randn(20_000, k, generator=gen(17)) + torch.linspace(0, shift, k)
     seen, solve = [], otl.StreamingTranslator._solve
 
-    def checked(self, V, C, theta, rows, *a, **kw):
+    def checked(self, vals, cols, theta, rows, *a, **kw):
         seen.append(rows.numel())
-        assert sum(v.shape[0] for v in self.V) + V.shape[0] == self.n   # each row once
+        assert sum(v.shape[0] for v in self.vals) + vals.shape[0] == self.n   # each row once
         rest = sorted(set(range(self.n)) - set(rows.tolist()))
         assert torch.equal(self.kept, torch.tensor(rest, dtype=torch.long))
-        return solve(self, V, C, theta, rows, *a, **kw)
+        return solve(self, vals, cols, theta, rows, *a, **kw)
 
     monkeypatch.setattr(otl.StreamingTranslator, "_solve", checked)
     st = otl.StreamingTranslator(k, distributed=False)
@@ -211,7 +214,7 @@ def test_result_holds_each_row_once(monkeypatch, k, shift):
     if k != 300:
         assert len(seen) > 1                  # the widening path ran
     monkeypatch.setattr(otl.StreamingTranslator, "_solve", solve)
-    ref = otl.translate(O)
+    ref = exact(O)
     assert torch.equal(r.labels, ref.labels) and torch.equal(r.T, ref.T)
     check_even(r)
     with pytest.raises(RuntimeError, match="once"):
@@ -230,12 +233,12 @@ def test_widening_after_whole_rows(monkeypatch):
 
     def fail_once(self, *a):    # as if no cheap move reached a needy cluster: whole rows
         ok = run(self, *a)
-        forced.append(self.V.shape[1])
+        forced.append(self.vals.shape[1])
         return ok and len(forced) > 1
 
     def spy(self, rows, prev=None):
         if prev is not None:
-            widths.append(prev[1].V.shape[1])
+            widths.append(prev[1].vals.shape[1])
         return take(self, rows, prev)
 
     monkeypatch.setattr(otl._ExactSolver, "run", fail_once)
@@ -273,8 +276,8 @@ def test_exact_on_cuda_equals_cpu(k, kw):
     """The same labels and T on a GPU as on the CPU: whole rows (k = 100), candidates (k = 300),
     and candidate lists so short that rows are re-read."""
     O = torch.randn(30_000, k, generator=gen(14))
-    cpu = otl.translate(O, **kw)
-    gpu = otl.translate(O.cuda(), **kw)
+    cpu = exact(O, **kw)
+    gpu = exact(O.cuda(), **kw)
     assert gpu.labels.device.type == "cuda" and gpu.T.device.type == "cuda"
     assert torch.equal(cpu.labels, gpu.labels.cpu())
     torch.testing.assert_close(cpu.T, gpu.T.cpu(), rtol=0, atol=1e-12)
@@ -284,16 +287,16 @@ def test_exact_on_cuda_equals_cpu(k, kw):
 
 @pytest.mark.parametrize("k", [20, 300])
 def test_exact_without_scipy(monkeypatch, k):
-    """otl.py stands alone: without scipy the exact finish runs its numpy Dijkstra, with the
+    """otl.py stands alone: without scipy the exact finish runs its torch Dijkstra, with the
     same balance and the same translation-only labels."""
     O = torch.randn(6000, k, generator=gen(15)) + torch.linspace(0, 1, k)   # needs the finish
-    with_scipy = otl.translate(O)
-    monkeypatch.setattr(otl, "_sp_dijkstra", None)
-    calls, dijkstra = [], otl._ExactSolver._dijkstra
-    monkeypatch.setattr(otl._ExactSolver, "_dijkstra",
-                        staticmethod(lambda *a: calls.append(1) or dijkstra(*a)))
-    r = otl.translate(O)
-    assert calls                                 # the finish ran, on the numpy Dijkstra
+    with_scipy = exact(O)
+    assert otl._scipy_csgraph() is not None      # scipy is a requirement: the C path ran above
+    monkeypatch.setattr(otl, "_SCIPY", False)    # as if scipy were not installed
+    calls, paths = [], otl._shortest_paths
+    monkeypatch.setattr(otl, "_shortest_paths", lambda *a: calls.append(1) or paths(*a))
+    r = exact(O)
+    assert calls                                 # the finish ran, on the torch Dijkstra
     check_even(r)
     check_translation(O, r)
     check_even(with_scipy)
@@ -321,7 +324,7 @@ def test_streaming_bad_values_with_candidate_lists(bad):
         for s in range(0, 20_000, 4096):
             st.add(O[s:s + 4096])
     with pytest.raises(ValueError, match="NaN or infinite"):
-        otl.translate(O)
+        exact(O)
 
 
 def test_streaming_collapsed_rows_break_ties_by_global_row():
@@ -330,14 +333,14 @@ def test_streaming_collapsed_rows_break_ties_by_global_row():
     where it starts (row_offset) picks exactly what one process picks for the same rows."""
     n, k, half = 24_000, 300, 12_000        # each part holds more than n_init rows: extracted now
     O = torch.randn(1, k, generator=gen(12)).expand(n, k).contiguous()
-    dense = otl.translate(O)
+    dense = exact(O)
     check_even(dense)
     st = otl.StreamingTranslator(k, distributed=False, row_offset=half)
     st.add(O[half:])
-    X = torch.cat(st.C).long()                       # candidates of the second half
+    X = torch.cat(st.cols).long()                    # candidates of the second half
     one = otl.StreamingTranslator(k, distributed=False)
     one.add(O)
-    assert torch.equal(X, torch.cat(one.C)[half:].long())
+    assert torch.equal(X, torch.cat(one.cols)[half:].long())
     assert X[:, 0].unique().numel() > 50             # not the same first candidate everywhere
     with pytest.raises(ValueError, match="row_offset"):
         st.result(refetch=lambda rows: O[rows])      # alone, this shard starts at row 0
@@ -376,7 +379,7 @@ def test_distributed_equals_single_process(full, tmp_path):
     n, k = 20_000, 120   # rank 0 holds the first n_init = 8192 rows, as one process sees them
     O = torch.randn(n, k, generator=gen(11))
     kw = {} if full else {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
-    single = otl.translate(O, **kw)
+    single = exact(O, **kw)
     out = str(tmp_path / "r")
     mp.start_processes(_rank_main, args=(2, _free_port(), O, kw, out), nprocs=2,
                        start_method="spawn")

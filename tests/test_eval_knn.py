@@ -1,0 +1,52 @@
+"""eval_knn.py: the FAISS search against otl.knn_classify's brute force, and the program on a tiny
+prepared data set (features cached beside the checkpoint, results JSON)."""
+import json
+
+import torch
+
+import eval_knn  # the repository root is on sys.path through tests/conftest.py
+import otl
+from evalkit import untrained_checkpoint
+
+
+def _clusters(n_per, centres, noise, seed):
+    g = torch.Generator().manual_seed(seed)
+    C, D = centres.shape
+    y = torch.arange(C).repeat_interleave(n_per)
+    return centres[y] + noise * torch.randn(C * n_per, D, generator=g), y
+
+
+def test_faiss_knn_matches_bruteforce_torch():
+    g = torch.Generator().manual_seed(0)
+    C, D = 5, 16
+    # overlapping classes so that k changes the answer; 12 images per class, so k = 30 > a class
+    centres = torch.randn(C, D, generator=g) * 0.6
+    train, ytr = _clusters(12, centres, 1.0, seed=1)
+    test, yte = _clusters(8, centres, 1.0, seed=2)
+    ks = (1, 5, 10, 30)
+    for T in (0.07, 0.5):
+        fa = otl.knn_classify(train, ytr, test, ks=ks, T=T,
+                              search=lambda tr, te, K: eval_knn.faiss_search(tr, te, K, use_gpu=False))
+        br = otl.knn_classify(train, ytr, test, ks=ks, T=T, chunk=7)
+        assert list(fa) == list(br) == list(ks)
+        for k in ks:
+            assert torch.equal(fa[k], br[k]), (T, k)
+        assert otl.top1(fa, yte) == otl.top1(br, yte)
+    # the answers do differ between k (the comparison above is not trivially of constants)
+    assert len({tuple(fa[k].tolist()) for k in ks}) > 1
+
+
+def test_eval_knn_program(tmp_path):
+    ckpt, data_dir, n_train, n_test = untrained_checkpoint(tmp_path)
+    res = eval_knn.main(eval_knn.get_args_parser().parse_args(
+        ["--checkpoint", ckpt, "--ks", "3", "5", "--device", "cpu", "--no-progress"]))
+    run = tmp_path / "run"
+    assert (run / "features_checkpoint.pt").is_file()
+    saved = json.loads((run / "knn_checkpoint.json").read_text())
+    assert saved["knn_top1"] == {k: v for k, v in res["knn_top1"].items()}
+    assert set(saved["knn_top1"]) == {"3", "5"}
+    assert all(0 <= a <= 100 for a in saved["knn_top1"].values())
+    assert (saved["n_train"], saved["n_test"], saved["feat_dim"], saved["epoch"]) == \
+        (n_train, n_test, 64, 0)
+    for key in ("checkpoint", "data_dir", "temperature", "command", "git_commit", "seconds"):
+        assert key in saved

@@ -1,0 +1,68 @@
+"""train_otl.py on 200 real EuroSAT images at a tiny size: checkpoints, resume (bit-identical to an
+uninterrupted run), the random-init snapshot, bad flags, and a checkpoint of another model."""
+import json
+import os
+
+import pytest
+import torch
+
+import train_otl
+import utils
+
+
+TINY = ["--width", "8", "--img-size", "16", "--k", "16", "--batch-size", "32", "--preset", "cpu",
+        "--device", "cpu", "--no-progress", "--schedule", "step", "--lr-drops", "--lr-values"]
+
+
+def train(data, out, *extra):
+    args = train_otl.get_args_parser().parse_args(["--data", str(data), "--output", str(out), *TINY, *extra])
+    return train_otl.main(args)
+
+
+def _weights(path):
+    return utils.load_file(path)["model"]
+
+
+def test_resume_equals_uninterrupted_run(small_data, tmp_path):
+    train(small_data, tmp_path / "a", "--epochs", "2")
+    # the same run stopped after its first epoch (as a crash would), then the same command again
+    assert train(small_data, tmp_path / "b", "--epochs", "2", "--max-minutes", "1e-9") is None
+    assert utils.load_file(tmp_path / "b" / "checkpoint.pth")["epoch"] == 1
+    train(small_data, tmp_path / "b", "--epochs", "2", "--max-minutes", "1e-9")
+    wa, wb = _weights(tmp_path / "a" / "checkpoint.pth"), _weights(tmp_path / "b" / "checkpoint.pth")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    log = [json.loads(x) for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2]
+    for r in log:
+        # the label pass spread the pseudo-labels: std far below all-in-one-cluster
+        assert r["pl_std"] < 0.05 * r["pl_std_max"]
+        assert r["loss"] > 0 and r["img_per_s"] > 0
+
+
+def test_checkpoint_rebuilds_model_and_random_init_snapshot(small_data, tmp_path):
+    train(small_data, tmp_path / "r", "--epochs", "1")
+    model, ck = utils.load_checkpoint(str(tmp_path / "r" / "checkpoint.pth"))
+    assert ck["epoch"] == 1 and ck["args"]["k"] == 16 and ck["model_cfg"]["width"] == 8
+    assert model(torch.zeros(2, 3, 16, 16, dtype=torch.uint8)).shape == (2, 16)
+    assert ck["pseudo_labels"].shape == (ck["args"]["label_views"], 160)  # one row per labelled view
+    m0, ck0 = utils.load_checkpoint(str(tmp_path / "r" / "checkpoint0000.pth"))
+    assert ck0["epoch"] == 0
+    assert any(not torch.equal(a, b) for a, b in zip(m0.state_dict().values(), model.state_dict().values()))
+    assert os.path.isfile(tmp_path / "r" / "checkpoint0001.pth")
+    res = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert res["epochs"] == 1 and res["preset"] == "cpu"
+
+
+def test_bad_flags_fail_loudly(small_data, tmp_path):
+    with pytest.raises(SystemExit, match="label-views"):
+        train(small_data, tmp_path / "x", "--epochs", "1", "--label-views", "3")
+    with pytest.raises(SystemExit, match="fewer than --k"):
+        train(small_data, tmp_path / "y", "--epochs", "1", "--k", "500")
+
+
+def test_resume_with_another_model_fails_loudly(small_data, tmp_path):
+    train(small_data, tmp_path / "m", "--epochs", "1")
+    with pytest.raises(SystemExit, match="different model"):
+        train(small_data, tmp_path / "m", "--epochs", "2", "--k", "20")

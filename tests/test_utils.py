@@ -1,0 +1,178 @@
+"""utils.py: checkpoints and JSON written atomically, the model rebuilt from a checkpoint, resume
+checks, the one stratified split, presets and devices, the commit and the argparse helpers."""
+import argparse
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+import torch
+
+import otl
+import utils
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def small_cfg(**kw):
+    return otl.ModelConfig(**{"k": 9, "width": 8, "small_stem": True, **kw})
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints and JSON
+# ------------------------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    cfg = small_cfg(mean=(0.4, 0.45, 0.5), std=(0.2, 0.21, 0.22))
+    model = otl.build_model(cfg)
+    # move the BatchNorm running statistics away from their defaults
+    with torch.no_grad():
+        model.train()(torch.rand(6, 3, 32, 32, generator=gen(100)))
+    model.eval()
+    path = str(tmp_path / "ckpt.pt")
+    state = {"model": model.state_dict(), "model_cfg": utils.model_state(cfg),
+             "args": {"img_size": 32, "data": "somewhere"}, "epoch": 3}
+    utils.save_checkpoint(state, path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no temporary file left behind
+    loaded, ckpt = utils.load_checkpoint(path)
+    assert isinstance(loaded, otl.OTLNet)
+    assert ckpt["epoch"] == 3 and ckpt["args"] == {"img_size": 32, "data": "somewhere"}
+    assert loaded.cfg == cfg
+    x = torch.rand(4, 3, 32, 32, generator=gen(101))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x), model(x), rtol=0, atol=0)
+        # a fresh network of the same config gives other outputs: the weights were restored
+        other = otl.build_model(cfg).eval()
+        assert not torch.allclose(other(x), model(x))
+    # overwriting keeps a single, updated file
+    state["epoch"] = 4
+    utils.save_checkpoint(state, path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert utils.load_checkpoint(path)[1]["epoch"] == 4
+
+
+def test_load_checkpoint_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*nope.pt"):
+        utils.load_checkpoint(str(tmp_path / "nope.pt"))
+
+
+def test_model_state_is_plain_and_rebuilds():
+    cfg = small_cfg()
+    d = utils.model_state(cfg)
+    assert d == dataclasses.asdict(cfg) and otl.ModelConfig(**d) == cfg
+
+
+def test_write_json_atomic_and_creates_folders(tmp_path):
+    path = tmp_path / "a" / "b" / "r.json"
+    utils.write_json({"x": 1, "y": [1.5, "z"]}, str(path))
+    assert json.loads(path.read_text()) == {"x": 1, "y": [1.5, "z"]}
+    utils.write_json({"x": 2}, str(path))
+    assert json.loads(path.read_text()) == {"x": 2}
+    assert sorted(os.listdir(path.parent)) == ["r.json"]
+    with pytest.raises(TypeError):              # not JSON: the old file stays whole
+        utils.write_json({"x": object()}, str(path))
+    assert json.loads(path.read_text()) == {"x": 2}
+
+
+# ------------------------------------------------------------------------------------------------
+# resume
+# ------------------------------------------------------------------------------------------------
+
+def _run_state(model, opt, gen_, cfg, args, epoch=2):
+    return {"model": model.state_dict(), "model_cfg": utils.model_state(cfg),
+            "optimizer": opt.state_dict(), "epoch": epoch, "args": vars(args),
+            "pseudo_labels": torch.arange(10).view(1, 10), "rng_cpu": torch.get_rng_state(),
+            "rng_gen": gen_.get_state(), "rng_cuda": None}
+
+
+def test_restart_from_checkpoint(tmp_path, capsys):
+    torch.manual_seed(0)
+    cfg = small_cfg()
+    model = otl.build_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = gen(3)
+    args = argparse.Namespace(k=9, lr=0.1, epochs=5, device="cpu")
+    path = str(tmp_path / "checkpoint.pth")
+    dev = torch.device("cpu")
+    assert utils.restart_from_checkpoint(path, model, opt, g, dev, utils.model_state(cfg), args) == (0, None)
+    utils.save_checkpoint(_run_state(model, opt, g, cfg, args), path)
+    expect = g.get_state()
+    fresh = otl.build_model(cfg)
+    opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    g2 = gen(99)
+    later = argparse.Namespace(k=9, lr=0.2, epochs=8, device="cpu")   # lr changed: a warning
+    epoch, labels = utils.restart_from_checkpoint(path, fresh, opt2, g2, dev,
+                                                  utils.model_state(cfg), later)
+    assert epoch == 2 and torch.equal(labels, torch.arange(10).view(1, 10))
+    assert torch.equal(g2.get_state(), expect)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    out = capsys.readouterr().out
+    assert "warning" in out and "'lr': (0.1, 0.2)" in out and "epochs" not in out.split("warning")[1]
+    # a checkpoint of another model is refused, saying what differs
+    with pytest.raises(SystemExit, match="different model.*'k': \\(9, 12\\)"):
+        utils.restart_from_checkpoint(path, fresh, opt2, g2, dev,
+                                      utils.model_state(small_cfg(k=12)), later)
+
+
+# ------------------------------------------------------------------------------------------------
+# the stratified split
+# ------------------------------------------------------------------------------------------------
+
+def test_stratified_split_properties():
+    labels = torch.tensor([0] * 50 + [1] * 30 + [2] * 2 + [3] * 1 + [4] * 7)
+    kept, held = utils.stratified_split(labels, 0.2, seed=0)
+    assert kept.dtype == held.dtype == torch.long
+    assert torch.equal(torch.cat([kept, held]).sort().values, torch.arange(labels.numel()))
+    assert torch.equal(kept, kept.sort().values) and torch.equal(held, held.sort().values)
+    per = torch.bincount(labels[held], minlength=5).tolist()
+    # round(0.2 n) per class, at least one of a class of two or more, never a whole class
+    assert per == [10, 6, 1, 0, 1]
+    again = utils.stratified_split(labels, 0.2, seed=0)
+    other = utils.stratified_split(labels, 0.2, seed=1)
+    assert torch.equal(again[1], held) and not torch.equal(other[1], held)
+    for frac in (0, 1, -0.5):
+        with pytest.raises(ValueError, match="fraction"):
+            utils.stratified_split(labels, frac)
+
+
+# ------------------------------------------------------------------------------------------------
+# presets, devices, the commit, flags
+# ------------------------------------------------------------------------------------------------
+
+def test_presets_and_devices():
+    cpu = torch.device("cpu")
+    assert utils.preset_for("auto", cpu) == "cpu"
+    assert utils.preset_for("auto", torch.device("cuda")) == "paper"
+    assert utils.preset_for("paper", cpu) == "paper"
+    with pytest.raises(ValueError, match="unknown preset"):
+        utils.preset_for("fast", cpu)
+    assert set(utils.PRESETS["paper"]) == set(utils.PRESETS["cpu"])
+    assert utils.PRESETS["paper"]["img_size"] == 224 and utils.PRESETS["paper"]["k"] == 128
+    assert utils.pick_device("cpu") == cpu
+    if not torch.cuda.is_available():
+        assert utils.pick_device("auto") == cpu
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            utils.pick_device("cuda")
+
+
+def test_git_commit_and_command_line():
+    sha = utils.git_commit()
+    assert sha == "unknown" or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", sha)
+    assert utils.command_line()
+
+
+def test_str2bool():
+    assert [utils.str2bool(v) for v in ("true", "1", "Yes", "off", "0", "FALSE")] == \
+        [True, True, True, False, False, False]
+    with pytest.raises(argparse.ArgumentTypeError):
+        utils.str2bool("maybe")
+
+
+def test_load_prepared_says_what_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run prepare_data.py --out"):
+        utils.load_prepared(str(tmp_path))

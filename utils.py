@@ -1,0 +1,297 @@
+"""Run plumbing shared by the stage scripts (prepare_data, train_otl, eval_knn, eval_linear,
+ablations, the benchmarks): the training presets, devices, the commit and run headers, JSON and
+checkpoint files, resuming a run, the prepared-data format and its loader, cached features, the
+one stratified split, and the flags every evaluation takes.  The method itself is in otl.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict
+
+import torch
+
+import otl
+
+# ----------------------------------------------------------------------------------------------
+# Training presets
+# ----------------------------------------------------------------------------------------------
+# A preset fills every training flag the user did not give.  "paper" is the paper's remote-sensing
+# protocol; "cpu" is sized so that `make eurosat` (prepare, train, evaluate) ends within 30 minutes
+# on 2 CPU cores: it gives up image size (32 px instead of 224 px: 49x less compute), half of
+# ResNet-18's width (about 3x faster again) and epochs (20 instead of 300), and uses a cosine
+# schedule, which suits a short run better than the paper's steps.  Everything else is the
+# paper's: k = 128, two views with label-consistent training, strong augmentation with a 16-px
+# Cutout, SGD.  docs/presets.md has the runs that chose it.
+PRESETS = {
+    "paper": dict(arch="resnet18", k=128, width=64, small_stem=False, img_size=224, epochs=300,
+                  batch_size=256, lr=0.03, schedule="step", lr_drops=[160, 240],
+                  lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16, label_every=1,
+                  label_views=2, warmup_epochs=0),
+    "cpu": dict(arch="resnet18", k=128, width=32, small_stem=False, img_size=32, epochs=20,
+                batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[], views=2,
+                lct=True, aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0),
+}
+
+
+def preset_for(name: str, device: torch.device) -> str:
+    """'auto' -> 'paper' on CUDA, 'cpu' otherwise; other names as given."""
+    if name == "auto":
+        return "paper" if device.type == "cuda" else "cpu"
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from auto, {', '.join(PRESETS)}")
+    return name
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """'auto' takes CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name} asked for, but CUDA is not available; use --device cpu")
+    return dev
+
+
+# ----------------------------------------------------------------------------------------------
+# What made a result: the commit, the command, the arguments
+# ----------------------------------------------------------------------------------------------
+
+def git_commit() -> str:
+    """The commit of the code being run ("<sha>", "<sha>+dirty" with uncommitted changes to
+    tracked files, or "unknown" outside a repository or before the first commit)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        sha = git("rev-parse", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        dirty = ""
+    return sha + ("+dirty" if dirty else "")
+
+
+def command_line() -> str:
+    """The command that is running, as one shell line."""
+    return shlex.join([sys.executable] + sys.argv)
+
+
+def print_run_header(args) -> None:
+    """The commit and the sorted arguments, so a log says what made it."""
+    print(f"git commit: {git_commit()}")
+    print("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())), flush=True)
+
+
+def str2bool(v):
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Files: JSON and checkpoints, written atomically
+# ----------------------------------------------------------------------------------------------
+
+def write_json(obj: dict, path: str) -> None:
+    """Write atomically: a crash mid-write never leaves a half-written results file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def save_checkpoint(state: dict, path: str) -> None:
+    """torch.save, atomically: a crash mid-write leaves the previous file intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_file(path: str):
+    """What save_checkpoint wrote (checkpoints, caches), on the CPU."""
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def model_state(cfg: otl.ModelConfig) -> dict:
+    """A ModelConfig as plain types, as checkpoints store it."""
+    return asdict(cfg)
+
+
+def load_checkpoint(path: str, device="cpu"):
+    """(model, checkpoint dict): the model rebuilt from the ModelConfig saved in the checkpoint."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}; train one with train_otl.py (its run "
+                                "folder's checkpoint0000.pth is the untrained network, the baseline)")
+    ckpt = load_file(path)
+    model = otl.build_model(otl.ModelConfig(**ckpt["model_cfg"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device), ckpt
+
+
+# flags that may change when a run is resumed, without a warning
+RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monitor")
+
+
+def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args):
+    """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
+    the pseudo-labels.  Returns (epoch reached, pseudo-labels or None); (0, None) with no
+    checkpoint.  A checkpoint of another model is refused; other changed flags are warned about."""
+    if not os.path.isfile(path):
+        return 0, None
+    ck = load_file(path)
+    if ck["model_cfg"] != model_cfg:
+        diff = {k: (v, model_cfg.get(k)) for k, v in ck["model_cfg"].items() if model_cfg.get(k) != v}
+        raise SystemExit(f"{path} holds a different model (checkpoint vs now: {diff}); use another "
+                         "--output, or the flags of that run to resume it")
+    changed = {k: (v, getattr(args, k)) for k, v in ck["args"].items()
+               if k not in RESUMABLE_FLAGS and getattr(args, k, v) != v}
+    if changed:
+        print(f"warning: resuming with flags that differ from the checkpoint's (checkpoint, now): "
+              f"{changed}", flush=True)
+    model.load_state_dict(ck["model"])
+    optimizer.load_state_dict(ck["optimizer"])
+    torch.set_rng_state(ck["rng_cpu"])
+    generator.set_state(ck["rng_gen"])
+    if device.type == "cuda" and ck.get("rng_cuda") is not None:
+        torch.cuda.set_rng_state(ck["rng_cuda"].cpu())
+    labels = ck.get("pseudo_labels")
+    print(f"resumed from {path} at epoch {ck['epoch']}", flush=True)
+    return ck["epoch"], labels.to(device) if labels is not None else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Prepared data sets (written by prepare_data.py) and cached features (read by eval_*.py)
+# ----------------------------------------------------------------------------------------------
+# A prepared data set is a folder holding
+#   cache.pt       {"images": uint8 (N, 3, H, W), "labels": int64 (N,), "classes": [str],
+#                   "files": [str] (path of each image inside its source)}
+#   split.json     {"seed": int, "test_frac": float, "train": [int], "test": [int]}
+#   manifest.json  source, its sha256, image size, per-class counts, split sizes, channel mean
+#                  and std, skipped files; written last, so its presence marks a complete folder
+
+def load_prepared(data_dir: str) -> dict:
+    """The prepared data set in `data_dir`: images, labels, classes, train and test indices."""
+    cache, split = os.path.join(data_dir, "cache.pt"), os.path.join(data_dir, "split.json")
+    for p in (cache, split):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{p} is missing: run prepare_data.py --out {data_dir} first")
+    d = load_file(cache)
+    with open(split) as fh:
+        sp = json.load(fh)
+    d["train_idx"] = torch.tensor(sp["train"], dtype=torch.long)
+    d["test_idx"] = torch.tensor(sp["test"], dtype=torch.long)
+    d["split_seed"] = sp.get("seed")
+    return d
+
+
+def load_manifest(data_dir: str) -> dict:
+    with open(os.path.join(data_dir, "manifest.json")) as fh:
+        return json.load(fh)
+
+
+def stratified_split(labels, frac: float, seed: int = 0):
+    """(kept, held out): a seeded random `frac` of every class held out, round(frac * n_c) images
+    of a class of n_c, at least one of every class that has two or more and never all of them.
+    Both sorted int64 tensors.  The paper's 80/20 split (prepare_data.py) and the linear probe's
+    validation part (eval_linear.py) are this split."""
+    if not 0 < frac < 1:
+        raise ValueError(f"the held-out fraction must be in (0, 1), got {frac}")
+    labels = torch.as_tensor(labels).long().flatten().cpu()
+    g = torch.Generator().manual_seed(seed)
+    kept, held = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
+    for c in torch.unique(labels).tolist():
+        idx = (labels == c).nonzero().flatten()
+        idx = idx[torch.randperm(idx.numel(), generator=g)]
+        n_held = min(max(1, round(frac * idx.numel())), idx.numel() - 1)
+        held.append(idx[:n_held])
+        kept.append(idx[n_held:])
+    return torch.cat(kept).sort().values, torch.cat(held).sort().values
+
+
+def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu",
+                        batch_size: int = 256, progress: bool = True) -> dict:
+    """Frozen features of the train and test split for a checkpoint, extracted once and cached
+    beside it as features_<checkpoint name>.pt (reused while the checkpoint and data are
+    unchanged).  Returns {"train": (Ntr, D), "test": (Nte, D), "train_labels", "test_labels",
+    "classes", "data_dir", "img_size", "checkpoint", "epoch"}."""
+    model, ckpt = load_checkpoint(ckpt_path, device)
+    args = ckpt.get("args", {})
+    data_dir = data_dir or args.get("data")
+    if not data_dir:
+        raise ValueError(f"{ckpt_path} does not say which data set it was trained on: pass --data")
+    size = int(args.get("img_size", 64))
+    stem = os.path.splitext(os.path.basename(ckpt_path))[0]
+    cache = os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"features_{stem}.pt")
+    key = {"ckpt_mtime": os.path.getmtime(ckpt_path), "ckpt_size": os.path.getsize(ckpt_path),
+           "data": os.path.abspath(data_dir), "split_mtime":
+           os.path.getmtime(os.path.join(data_dir, "split.json")), "img_size": size}
+    if os.path.isfile(cache):
+        saved = load_file(cache)
+        if saved.get("key") == key:
+            return saved
+    d = load_prepared(data_dir)
+    feats = otl.extract_features(model, d["images"], size, batch_size, device, progress)  # (N, D)
+    out = {"train": feats[d["train_idx"]], "test": feats[d["test_idx"]],
+           "train_labels": d["labels"][d["train_idx"]], "test_labels": d["labels"][d["test_idx"]],
+           "classes": list(d["classes"]), "data_dir": data_dir, "img_size": size,
+           "checkpoint": os.path.abspath(ckpt_path), "epoch": ckpt.get("epoch"), "key": key}
+    save_checkpoint(out, cache)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags every evaluation script takes
+# ----------------------------------------------------------------------------------------------
+
+def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
+    """The flags every evaluation shares: which checkpoint, data, device, batch, output."""
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint written by train_otl.py; the model and the data set it was "
+                        "trained on are rebuilt from it")
+    p.add_argument("--data", default=None,
+                   help="prepared data folder (prepare_data.py); only needed when the data "
+                        "set has moved since training, otherwise the checkpoint's is used")
+    p.add_argument("--device", default="auto",
+                   help=f"device for {device_use}: auto (CUDA when present), cpu or cuda[:i]")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="images per batch for feature extraction; lower it if memory runs out "
+                        "(it does not change the features: the model is in eval mode)")
+    p.add_argument("--output", default=None,
+                   help=f"results JSON; default <checkpoint dir>/{prefix}_<checkpoint stem>.json")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (for logs and batch jobs)")
+
+
+def eval_features(args):
+    """(device, features) for an evaluation script's flags (add_checkpoint_args)."""
+    device = pick_device(args.device)
+    return device, checkpoint_features(args.checkpoint, args.data, device=device,
+                                       batch_size=args.batch_size, progress=not args.no_progress)
+
+
+def eval_record(args, feats: dict, seconds: float) -> dict:
+    """What every evaluation's results JSON records besides its scores."""
+    return {"checkpoint": os.path.abspath(args.checkpoint), "epoch": feats["epoch"],
+            "data_dir": os.path.abspath(feats["data_dir"]), "n_train": feats["train"].shape[0],
+            "n_test": feats["test"].shape[0], "feat_dim": feats["train"].shape[1],
+            "command": command_line(), "args": vars(args), "git_commit": git_commit(),
+            "seconds": seconds}
+
+
+def default_output(checkpoint: str, prefix: str) -> str:
+    """<checkpoint dir>/<prefix>_<checkpoint stem>.json"""
+    stem = os.path.splitext(os.path.basename(checkpoint))[0]
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"{prefix}_{stem}.json")
