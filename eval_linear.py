@@ -71,7 +71,8 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
     whole train split with the best value (ties go to the larger weight decay) and score the test
     split.  Features are standardised with the statistics of the rows being fitted.  Returns
     {"linear_top1", "val_top1", "chosen": {"weight_decay"}, "grid": {value: val top-1}}
-    (accuracies in percent)."""
+    (accuracies in percent).  A grid of one value is nothing to choose: no validation part is
+    held out, and val_top1 is None."""
     grid = sorted({float(v) for v in grid})
     if not grid or grid[0] < 0:
         raise ValueError(f"the weight-decay grid must be non-negative values, got {grid}")
@@ -84,22 +85,31 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
     ytr = torch.as_tensor(train_labels).long().flatten().to(dev)
     C = int(ytr.max()) + 1  # classes from the training labels, never a constant
 
-    fit, held = utils.stratified_split(ytr.cpu(), val_frac, seed)
-    fit, held = fit.to(dev), held.to(dev)
-    Xf, Xv = _standardise(Xtr[fit], Xtr[held])
-    scores = {}
-    for wd in grid:
-        W, b = fit_logistic(Xf, ytr[fit], C, wd, max_iter)
-        scores[wd] = _accuracy(W, b, Xv, ytr[held])
+    if test_feats.shape[0] == 0:
+        raise ValueError("the test split is empty: nothing to score")
+    scores, n_fit, n_val = {grid[0]: None}, ytr.numel(), 0
+    if len(grid) > 1:
+        per_class = torch.bincount(ytr.cpu(), minlength=C)
+        if int(per_class[per_class > 0].min()) < 2:
+            raise ValueError("choosing the weight decay needs at least 2 training images of every "
+                             f"class (one to fit, one to validate); counts per class: "
+                             f"{per_class.tolist()}; pass a single --wd-grid value to skip the choice")
+        fit, held = utils.stratified_split(ytr.cpu(), val_frac, seed)
+        fit, held = fit.to(dev), held.to(dev)
+        n_fit, n_val = int(fit.numel()), int(held.numel())
+        Xf, Xv = _standardise(Xtr[fit], Xtr[held])
+        for wd in grid:
+            W, b = fit_logistic(Xf, ytr[fit], C, wd, max_iter)
+            scores[wd] = _accuracy(W, b, Xv, ytr[held])
     # highest validation accuracy; on a tie the stronger regularisation
-    best = max(grid, key=lambda v: (scores[v], v))
+    best = max(grid, key=lambda v: (scores[v] or 0.0, v))
 
     Xs, Xte = _standardise(Xtr, test_feats.detach().to(dev, torch.float64))
     W, b = fit_logistic(Xs, ytr, C, best, max_iter)
     yte = torch.as_tensor(test_labels).long().flatten().to(dev)
     return {"linear_top1": _accuracy(W, b, Xte, yte), "val_top1": scores[best],
             "chosen": {"weight_decay": best}, "grid": {f"{v:g}": scores[v] for v in grid},
-            "n_fit": int(fit.numel()), "n_val": int(held.numel())}
+            "n_fit": n_fit, "n_val": n_val}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,9 +143,12 @@ def main(args):
     if min(args.wd_grid) < 0:
         raise SystemExit(f"--wd-grid values must be >= 0, got {args.wd_grid}")
     device, feats = utils.eval_features(args)
-    probe = linear_probe(feats["train"], feats["train_labels"], feats["test"],
-                         feats["test_labels"], grid=args.wd_grid, val_frac=args.val_frac,
-                         seed=args.seed, device=device, max_iter=args.max_iter)
+    try:
+        probe = linear_probe(feats["train"], feats["train_labels"], feats["test"],
+                             feats["test_labels"], grid=args.wd_grid, val_frac=args.val_frac,
+                             seed=args.seed, device=device, max_iter=args.max_iter)
+    except ValueError as e:
+        raise SystemExit(f"linear probe of {args.checkpoint}: {e}") from None
     out = args.output or utils.default_output(args.checkpoint, "linear")
     res = {**probe, **utils.eval_record(args, feats, time.time() - t0)}
     utils.write_json(res, out)
@@ -143,7 +156,8 @@ def main(args):
     if len(set(args.wd_grid)) > 1 and wd in (min(args.wd_grid), max(args.wd_grid)):
         print(f"note: the chosen weight decay is at an end of --wd-grid {args.wd_grid}; "
               "a wider grid may do better")
-    print(f"linear top-1 {res['linear_top1']:.2f} (val {res['val_top1']:.2f}, weight decay "
+    val = "none" if res["val_top1"] is None else f"{res['val_top1']:.2f}"
+    print(f"linear top-1 {res['linear_top1']:.2f} (val {val}, weight decay "
           f"{res['chosen']['weight_decay']:g}) | epoch {feats['epoch']}, {res['n_train']} train / "
           f"{res['n_test']} test -> {out}", flush=True)
     return res

@@ -23,6 +23,7 @@ torch Dijkstra does the same work, more slowly).  Importing this file has no sid
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -59,8 +60,8 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5, a
     It stops when the std is 0, alpha <= alpha0, `patience` steps leave the std unchanged, or after
     `max_iter` steps.  Two additions of ours, for tied outputs (a collapsed network gives every
     image nearly the same output, and no translation separates equal rows): a fixed seeded
-    perturbation of at most tie_eps x (spread of O) decides argmax between (numerically) tied
-    outputs only (`tie_eps=0`: none), and T starts at the column medians of O (`init="median"`;
+    perturbation of at most tie_eps x (the median row's max - min) decides argmax between
+    (numerically) tied outputs only (`tie_eps=0`: none), and T starts at the column medians of O (`init="median"`;
     the published code starts at 0, from which collapsed outputs all move together and stop at
     std_max).  Work in float64 on O's device: about three N x k float64 arrays.
     """
@@ -71,7 +72,8 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5, a
         raise ValueError(f"beta must be > 1 (it shrinks the step), got {beta}")
     target = _check_target(target, n, k)
     O = outputs.detach().to(torch.float64)                      # (N, k)
-    spread = (O.max() - O.min()).item()
+    # the tie-break's scale: a typical row's range (one outlier must not make it swamp real gaps)
+    spread = (O.amax(1) - O.amin(1)).median().item()
     if tie_eps > 0:
         u = torch.rand(n, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         O = O + u.to(O.device) * (tie_eps * (spread if spread > 0 else 1.0))
@@ -208,6 +210,8 @@ def _check_outputs(outputs: torch.Tensor, finite: bool = True) -> None:
         raise ValueError(f"need k >= 2 clusters, got k={k}")
     if n < k:
         raise ValueError(f"need at least as many outputs as clusters (N >= k), got N={n}, k={k}")
+    if not outputs.is_floating_point():
+        raise ValueError(f"outputs must be floating point (the network's logits), got {outputs.dtype}")
     if finite:
         _check_outputs_finite(outputs)
 
@@ -226,7 +230,11 @@ def _check_outputs_finite(X, row0: int = 0):
 def _check_target(target, n: int, k: int) -> torch.Tensor:
     if target is None:
         return even_target(n, k)
-    target = torch.as_tensor(target, dtype=torch.float64).flatten().cpu()
+    try:
+        target = torch.as_tensor(target, dtype=torch.float64).flatten().cpu()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"target must be k = {k} numbers (counts summing to N = {n}), got "
+                         f"{target!r:.80}") from e
     if target.numel() != k:
         raise ValueError(f"target has {target.numel()} entries but there are k={k} clusters")
     if not torch.isfinite(target).all() or (target < 0).any():
@@ -251,7 +259,12 @@ def uneven_target(n: int, k: int, x: float) -> torch.Tensor:
     unevenly distributed pseudo-labels; x = 0 is the even target).  Largest-remainder rounding."""
     if k < 2 or n < k:
         raise ValueError(f"uneven_target needs k >= 2 and N >= k, got N={n}, k={k}")
-    w = torch.arange(1, k + 1, dtype=torch.float64) ** float(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"x must be a finite number (0 = even), got {x!r}")
+    i = torch.arange(1, k + 1, dtype=torch.float64)
+    w = i ** float(x)
+    if not torch.isfinite(w / w.sum()).all():    # i**x overflows: the same ratios, scaled by k**-x
+        w = torch.exp(float(x) * (i.log() - math.log(k)))
     exact = w / w.sum() * n
     counts = exact.floor()
     short = int(n - counts.sum().item())
@@ -277,6 +290,11 @@ def lct_loss(logits: torch.Tensor, labels: torch.Tensor, consistent: bool = True
         raise ValueError(f"need logits (V, B, k) and labels (V, B), got {tuple(logits.shape)} "
                          f"and {tuple(labels.shape)}")
     V, B, k = logits.shape
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer cluster numbers, got {labels.dtype}")
+    if labels.numel() and not bool((labels.min() >= 0) & (labels.max() < k)):
+        raise ValueError(f"labels must lie in [0, {k}) (the k = {k} outputs), got "
+                         f"{int(labels.min())} ... {int(labels.max())}")
     logp = F.log_softmax(logits.float(), dim=2)  # (V, B, k)
     if not consistent:
         return F.nll_loss(logp.reshape(V * B, k), labels.reshape(V * B))
@@ -815,7 +833,8 @@ class StreamingTranslator:
 
     Ties.  Exactly equal outputs (a collapsed network) cannot be separated by any translation, so
     every output gets a fixed perturbation eps * u(row, column), u uniform in [0, 1) from a hash,
-    eps = tie_eps * max|O| of the first rows (default 2**-26, below float32 resolution).  Labels
+    eps = tie_eps x the median over the first rows of a row's largest |O| (default 2**-26, below
+    float32 resolution; a median, so that one outlier cannot make it swamp real gaps).  Labels
     are argmax(O + eps u - T): they equal argmax(O - T) except where two entries of a row of
     O - T are within eps of each other.
 
@@ -831,6 +850,8 @@ class StreamingTranslator:
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
                  tie_eps: float = 2.0 ** -26,
                  distributed: bool = True, chunk: int = 65536, row_offset=None):
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise ValueError(f"k must be an integer (the number of clusters), got {k!r}")
         if k < 2:
             raise ValueError(f"need k >= 2 clusters, got k={k}")
         self.k, self.target_arg, self.seed = int(k), target, int(seed)
@@ -891,7 +912,9 @@ class StreamingTranslator:
         if head.shape[0] > 0:
             _check_outputs_finite(head)
             params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
-            params[self.k] = self.tie_eps * max(head.abs().max().item(), 1e-30)
+            # the tie-break's scale: a typical row's largest |O| (not the largest of all: one
+            # outlier would make the perturbation swamp the real gaps)
+            params[self.k] = self.tie_eps * max(head.abs().amax(1).median().item(), 1e-30)
             if not self.all_cols:   # the window: a typical row's `candidates`-th largest gap
                 S = head[:2048] - params[:self.k].to(head.dtype)
                 gaps = S.amax(1, keepdim=True) - S

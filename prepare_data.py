@@ -61,16 +61,6 @@ def get_args_parser():
     return p
 
 
-def sha256_file(path, chunk=1 << 20):
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            b = fh.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
-
-
 def list_source(source):
     """[(class name, member path)] sorted, and a fingerprint of the source."""
     if os.path.isdir(source):
@@ -91,7 +81,7 @@ def list_source(source):
             names = [n for n in z.namelist() if n.lower().endswith(IMG_EXT) and not n.endswith("/")]
         # the class is the image's parent folder: <top>/<class>/<file> in the official layout
         items = sorted((n.split("/")[-2], n) for n in names if n.count("/") >= 1)
-        return items, "sha256:" + sha256_file(source)
+        return items, "sha256:" + utils.sha256_file(source)
     raise ValueError(f"--source {source} is neither a folder nor a zip archive; pass the official "
                      "archive (e.g. ../shared/data/EuroSAT.zip) or a folder of class subfolders")
 

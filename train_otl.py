@@ -248,6 +248,16 @@ def main(args):
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
     start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
                                                         utils.model_state(cfg), args)
+    if start_epoch > args.epochs:
+        raise SystemExit(f"{ckpt_path} is at epoch {start_epoch}, past --epochs {args.epochs}: a "
+                         "run cannot be shortened; use another --output, or --epochs "
+                         f">= {start_epoch} to continue it")
+    results_path, log_path = (os.path.join(args.output, f) for f in ("results.json", "log.jsonl"))
+    utils.trim_log(log_path, start_epoch)    # epochs past the checkpoint are done again
+    if start_epoch == args.epochs and start_epoch > 0 and os.path.isfile(results_path):
+        print(f"{args.output} has finished its {args.epochs} epochs; nothing to do", flush=True)
+        with open(results_path) as fh:
+            return json.load(fh)
 
     def state(epoch):
         return {"model": model.state_dict(), "model_cfg": utils.model_state(cfg),
@@ -260,7 +270,8 @@ def main(args):
     if start_epoch == 0:
         utils.save_checkpoint(state(0), os.path.join(args.output, "checkpoint0000.pth"))  # baseline
 
-    # ---- the loop: label pass when due, one epoch, checkpoint, log line
+    # ---- the loop: label pass when due, one epoch, then its log line and snapshot, and last the
+    # checkpoint, which commits the epoch (a kill before it redoes the epoch, after it loses nothing)
     t_start = time.time()
     for epoch in range(start_epoch, args.epochs):
         t_epoch = time.time()
@@ -273,22 +284,26 @@ def main(args):
         row["epoch_s"] = round(time.time() - t_epoch, 1)
         if args.knn_monitor and (epoch + 1) % args.knn_monitor == 0:
             row.update(knn_monitor(model, d, args, device))
-        utils.save_checkpoint(state(epoch + 1), ckpt_path)
+        with open(log_path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
         if (args.snapshot_every and (epoch + 1) % args.snapshot_every == 0) or epoch + 1 == args.epochs:
             utils.save_checkpoint(state(epoch + 1), os.path.join(args.output, f"checkpoint{epoch + 1:04d}.pth"))
-        with open(os.path.join(args.output, "log.jsonl"), "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        utils.save_checkpoint(state(epoch + 1), ckpt_path)
         print(json.dumps(row), flush=True)
         if args.max_minutes and (time.time() - t_start) / 60 > args.max_minutes and epoch + 1 < args.epochs:
             print(f"--max-minutes {args.max_minutes} reached after epoch {epoch + 1}; rerun the same "
                   "command to continue", flush=True)
             return None
 
+    epoch_s = []
+    if os.path.isfile(log_path):    # every epoch's time, resumed or not
+        with open(log_path) as fh:
+            epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
     results = {"epochs": args.epochs, "preset": args.preset_used, "device": str(device),
                "checkpoint": os.path.abspath(ckpt_path),
-               "train_minutes": round((time.time() - t_start) / 60, 2),
+               "train_minutes": round(sum(epoch_s) / 60, 2),
                "command": utils.command_line(), "git_commit": utils.git_commit()}
-    utils.write_json(results, os.path.join(args.output, "results.json"))
+    utils.write_json(results, results_path)
     return results
 
 

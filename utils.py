@@ -6,6 +6,8 @@ one stratified split, and the flags every evaluation takes.  The method itself i
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import os
 import shlex
@@ -120,9 +122,22 @@ def save_checkpoint(state: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
+class DamagedFile(ValueError):
+    """A file cut short or corrupted (a write killed half-way)."""
+
+
 def load_file(path: str):
-    """What save_checkpoint wrote (checkpoints, caches), on the CPU."""
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """What save_checkpoint wrote (checkpoints, caches), on the CPU: tensors and plain data only.
+    Anything else is refused, never unpickled: a crafted file could run code."""
+    import pickle
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"refusing to load {path}: it holds objects other than tensors and plain "
+                         f"data, which loading would run as code ({str(e).splitlines()[0][:200]}); "
+                         "recreate it with this project's scripts") from None
+    except (RuntimeError, EOFError) as e:
+        raise DamagedFile(f"{path} is damaged or incomplete ({str(e).splitlines()[0][:200]})") from None
 
 
 def model_state(cfg: otl.ModelConfig) -> dict:
@@ -148,10 +163,29 @@ RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monito
 def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args):
     """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
     the pseudo-labels.  Returns (epoch reached, pseudo-labels or None); (0, None) with no
-    checkpoint.  A checkpoint of another model is refused; other changed flags are warned about."""
+    checkpoint.  A damaged checkpoint (a write cut short) gives way to the newest intact snapshot
+    beside it; half-written temporary files are removed.  A checkpoint of another model is
+    refused; other changed flags are warned about."""
+    folder = os.path.dirname(os.path.abspath(path))
+    for f in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):   # save_checkpoint's, cut short
+        os.remove(f)
     if not os.path.isfile(path):
         return 0, None
-    ck = load_file(path)
+    try:
+        ck = load_file(path)
+    except DamagedFile as e:
+        ck = None
+        snaps = sorted(glob.glob(os.path.join(folder, "checkpoint[0-9][0-9][0-9][0-9].pth")), reverse=True)
+        for snap in snaps:
+            try:
+                ck = load_file(snap)
+            except DamagedFile:
+                continue
+            print(f"warning: {e}; resuming from the newest intact snapshot, {snap} (epoch "
+                  f"{ck['epoch']})", flush=True)
+            break
+        if ck is None:
+            raise SystemExit(f"{e}, and no intact snapshot is beside it; delete it to start over")
     if ck["model_cfg"] != model_cfg:
         diff = {k: (v, model_cfg.get(k)) for k, v in ck["model_cfg"].items() if model_cfg.get(k) != v}
         raise SystemExit(f"{path} holds a different model (checkpoint vs now: {diff}); use another "
@@ -170,6 +204,18 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     labels = ck.get("pseudo_labels")
     print(f"resumed from {path} at epoch {ck['epoch']}", flush=True)
     return ck["epoch"], labels.to(device) if labels is not None else None
+
+
+def trim_log(path: str, epoch: int) -> None:
+    """Keep the lines of a log.jsonl up to `epoch`: lines of epochs a resumed run will redo go."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as fh:
+        lines = [line for line in fh if line.strip() and json.loads(line)["epoch"] <= epoch]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.writelines(lines)
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,6 +241,16 @@ def load_prepared(data_dir: str) -> dict:
     d["test_idx"] = torch.tensor(sp["test"], dtype=torch.long)
     d["split_seed"] = sp.get("seed")
     return d
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            b = fh.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
 
 
 def load_manifest(data_dir: str) -> dict:
@@ -235,9 +291,9 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     size = int(args.get("img_size", 64))
     stem = os.path.splitext(os.path.basename(ckpt_path))[0]
     cache = os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"features_{stem}.pt")
-    key = {"ckpt_mtime": os.path.getmtime(ckpt_path), "ckpt_size": os.path.getsize(ckpt_path),
-           "data": os.path.abspath(data_dir), "split_mtime":
-           os.path.getmtime(os.path.join(data_dir, "split.json")), "img_size": size}
+    # keyed on content: a checkpoint or split replaced in place (same size, same mtime) is seen
+    key = {"checkpoint_sha256": sha256_file(ckpt_path), "data": os.path.abspath(data_dir),
+           "split_sha256": sha256_file(os.path.join(data_dir, "split.json")), "img_size": size}
     if os.path.isfile(cache):
         saved = load_file(cache)
         if saved.get("key") == key:
@@ -278,8 +334,17 @@ def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
 def eval_features(args):
     """(device, features) for an evaluation script's flags (add_checkpoint_args)."""
     device = pick_device(args.device)
-    return device, checkpoint_features(args.checkpoint, args.data, device=device,
-                                       batch_size=args.batch_size, progress=not args.no_progress)
+    try:
+        feats = checkpoint_features(args.checkpoint, args.data, device=device,
+                                    batch_size=args.batch_size, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    for part in ("train", "test"):
+        if feats[part].shape[0] == 0:
+            raise SystemExit(f"the {part} split of {feats['data_dir']} is empty: nothing to "
+                             f"{'fit' if part == 'train' else 'score'}; prepare the data again "
+                             "with a --test-frac that leaves images on both sides")
+    return device, feats
 
 
 def eval_record(args, feats: dict, seconds: float) -> dict:

@@ -66,3 +66,62 @@ def test_resume_with_another_model_fails_loudly(small_data, tmp_path):
     train(small_data, tmp_path / "m", "--epochs", "1")
     with pytest.raises(SystemExit, match="different model"):
         train(small_data, tmp_path / "m", "--epochs", "2", "--k", "20")
+
+
+def test_finished_run_is_not_rewritten_or_shortened(small_data, tmp_path):
+    first = train(small_data, tmp_path / "f", "--epochs", "2")
+    res = tmp_path / "f" / "results.json"
+    saved = res.read_text()
+    assert first["train_minutes"] > 0
+    # the same command again: the run is complete, nothing is trained or rewritten
+    assert train(small_data, tmp_path / "f", "--epochs", "2") == json.loads(saved)
+    assert res.read_text() == saved
+    with pytest.raises(SystemExit, match="at epoch 2, past --epochs 1"):
+        train(small_data, tmp_path / "f", "--epochs", "1")
+    assert res.read_text() == saved
+    assert utils.load_file(tmp_path / "f" / "checkpoint.pth")["epoch"] == 2
+
+
+def test_truncated_checkpoint_falls_back_to_the_newest_snapshot(small_data, tmp_path):
+    train(small_data, tmp_path / "a", "--epochs", "3")
+    b = tmp_path / "b"
+    # stopped after epoch 2, with snapshots every epoch; then checkpoint.pth cut in half and a
+    # half-written temporary file left behind, as a kill during a write would
+    train(small_data, b, "--epochs", "3", "--snapshot-every", "1")
+    ck = b / "checkpoint.pth"
+    os.remove(b / "checkpoint0003.pth")
+    os.remove(b / "results.json")       # the kill came during epoch 3's checkpoint write
+    utils.save_checkpoint(utils.load_file(b / "checkpoint0002.pth"), str(ck))
+    data = ck.read_bytes()
+    ck.write_bytes(data[:len(data) // 2])
+    (b / "checkpoint.pth.tmp1234").write_bytes(data[:100])
+    res = train(small_data, b, "--epochs", "3", "--snapshot-every", "1")
+    assert not (b / "checkpoint.pth.tmp1234").exists()
+    log = [json.loads(x) for x in (b / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2, 3]
+    assert res["train_minutes"] > 0
+    wa, wb = _weights(tmp_path / "a" / "checkpoint.pth"), _weights(ck)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_a_kill_right_after_the_checkpoint_loses_nothing(small_data, tmp_path, monkeypatch):
+    """Killed just after the last epoch's checkpoint.pth is written: its log line, the final
+    snapshot and (on the rerun) a true results.json are all there."""
+    save = utils.save_checkpoint
+
+    def save_then_die(state, path):
+        save(state, path)
+        if path.endswith("checkpoint.pth") and state["epoch"] == 2:
+            raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(utils, "save_checkpoint", save_then_die)
+    run = tmp_path / "k"
+    with pytest.raises(KeyboardInterrupt):
+        train(small_data, run, "--epochs", "2")
+    monkeypatch.setattr(utils, "save_checkpoint", save)
+    assert os.path.isfile(run / "checkpoint0002.pth")
+    res = train(small_data, run, "--epochs", "2")
+    log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2]
+    assert res["train_minutes"] == pytest.approx(sum(r["epoch_s"] for r in log) / 60, abs=0.01)
+    assert res["train_minutes"] > 0
