@@ -44,8 +44,6 @@ import multiprocessing as mp
 import os
 import platform
 import re
-import shlex
-import sys
 import tempfile
 import time
 
@@ -409,7 +407,7 @@ def main(args):
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     print(f"torch threads: {threads} (the cores this process may use)", flush=True)
-    out = {"machine": machine_info(threads), "command": shlex.join([sys.executable] + sys.argv),
+    out = {"machine": machine_info(threads), "command": utils.command_line(),
            "git_commit": utils.git_commit(), "otl_sha256": otl_sha256(),
            "translate_signature": str(inspect.signature(otl.translate)),
            "args": vars(args), "inputs": {

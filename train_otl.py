@@ -226,6 +226,7 @@ def main(args):
     # ---- data: the training split as one uint8 tensor (on the GPU when there is one)
     d = utils.load_prepared(args.data)
     manifest = utils.load_manifest(args.data)
+    data_identity = utils.data_identity(args.data)   # checked when the checkpoint is evaluated
     images = d["images"][d["train_idx"]]                     # (N, 3, H, W) uint8
     true_labels = d["labels"][d["train_idx"]]                # used only with --supervised
     if device.type == "cuda":
@@ -265,7 +266,7 @@ def main(args):
                 "pseudo_labels": labels.cpu() if labels is not None else None,
                 "rng_cpu": torch.get_rng_state(), "rng_gen": gen.get_state(),
                 "rng_cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
-                "git_commit": utils.git_commit()}
+                "git_commit": utils.git_commit(), "data_identity": data_identity}
 
     if start_epoch == 0:
         utils.save_checkpoint(state(0), os.path.join(args.output, "checkpoint0000.pth"))  # baseline
@@ -300,7 +301,7 @@ def main(args):
         with open(log_path) as fh:
             epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
     results = {"epochs": args.epochs, "preset": args.preset_used, "device": str(device),
-               "checkpoint": os.path.abspath(ckpt_path),
+               "checkpoint": utils.rel_path(ckpt_path),
                "train_minutes": round(sum(epoch_s) / 60, 2),
                "command": utils.command_line(), "git_commit": utils.git_commit()}
     utils.write_json(results, results_path)

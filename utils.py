@@ -66,10 +66,8 @@ def pick_device(name: str = "auto") -> torch.device:
 def git_commit() -> str:
     """The commit of the code being run ("<sha>", "<sha>+dirty" with uncommitted changes to
     tracked files, or "unknown" outside a repository or before the first commit)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-
     def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True,
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
     try:
         sha = git("rev-parse", "HEAD")
@@ -82,9 +80,20 @@ def git_commit() -> str:
     return sha + ("+dirty" if dirty else "")
 
 
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
 def command_line() -> str:
-    """The command that is running, as one shell line."""
-    return shlex.join([sys.executable] + sys.argv)
+    """The command that is running, as the user would type it again (python, not the path of
+    the interpreter of this machine)."""
+    return shlex.join(["python"] + sys.argv)
+
+
+def rel_path(path: str) -> str:
+    """A path as results files record it: relative to the repository when inside it (so no file
+    names this machine's folders), absolute otherwise."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else full
 
 
 def print_run_header(args) -> None:
@@ -253,6 +262,16 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
             h.update(b)
 
 
+def data_identity(data_dir: str) -> str:
+    """What a prepared data set is, not where: its classes, counts, image size and split (a copy
+    of the folder, or the same archive prepared again, has the same identity)."""
+    man = load_manifest(data_dir)
+    keys = ("classes", "per_class_counts", "image_size", "n_images")
+    ident = {k: man.get(k) for k in keys}
+    ident["split_sha256"] = sha256_file(os.path.join(data_dir, "split.json"))
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
 def load_manifest(data_dir: str) -> dict:
     with open(os.path.join(data_dir, "manifest.json")) as fh:
         return json.load(fh)
@@ -285,9 +304,18 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     "classes", "data_dir", "img_size", "checkpoint", "epoch"}."""
     model, ckpt = load_checkpoint(ckpt_path, device)
     args = ckpt.get("args", {})
-    data_dir = data_dir or args.get("data")
+    given, data_dir = data_dir, data_dir or args.get("data")
     if not data_dir:
         raise ValueError(f"{ckpt_path} does not say which data set it was trained on: pass --data")
+    if not os.path.isfile(os.path.join(data_dir, "manifest.json")):
+        where = ("" if given else f" that {ckpt_path} was trained on (paths are relative to the "
+                 f"folder you run from, now {os.getcwd()})")
+        raise FileNotFoundError(f"no prepared data set at {data_dir}{where}; pass --data with the "
+                                "folder prepare_data.py wrote")
+    if ckpt.get("data_identity") and ckpt["data_identity"] != data_identity(data_dir):
+        raise ValueError(f"{data_dir} is not the data set {ckpt_path} was trained on (other "
+                         f"classes, counts, image size or split: {load_manifest(data_dir).get('classes')}); "
+                         "pass --data with the folder it was trained on")
     size = int(args.get("img_size", 64))
     stem = os.path.splitext(os.path.basename(ckpt_path))[0]
     cache = os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"features_{stem}.pt")
@@ -349,8 +377,8 @@ def eval_features(args):
 
 def eval_record(args, feats: dict, seconds: float) -> dict:
     """What every evaluation's results JSON records besides its scores."""
-    return {"checkpoint": os.path.abspath(args.checkpoint), "epoch": feats["epoch"],
-            "data_dir": os.path.abspath(feats["data_dir"]), "n_train": feats["train"].shape[0],
+    return {"checkpoint": rel_path(args.checkpoint), "epoch": feats["epoch"],
+            "data_dir": rel_path(feats["data_dir"]), "n_train": feats["train"].shape[0],
             "n_test": feats["test"].shape[0], "feat_dim": feats["train"].shape[1],
             "command": command_line(), "args": vars(args), "git_commit": git_commit(),
             "seconds": seconds}

@@ -3,6 +3,7 @@ payload, crashed with another library's error, or went on silently) before it wa
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -183,3 +184,51 @@ def test_feature_cache_follows_the_checkpoint_content(tmp_path):
     assert os.path.getsize(ckpt) == st.st_size
     b = utils.checkpoint_features(ckpt, progress=False)
     assert not torch.equal(a["train"], b["train"])
+
+
+# ------------------------------------------------------------------------------------------------
+# which data a checkpoint is evaluated on; what results files record
+# ------------------------------------------------------------------------------------------------
+
+def _train_tiny(data, out, cwd):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_otl.py"), "--data", data,
+                           "--output", out, "--width", "8", "--img-size", "16", "--k", "16",
+                           "--batch-size", "32", "--epochs", "1", "--preset", "cpu", "--device",
+                           "cpu", "--no-progress"], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_checkpoint_knows_its_data_set(small_data, tmp_path):
+    work = tmp_path / "work"
+    os.makedirs(work)
+    shutil.copytree(small_data, work / "data")
+    p = _train_tiny("data", "run", work)                       # a relative --data
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((work / "run" / "results.json").read_text())
+    assert res["command"].startswith("python ") and "--data data" in res["command"]
+
+    def knn(cwd, *extra):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "eval_knn.py"), "--checkpoint",
+                               str(work / "run" / "checkpoint.pth"), "--device", "cpu",
+                               "--no-progress", *extra], cwd=cwd, capture_output=True, text=True,
+                              timeout=300)
+    # run from elsewhere: the relative data path leads nowhere; the message says to pass --data
+    p = knn(tmp_path)
+    assert p.returncode != 0 and "pass --data" in p.stderr and "Traceback" not in p.stderr
+    assert knn(tmp_path, "--data", str(work / "data")).returncode == 0
+    # another data set at the same relative path is refused, not silently evaluated
+    other = tmp_path / "other"
+    os.makedirs(other)
+    _, _, _, _ = untrained_checkpoint(other)           # a 3-class prepared set in other/data
+    shutil.rmtree(work / "data")
+    shutil.copytree(other / "data", work / "data")
+    p = knn(work)
+    assert p.returncode != 0 and "is not the data set" in p.stderr, p.stderr[-1000:]
+
+
+def test_results_paths_are_relative_to_the_repository():
+    assert utils.rel_path(os.path.join(ROOT, "runs", "x", "checkpoint.pth")) == \
+        os.path.join("runs", "x", "checkpoint.pth")
+    assert utils.rel_path("/elsewhere/ckpt.pth") == "/elsewhere/ckpt.pth"
+    assert utils.command_line().startswith("python ")
+    assert sys.executable not in utils.command_line()

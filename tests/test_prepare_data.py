@@ -90,11 +90,123 @@ def test_download_uses_official_source_with_checksum(eurosat_zip, tmp_path, monk
     (url, filename, md5), = calls
     assert url.startswith("https://") and filename == "EuroSAT.zip" and len(md5) == 32
     assert md5 == prepare_data.DATASETS["eurosat"]["md5"]
-    assert man["n_images"] == 10 and man["source"].endswith("EuroSAT.zip")
+    assert man["n_images"] == 20 and man["source"].endswith("EuroSAT.zip")
 
 
 def prep_download(tmp_path):
     args = prepare_data.get_args_parser().parse_args(
         ["--download", "--download-dir", str(tmp_path / "dl"), "--out", str(tmp_path / "out"),
-         "--per-class", "1", "--workers", "1"])
+         "--per-class", "2", "--workers", "1"])
     return prepare_data.main(args)
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input and damaged caches (each failed before it was fixed)
+# ------------------------------------------------------------------------------------------------
+
+def _png(path, array, mode=None):
+    from PIL import Image
+    import numpy as np
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.fromarray(np.asarray(array), mode=mode).save(path)
+
+
+def _rgb_folder(root, classes=("a", "b"), n=3, size=8):
+    g = torch.Generator().manual_seed(0)
+    for c in classes:
+        for i in range(n):
+            _png(root / c / f"{i}.png", torch.randint(0, 256, (size, size, 3), generator=g,
+                                                      dtype=torch.uint8).numpy())
+    return root
+
+
+def test_16_bit_images_are_scaled_not_white(tmp_path):
+    import numpy as np
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        for i in range(3):
+            grad = (np.arange(64, dtype=np.uint16).reshape(8, 8) * (60 + 10 * i)).astype(np.uint16)
+            _png(src / c / f"{i}.png", grad)        # uint16: PIL writes a 16-bit PNG
+    man = prep(src, tmp_path / "out")
+    imgs = utils.load_prepared(str(tmp_path / "out"))["images"]
+    assert man["scaled_to_8_bit"] == 6
+    assert int(imgs.min()) == 0 and int(imgs.max()) == 255         # the range is used, not clipped
+    assert (imgs == 255).float().mean() < 0.05
+    assert torch.equal(imgs[:, 0], imgs[:, 1]) and torch.equal(imgs[:, 1], imgs[:, 2])  # gray
+
+
+def test_every_image_bad(tmp_path):
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        os.makedirs(src / c)
+        (src / c / "x.png").write_bytes(b"not an image")
+    with pytest.raises(SystemExit, match="none of the 2 images"):
+        prep(src, tmp_path / "out", "--skip-bad")
+    with pytest.raises(SystemExit) as e:
+        prep(src, tmp_path / "out")
+    assert "BytesIO" not in str(e.value) and "x.png" in str(e.value)
+
+
+@pytest.mark.parametrize("flag,value", [("--per-class", "0"), ("--per-class", "-1"), ("--size", "0")])
+def test_non_positive_sizes_are_refused(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prep(_rgb_folder(tmp_path / "src"), tmp_path / "out", flag, value)
+    assert "positive whole number" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_image_per_class_leaves_no_test_split(tmp_path):
+    with pytest.raises(SystemExit, match="every class needs at least 2 images"):
+        prep(_rgb_folder(tmp_path / "src"), tmp_path / "out", "--per-class", "1")
+
+
+def test_out_is_a_file_and_source_is_text(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit, match="is a file"):
+        prep(_rgb_folder(tmp_path / "src"), tmp_path / "f")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(SystemExit, match="neither a folder nor a zip"):
+        prep(tmp_path / "notes.txt", tmp_path / "out")
+
+
+def test_zip_with_top_level_images_and_nested_folders(tmp_path):
+    src = _rgb_folder(tmp_path / "src")
+    z = tmp_path / "loose.zip"
+    with zipfile.ZipFile(z, "w") as fh:
+        fh.write(src / "a" / "0.png", "0.png")
+        fh.write(src / "b" / "0.png", "b/0.png")
+    with pytest.raises(SystemExit, match="outside any class folder.*0.png"):
+        prep(z, tmp_path / "out")
+    # images in subfolders of a class folder belong to that class
+    os.makedirs(src / "a" / "more")
+    shutil.copy(src / "a" / "1.png", src / "a" / "more" / "9.png")
+    man = prep(src, tmp_path / "out2")
+    assert man["per_class_counts"] == {"a": 4, "b": 3}
+
+
+def test_damaged_or_mixed_cache_is_rebuilt(tmp_path):
+    src, out = _rgb_folder(tmp_path / "src"), tmp_path / "out"
+    prep(src, out)
+    cache = out / "cache.pt"
+    data = cache.read_bytes()
+    cache.write_bytes(data[:len(data) // 2])                 # truncated to half
+    prep(src, out)
+    assert cache.read_bytes() == data                         # rebuilt, not "up to date"
+    split0 = (out / "split.json").read_text()
+    # a rebuild with another seed killed after split.json but before the manifest
+    import prepare_data
+    real = utils.write_json
+
+    def die_at_manifest(obj, path):
+        if path.endswith("manifest.json"):
+            raise KeyboardInterrupt("killed")
+        real(obj, path)
+    prepare_data.utils.write_json = die_at_manifest
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            prep(src, out, "--seed", "1")
+    finally:
+        prepare_data.utils.write_json = real
+    assert (out / "split.json").read_text() != split0
+    prep(src, out)                                            # seed 0 again: the right split
+    assert (out / "split.json").read_text() == split0
