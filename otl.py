@@ -555,36 +555,38 @@ def batch_stats_mode(model: nn.Module):
         model.train(was_training)
 
 
-def _batches(n: int, batch_size: int, desc: str, progress: bool):
-    idx = range(0, n, batch_size)
+def _progress(batches, desc: str, progress: bool):
     if progress:
         try:
             from tqdm import tqdm
         except ImportError:     # tqdm is optional: no bar without it
-            return idx
-        idx = tqdm(idx, desc=desc, unit="batch", leave=False, dynamic_ncols=True)
-    return idx
+            return batches
+        return tqdm(batches, desc=desc, unit="batch", leave=False, dynamic_ncols=True)
+    return batches
 
 
 @torch.no_grad()
 def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
                device="cpu", bn: str = "batch", views: int = 1, strong: bool = False,
                cutout: int = 16, generator=None, progress: bool = True,
-               head: bool = True) -> torch.Tensor:
+               head: bool = True, batches: int | None = None) -> torch.Tensor:
     """The network's outputs for every image: (views, N, k) float32 on `device` (head=False: the
     backbone's features, (views, N, feat_dim), e.g. to try several heads).  views = 1 uses
     the test-time transform; views > 1 uses random (simple or strong) augmentations.  bn="batch"
     normalises with batch statistics without touching running statistics (see batch_stats_mode);
     bn="eval" uses the running statistics.  Batches are shuffled so batch statistics do not depend
-    on the order of the data set."""
+    on the order of the data set.  batches: make exactly this many near-equal batches instead
+    (processes whose BatchNorm is synchronised must make the same number of forward passes)."""
     n = images.shape[0]
     perm = torch.randperm(n, generator=generator)
+    bounds = ([(s, s + batch_size) for s in range(0, n, batch_size)] if batches is None else
+              [(i * n // batches, (i + 1) * n // batches) for i in range(batches)])
     out = torch.empty(views, n, model.cfg.k if head else model.feat_dim, device=device)
     fwd = model if head else model.features
     ctx = batch_stats_mode(model) if bn == "batch" else _eval_mode(model)
     with ctx:
-        for s in _batches(n, batch_size, "label pass", progress):
-            idx = perm[s:s + batch_size]
+        for s, e in _progress(bounds, "label pass", progress):
+            idx = perm[s:e]
             x = images[idx].to(device, non_blocking=True)
             for v in range(views):
                 xv = resize_batch(x, size) if views == 1 else augment(x, size, strong, cutout=cutout)
@@ -618,7 +620,7 @@ def extract_features(model: OTLNet, images: torch.Tensor, size: int, batch_size:
     mode: (N, feat_dim) float32 on the CPU."""
     feats = []
     with _eval_mode(model):
-        for s in _batches(images.shape[0], batch_size, "features", progress):
+        for s in _progress(range(0, images.shape[0], batch_size), "features", progress):
             x = resize_batch(images[s:s + batch_size].to(device, non_blocking=True), size)
             with autocast(device):
                 feats.append(model.features(x).float().cpu())

@@ -3,6 +3,14 @@ network for the paper's "supervised" column.
 
     python train_otl.py --data data/eurosat --output runs/eurosat --preset auto
     python train_otl.py --data data/eurosat --output runs/eurosat_sup --preset auto --supervised
+    torchrun --nproc_per_node=2 train_otl.py --data data/eurosat --output runs/eurosat_2p
+
+With torchrun, every process holds a contiguous shard of the training images, labels it, and the
+exact labeler balances all shards together (only k-vectors travel between processes); the
+network trains with DistributedDataParallel (NCCL on GPUs, gloo on the CPU), --batch-size is the
+global batch, and the first process alone writes checkpoints and logs.  Resume needs the same
+number of processes to repeat an uninterrupted run exactly (another number is resumed, with a
+warning, from the weights and pseudo-labels).
 
 Each epoch that is due (--label-every), a label pass puts the training images through the network,
 `otl.translate` spreads the outputs evenly over the k clusters, and the labels it gives become the
@@ -74,6 +82,10 @@ def get_args_parser():
                    "every epoch; published: the paper's Algorithm 1 as the authors run it, which "
                    "left std 1.6 - 40 in the cpu preset's run and took a third of the time there "
                    "(docs/labeler.md, 'Which labeler by default')")
+    g.add_argument("--label-head-rows", type=int, default=8192, help="the first rows of the label "
+                   "pass that fix the exact labeler's start translation (with torchrun: of the "
+                   "first process's shard); the labels of N processes equal one process's when "
+                   "every shard holds at least this many rows")
     g.add_argument("--target-x", type=float, default=0.0, help="uneven target n_i ~ i^x "
                    "(0 = even, the method's default)")
     g.add_argument("--supervised", action="store_true", help="train on the true labels instead "
@@ -81,6 +93,9 @@ def get_args_parser():
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
+    g.add_argument("--sync-bn", type=utils.str2bool, default=False, help="with torchrun on GPUs: "
+                   "BatchNorm statistics over every process's batch (SyncBatchNorm), for small "
+                   "per-GPU batches; off, each process normalises its own batch")
     g.add_argument("--amp", type=utils.str2bool, default=None, help="bfloat16 autocast; default: "
                    "on for CUDA")
     g.add_argument("--snapshot-every", type=int, default=0, help="keep checkpointNNNN.pth every N "
@@ -124,24 +139,41 @@ def lr_at(args, epoch_float):
     return lr
 
 
-def make_labels(model, images, args, device, gen):
-    """Label pass + translation: pseudo-labels (label_views, N) and statistics for the log."""
+def make_labels(model, images, args, device, gen, ranks, n_total):
+    """Label pass + translation of this rank's images: pseudo-labels (label_views, n_rank) and
+    statistics of all ranks for the log.  Across ranks the exact labeler runs on every rank's
+    outputs at once (otl.StreamingTranslator: only k-vectors and k x k matrices travel)."""
     t0 = time.time()
+    batches = None
+    if ranks.world > 1:   # the same number of forward passes on every rank (SyncBatchNorm)
+        bs = max(args.batch_size, 256)
+        batches = -(-(-(-n_total // ranks.world)) // bs)
     outs = otl.label_pass(model, images, args.img_size, batch_size=max(args.batch_size, 256),
                           device=device, bn=args.label_bn, views=args.label_views,
                           strong=args.aug == "strong", cutout=args.cutout, generator=gen,
-                          progress=not args.no_progress)  # (V, N, k)
+                          progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
     t_pass = time.time() - t0
     n, k = outs.shape[1], outs.shape[2]
-    target = otl.uneven_target(n, k, args.target_x) if args.target_x else None
+    lo = ranks.shard(n_total)[0]
+    target = otl.uneven_target(n_total, k, args.target_x) if args.target_x else None
     labels, stats = [], []
     for v in range(outs.shape[0]):
-        res = otl.translate(outs[v], target=target, beta=args.beta, seed=args.seed + v,
-                            method=args.labeler)
+        if args.labeler == "exact":   # otl.translate's exact method, with the head size given
+            st = otl.StreamingTranslator(k, target=target, seed=args.seed + v,
+                                         n_init=args.label_head_rows, distributed=ranks.world > 1,
+                                         row_offset=lo if ranks.world > 1 else None)
+            for s in range(0, n, st.chunk):
+                st.add(outs[v][s:s + st.chunk])
+            res = st.result(refetch=lambda rows, o=outs[v]: o[(rows - lo).to(o.device)])
+        else:
+            res = otl.translate(outs[v], target=target, beta=args.beta, seed=args.seed + v,
+                                method=args.labeler)
         labels.append(res.labels)
-        raw_counts = torch.bincount(outs[v].argmax(1), minlength=k)
+        raw_counts = ranks.sum(torch.bincount(outs[v].argmax(1), minlength=k))
+        hi_lo = ranks.gather((outs[v].max().item(), outs[v].min().item()))
         stats.append({"std": res.std, "std_max": res.std_max, "iterations": res.iterations,
-                      "seconds": res.seconds, "spread": (outs[v].max() - outs[v].min()).item(),
+                      "seconds": res.seconds,
+                      "spread": max(h for h, _ in hi_lo) - min(m for _, m in hi_lo),
                       "std_before": (raw_counts.double() - res.target.to(raw_counts.device)
                                      ).pow(2).mean().sqrt().item(),
                       "clusters_used_before": int((raw_counts > 0).sum())})
@@ -154,21 +186,24 @@ def make_labels(model, images, args, device, gen):
            "labeler_s": round(sum(s["seconds"] for s in stats), 3),
            "clusters_used_before": stats[0]["clusters_used_before"]}
     if outs.shape[0] > 1:
-        log["view_agreement"] = (labels[0] == labels[1]).float().mean().item()
+        same = ranks.sum(torch.tensor([float((labels[0] == labels[1]).sum())], device=device))
+        log["view_agreement"] = same.item() / n_total
     return torch.stack(labels).to(device), log
 
 
-def train_one_epoch(model, opt, images, targets, epoch, args, device, gen):
-    """One pass over the training images in random batches: each batch gives --views augmented
-    views, and the loss is LCT on the pseudo-labels (label_views, N), or cross-entropy on the
-    true labels (N,) with --supervised.  Returns the log row's training figures."""
-    n = images.shape[0]
-    steps = math.ceil(n / args.batch_size)
-    model.train()
+def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, n_total):
+    """One pass over this rank's training images in random batches of batch_size / world: each
+    batch gives --views augmented views, and the loss is LCT on the pseudo-labels
+    (label_views, n), or cross-entropy on the true labels (n,) with --supervised; net is the
+    model, or its DistributedDataParallel wrapper, which averages the gradients over ranks.
+    Returns the log row's training figures, over all ranks."""
+    n, b = images.shape[0], args.batch_size // ranks.world
+    steps = math.ceil((n_total // ranks.world) / b)     # the same on every rank
+    net.train()
     perm = torch.randperm(n, generator=gen)
     tot, seen, lr = 0.0, 0, args.lr
     it = range(steps)
-    if not args.no_progress:
+    if not args.no_progress and ranks.main:
         from tqdm import tqdm
         it = tqdm(it, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, dynamic_ncols=True)
     t0 = time.time()
@@ -176,14 +211,14 @@ def train_one_epoch(model, opt, images, targets, epoch, args, device, gen):
         lr = lr_at(args, epoch + step / steps)
         for grp in opt.param_groups:
             grp["lr"] = lr
-        idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
+        idx = perm[step * b:(step + 1) * b]
         x = images[idx.to(images.device)].to(device, non_blocking=True)
         xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong", cutout=args.cutout)
                         for _ in range(args.views)])
         if device.type == "cpu":
             xs = xs.contiguous(memory_format=torch.channels_last)
         with otl.autocast(device, args.amp):
-            logits = model(xs).float().view(args.views, len(idx), -1)   # (V, B, k)
+            logits = net(xs).float().view(args.views, len(idx), -1)   # (V, B, k)
         if args.supervised:
             y = targets[idx.to(targets.device)].to(device)
             loss = F.cross_entropy(logits.flatten(0, 1), y.repeat(args.views))
@@ -199,9 +234,10 @@ def train_one_epoch(model, opt, images, targets, epoch, args, device, gen):
         opt.step()
         tot += loss.item() * len(idx)
         seen += len(idx)
-        if not args.no_progress:
+        if not args.no_progress and ranks.main:
             it.set_postfix(loss=f"{tot / seen:.3f}", lr=f"{lr:.4f}")
     train_s = time.time() - t0
+    tot, seen = ranks.sum(torch.tensor([tot, float(seen)], dtype=torch.float64, device=device)).tolist()
     return {"loss": tot / seen, "lr": lr, "train_s": round(train_s, 1),
             "img_per_s": round(seen * args.views / train_s, 1)}
 
@@ -215,96 +251,136 @@ def knn_monitor(model, d, args, device):
 
 
 def main(args):
-    device = utils.pick_device(args.device)
+    ranks = utils.Ranks(args.device)      # torchrun's processes, or this one alone
+    device = ranks.device
     args = resolve_args(args, device)
-    print(f"*** preset: {args.preset_used} (device {device}) ***", flush=True)
-    utils.print_run_header(args)
+    if ranks.world > 1 and args.labeler != "exact" and not args.supervised:
+        raise SystemExit("--labeler published needs every output in one process; across "
+                         "processes use --labeler exact (the default)")
+    if args.sync_bn and device.type != "cuda":
+        raise SystemExit("--sync-bn needs CUDA (torch's SyncBatchNorm has no CPU kernel)")
+    if args.batch_size < ranks.world:
+        raise SystemExit(f"--batch-size {args.batch_size} is the global batch: it needs at least "
+                         f"one image for each of the {ranks.world} processes")
+    if ranks.main:
+        print(f"*** preset: {args.preset_used} (device {device}, {ranks.world} process(es)) ***",
+              flush=True)
+        utils.print_run_header(args)
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + ranks.rank)
     os.makedirs(args.output, exist_ok=True)
 
-    # ---- data: the training split as one uint8 tensor (on the GPU when there is one)
+    # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
+    # process holds its contiguous shard of it
     d = utils.load_prepared(args.data)
     manifest = utils.load_manifest(args.data)
     data_identity = utils.data_identity(args.data)   # checked when the checkpoint is evaluated
-    images = d["images"][d["train_idx"]]                     # (N, 3, H, W) uint8
-    true_labels = d["labels"][d["train_idx"]]                # used only with --supervised
+    n_total = len(d["train_idx"])
+    lo, hi = ranks.shard(n_total)
+    images = d["images"][d["train_idx"][lo:hi]]             # (n, 3, H, W) uint8
+    true_labels = d["labels"][d["train_idx"][lo:hi]]        # used only with --supervised
     if device.type == "cuda":
         images, true_labels = images.to(device), true_labels.to(device)
-    n = images.shape[0]
-    if not args.supervised and n < args.k:
-        raise SystemExit(f"the training split has {n} images, fewer than --k {args.k} clusters")
+    if not args.supervised and n_total < args.k:
+        raise SystemExit(f"the training split has {n_total} images, fewer than --k {args.k} clusters")
 
-    # ---- model and optimizer
+    # ---- model and optimizer (DistributedDataParallel across processes)
     cfg = otl.ModelConfig(arch=args.arch, k=len(d["classes"]) if args.supervised else args.k,
                           small_stem=args.small_stem, width=args.width,
                           mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]))
     model = otl.build_model(cfg).to(device)
     if device.type == "cpu":
         model = model.to(memory_format=torch.channels_last)
+    net = model
+    if ranks.world > 1:
+        torch.manual_seed(args.seed + 1 + ranks.rank)   # each process its own augmentations
+        if args.sync_bn:
+            model = net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[ranks.local] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.wd, nesterov=False)
 
     # ---- resume from the run folder's checkpoint, if any
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
     start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
-                                                        utils.model_state(cfg), args)
+                                                        utils.model_state(cfg), args, ranks)
+    if labels is not None:
+        labels = labels[:, lo:hi]                           # this process's rows
     if start_epoch > args.epochs:
         raise SystemExit(f"{ckpt_path} is at epoch {start_epoch}, past --epochs {args.epochs}: a "
                          "run cannot be shortened; use another --output, or --epochs "
                          f">= {start_epoch} to continue it")
     results_path, log_path = (os.path.join(args.output, f) for f in ("results.json", "log.jsonl"))
-    utils.trim_log(log_path, start_epoch)    # epochs past the checkpoint are done again
     if start_epoch == args.epochs and start_epoch > 0 and os.path.isfile(results_path):
-        print(f"{args.output} has finished its {args.epochs} epochs; nothing to do", flush=True)
+        if ranks.main:
+            print(f"{args.output} has finished its {args.epochs} epochs; nothing to do", flush=True)
         with open(results_path) as fh:
-            return json.load(fh)
+            done = json.load(fh)
+        ranks.close()
+        return done
+    if ranks.main:
+        utils.trim_log(log_path, start_epoch)    # epochs past the checkpoint are done again
 
     def state(epoch):
+        """The run's state at the end of `epoch` (on every rank: it gathers from all)."""
+        rng = {"cpu": torch.get_rng_state(), "gen": gen.get_state(),
+               "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}
+        parts = ranks.gather((rng, labels.cpu() if labels is not None else None))
         return {"model": model.state_dict(), "model_cfg": utils.model_state(cfg),
                 "optimizer": opt.state_dict(), "epoch": epoch, "args": vars(args),
-                "pseudo_labels": labels.cpu() if labels is not None else None,
-                "rng_cpu": torch.get_rng_state(), "rng_gen": gen.get_state(),
-                "rng_cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
+                "pseudo_labels": torch.cat([p[1] for p in parts], 1) if labels is not None else None,
+                "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
                 "git_commit": utils.git_commit(), "data_identity": data_identity}
 
     if start_epoch == 0:
-        utils.save_checkpoint(state(0), os.path.join(args.output, "checkpoint0000.pth"))  # baseline
+        first = state(0)
+        if ranks.main:
+            utils.save_checkpoint(first, os.path.join(args.output, "checkpoint0000.pth"))  # baseline
 
     # ---- the loop: label pass when due, one epoch, then its log line and snapshot, and last the
-    # checkpoint, which commits the epoch (a kill before it redoes the epoch, after it loses nothing)
+    # checkpoint, which commits the epoch (a kill before it redoes the epoch, after it loses nothing);
+    # only the first process writes
     t_start = time.time()
     for epoch in range(start_epoch, args.epochs):
         t_epoch = time.time()
         row = {"epoch": epoch + 1}
         if not args.supervised and (labels is None or epoch % args.label_every == 0):
-            labels, label_log = make_labels(model, images, args, device, gen)
+            labels, label_log = make_labels(model, images, args, device, gen, ranks, n_total)
             row.update(label_log)
-        row.update(train_one_epoch(model, opt, images, true_labels if args.supervised else labels,
-                                   epoch, args, device, gen))
+        row.update(train_one_epoch(net, opt, images, true_labels if args.supervised else labels,
+                                   epoch, args, device, gen, ranks, n_total))
         row["epoch_s"] = round(time.time() - t_epoch, 1)
-        if args.knn_monitor and (epoch + 1) % args.knn_monitor == 0:
+        if args.knn_monitor and (epoch + 1) % args.knn_monitor == 0 and ranks.main:
             row.update(knn_monitor(model, d, args, device))
-        with open(log_path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        if (args.snapshot_every and (epoch + 1) % args.snapshot_every == 0) or epoch + 1 == args.epochs:
-            utils.save_checkpoint(state(epoch + 1), os.path.join(args.output, f"checkpoint{epoch + 1:04d}.pth"))
-        utils.save_checkpoint(state(epoch + 1), ckpt_path)
-        print(json.dumps(row), flush=True)
-        if args.max_minutes and (time.time() - t_start) / 60 > args.max_minutes and epoch + 1 < args.epochs:
-            print(f"--max-minutes {args.max_minutes} reached after epoch {epoch + 1}; rerun the same "
-                  "command to continue", flush=True)
+        st = state(epoch + 1)
+        if ranks.main:
+            with open(log_path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            if (args.snapshot_every and (epoch + 1) % args.snapshot_every == 0) or epoch + 1 == args.epochs:
+                utils.save_checkpoint(st, os.path.join(args.output, f"checkpoint{epoch + 1:04d}.pth"))
+            utils.save_checkpoint(st, ckpt_path)
+            print(json.dumps(row), flush=True)
+        late = args.max_minutes and (time.time() - t_start) / 60 > args.max_minutes
+        if ranks.any(ranks.main and late and epoch + 1 < args.epochs):   # every rank stops
+            if ranks.main:
+                print(f"--max-minutes {args.max_minutes} reached after epoch {epoch + 1}; rerun the "
+                      "same command to continue", flush=True)
+            ranks.close()
             return None
 
-    epoch_s = []
-    if os.path.isfile(log_path):    # every epoch's time, resumed or not
-        with open(log_path) as fh:
-            epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
-    results = {"epochs": args.epochs, "preset": args.preset_used, "device": str(device),
-               "checkpoint": utils.rel_path(ckpt_path),
-               "train_minutes": round(sum(epoch_s) / 60, 2),
-               "command": utils.command_line(), "git_commit": utils.git_commit()}
-    utils.write_json(results, results_path)
+    results = None
+    if ranks.main:
+        epoch_s = []
+        if os.path.isfile(log_path):    # every epoch's time, resumed or not
+            with open(log_path) as fh:
+                epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
+        results = {"epochs": args.epochs, "preset": args.preset_used, "device": str(device),
+                   "processes": ranks.world, "checkpoint": utils.rel_path(ckpt_path),
+                   "train_minutes": round(sum(epoch_s) / 60, 2),
+                   "command": utils.command_line(), "git_commit": utils.git_commit()}
+        utils.write_json(results, results_path)
+    ranks.close()
     return results
 
 

@@ -59,6 +59,54 @@ def pick_device(name: str = "auto") -> torch.device:
     return dev
 
 
+class Ranks:
+    """This process's place among the processes torchrun started: rank 0 of 1 without torchrun,
+    so a single process runs the same code.  NCCL on CUDA, gloo on the CPU."""
+
+    def __init__(self, device_name: str = "auto"):
+        import torch.distributed as dist
+        self.dist = dist
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank, self.local = 0, 0
+        if self.world > 1:
+            self.local = int(os.environ.get("LOCAL_RANK", "0"))
+            cuda = device_name != "cpu" and torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(self.local)
+            dist.init_process_group("nccl" if cuda else "gloo")
+            self.rank = dist.get_rank()
+            self.device = torch.device("cuda", self.local) if cuda else torch.device("cpu")
+        else:
+            self.device = pick_device(device_name)
+        self.main = self.rank == 0
+
+    def shard(self, n: int):
+        """This rank's rows [lo, hi) of n: contiguous, in rank order, sizes within one."""
+        return self.rank * n // self.world, (self.rank + 1) * n // self.world
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            self.dist.all_reduce(x, op=self.dist.ReduceOp.SUM)
+        return x
+
+    def gather(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is True on any (so all ranks take the same branch)."""
+        return bool(self.sum(torch.tensor([int(flag)], device=self.device))[0])
+
+    def close(self):
+        if self.world > 1 and self.dist.is_initialized():
+            self.dist.barrier()
+            self.dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------------------------
 # What made a result: the commit, the command, the arguments
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +217,8 @@ def load_checkpoint(path: str, device="cpu"):
 RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monitor")
 
 
-def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args):
+def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args,
+                            ranks=None):
     """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
     the pseudo-labels.  Returns (epoch reached, pseudo-labels or None); (0, None) with no
     checkpoint.  A damaged checkpoint (a write cut short) gives way to the newest intact snapshot
@@ -177,7 +226,10 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     refused; other changed flags are warned about."""
     folder = os.path.dirname(os.path.abspath(path))
     for f in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):   # save_checkpoint's, cut short
-        os.remove(f)
+        try:
+            os.remove(f)
+        except FileNotFoundError:   # another rank removed it first
+            pass
     if not os.path.isfile(path):
         return 0, None
     try:
@@ -206,12 +258,23 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
               f"{changed}", flush=True)
     model.load_state_dict(ck["model"])
     optimizer.load_state_dict(ck["optimizer"])
-    torch.set_rng_state(ck["rng_cpu"])
-    generator.set_state(ck["rng_gen"])
-    if device.type == "cuda" and ck.get("rng_cuda") is not None:
-        torch.cuda.set_rng_state(ck["rng_cuda"].cpu())
+    rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
+    saved_world = ck.get("world_size", 1)
+    if saved_world == world:   # each rank's random streams, as they were
+        ranked = ck.get("rng_ranks") or [{"cpu": ck["rng_cpu"], "gen": ck["rng_gen"],
+                                          "cuda": ck.get("rng_cuda")}]
+        torch.set_rng_state(ranked[rank]["cpu"])
+        generator.set_state(ranked[rank]["gen"])
+        if device.type == "cuda" and ranked[rank].get("cuda") is not None:
+            torch.cuda.set_rng_state(ranked[rank]["cuda"].cpu())
+    elif rank == 0:
+        print(f"warning: {path} was written by {saved_world} process(es), this run has {world}: "
+              "the weights, optimizer and pseudo-labels are resumed, but the random streams "
+              "(batch order, augmentation) start afresh from --seed, so the run will not repeat an "
+              f"uninterrupted {saved_world}-process run exactly", flush=True)
     labels = ck.get("pseudo_labels")
-    print(f"resumed from {path} at epoch {ck['epoch']}", flush=True)
+    if rank == 0:
+        print(f"resumed from {path} at epoch {ck['epoch']}", flush=True)
     return ck["epoch"], labels.to(device) if labels is not None else None
 
 
