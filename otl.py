@@ -501,9 +501,16 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     return out
 
 
-def _rand_ops(x, U, g, n_ops: int = 2):
-    """Two random photometric ops per image (the geometric ones are folded into the warp)."""
+def _rand_ops(x, U, g, n_ops: int = 2, select: bool | None = None):
+    """Two random photometric ops per image (the geometric ones are folded into the warp).
+    select=True (the CPU's default) applies each op to the images that drew it; False (CUDA's)
+    applies every op to the whole batch and keeps each image's own, which waits on nothing: the
+    GPU never stops to tell the host which images drew what.  Both give the same images."""
     B, dev = x.shape[0], x.device
+    if select is None:
+        select = dev.type == "cpu"
+    if not select:
+        return _rand_ops_whole(x, U, g, n_ops)
     for _ in range(n_ops):
         op = torch.randint(0, 6, (B,), device=dev, generator=g)
         m = U(0, 1)
@@ -536,6 +543,30 @@ def _rand_ops(x, U, g, n_ops: int = 2):
     return x
 
 
+def _rand_ops_whole(x, U, g, n_ops):
+    """_rand_ops on every image of the batch, each keeping the op it drew (same draws, same
+    arithmetic, no host synchronisation)."""
+    B, dev = x.shape[0], x.device
+    for _ in range(n_ops):
+        op = torch.randint(0, 6, (B,), device=dev, generator=g).view(-1, 1, 1, 1)
+        m = U(0, 1)
+        m4 = m.view(-1, 1, 1, 1)
+        blur = F.avg_pool2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), 3, 1)
+        y = torch.where(op == 0, _blend(x, blur, 1 + (m * 2 - 1) * 0.9), x)
+        levels = 2 ** (4 + (m4 * 4).floor())
+        y = torch.where(op == 1, (x * (levels - 1)).round() / (levels - 1), y)
+        y = torch.where((op == 2) & (x >= 1 - 0.5 * m4), 1 - x, y)
+        lo, hi = x.amin((2, 3), keepdim=True), x.amax((2, 3), keepdim=True)
+        y = torch.where(op == 3, ((x - lo) / (hi - lo).clamp(min=1e-3)).clamp(0, 1), y)
+        flat, qs = x.flatten(2).flatten(0, 1), torch.tensor([0.02, 0.98], device=dev)
+        rows = max(1, (1 << 24) // flat.shape[1])      # torch.quantile takes 2^24 values at most
+        q = torch.cat([torch.quantile(flat[r:r + rows], qs, dim=1)
+                       for r in range(0, flat.shape[0], rows)], 1).view(2, B, 3)
+        lo, hi = q[0][..., None, None], q[1][..., None, None]
+        x = torch.where(op == 4, ((x - lo) / (hi - lo).clamp(min=1e-3)).clamp(0, 1), y)
+    return x
+
+
 @contextmanager
 def batch_stats_mode(model: nn.Module):
     """BatchNorm normalises with each batch's own statistics (train mode) but leaves the running
@@ -565,7 +596,7 @@ def _progress(batches, desc: str, progress: bool):
     return batches
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
                device="cpu", bn: str = "batch", views: int = 1, strong: bool = False,
                cutout: int = 16, generator=None, progress: bool = True,
@@ -578,7 +609,7 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
     on the order of the data set.  batches: make exactly this many near-equal batches instead
     (processes whose BatchNorm is synchronised must make the same number of forward passes)."""
     n = images.shape[0]
-    perm = torch.randperm(n, generator=generator)
+    perm = torch.randperm(n, generator=generator).to(images.device)
     bounds = ([(s, s + batch_size) for s in range(0, n, batch_size)] if batches is None else
               [(i * n // batches, (i + 1) * n // batches) for i in range(batches)])
     out = torch.empty(views, n, model.cfg.k if head else model.feat_dim, device=device)
@@ -588,10 +619,11 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
         for s, e in _progress(bounds, "label pass", progress):
             idx = perm[s:e]
             x = images[idx].to(device, non_blocking=True)
+            idx = idx.to(device, non_blocking=True)
             for v in range(views):
                 xv = resize_batch(x, size) if views == 1 else augment(x, size, strong, cutout=cutout)
                 with autocast(device):
-                    out[v, idx.to(device)] = fwd(xv).float()
+                    out[v, idx] = fwd(xv.contiguous(memory_format=torch.channels_last)).float()
     return out
 
 

@@ -38,7 +38,8 @@ def get_args_parser():
                    "an existing checkpoint there is resumed")
     p.add_argument("--preset", default="auto", choices=["auto", *utils.PRESETS],
                    help="defaults for every flag below that you do not give: 'paper' (the paper's "
-                   "protocol, for a GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'auto' "
+                   "protocol, for a GPU), 'fast' (the paper's network at 112 px for 100 epochs: minutes "
+                   "on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'auto' "
                    "(paper on CUDA, cpu otherwise)")
     g = p.add_argument_group("model (preset values when not given)")
     g.add_argument("--arch", choices=["resnet18"])
@@ -82,6 +83,9 @@ def get_args_parser():
                    "every epoch; published: the paper's Algorithm 1 as the authors run it, which "
                    "left std 1.6 - 40 in the cpu preset's run and took a third of the time there "
                    "(docs/labeler.md, 'Which labeler by default')")
+    g.add_argument("--label-batch-size", type=int, help="images per forward pass of the label pass "
+                   "(BatchNorm's batch with --label-bn batch); default: the larger of --batch-size "
+                   "and 256 on the CPU, 1024 on CUDA")
     g.add_argument("--label-head-rows", type=int, default=8192, help="the first rows of the label "
                    "pass that fix the exact labeler's start translation (with torchrun: of the "
                    "first process's shard); the labels of N processes equal one process's when "
@@ -116,6 +120,8 @@ def resolve_args(args, device):
             setattr(args, key, val)
     if args.amp is None:
         args.amp = device.type == "cuda"
+    if args.label_batch_size is None:
+        args.label_batch_size = max(args.batch_size, 1024 if device.type == "cuda" else 256)
     if args.schedule == "step" and len(args.lr_drops) != len(args.lr_values):
         raise SystemExit(f"--lr-drops {args.lr_drops} and --lr-values {args.lr_values} must have "
                          "the same length")
@@ -144,11 +150,10 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
     statistics of all ranks for the log.  Across ranks the exact labeler runs on every rank's
     outputs at once (otl.StreamingTranslator: only k-vectors and k x k matrices travel)."""
     t0 = time.time()
-    batches = None
+    batches, bs = None, args.label_batch_size
     if ranks.world > 1:   # the same number of forward passes on every rank (SyncBatchNorm)
-        bs = max(args.batch_size, 256)
         batches = -(-(-(-n_total // ranks.world)) // bs)
-    outs = otl.label_pass(model, images, args.img_size, batch_size=max(args.batch_size, 256),
+    outs = otl.label_pass(model, images, args.img_size, batch_size=bs,
                           device=device, bn=args.label_bn, views=args.label_views,
                           strong=args.aug == "strong", cutout=args.cutout, generator=gen,
                           progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
@@ -200,8 +205,11 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
     n, b = images.shape[0], args.batch_size // ranks.world
     steps = math.ceil((n_total // ranks.world) / b)     # the same on every rank
     net.train()
-    perm = torch.randperm(n, generator=gen)
-    tot, seen, lr = 0.0, 0, args.lr
+    # the order on the data's device, and the running loss summed there: the loop never waits for
+    # the GPU (the bar reads the loss every 25 steps, a non-finite loss stops the run at the end
+    # of the epoch, before its checkpoint is written)
+    perm = torch.randperm(n, generator=gen).to(images.device)
+    tot, seen, lr = torch.zeros((), dtype=torch.float64, device=device), 0, args.lr
     it = range(steps)
     if not args.no_progress and ranks.main:
         from tqdm import tqdm
@@ -212,11 +220,10 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
         for grp in opt.param_groups:
             grp["lr"] = lr
         idx = perm[step * b:(step + 1) * b]
-        x = images[idx.to(images.device)].to(device, non_blocking=True)
+        x = images[idx].to(device, non_blocking=True)
         xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong", cutout=args.cutout)
                         for _ in range(args.views)])
-        if device.type == "cpu":
-            xs = xs.contiguous(memory_format=torch.channels_last)
+        xs = xs.contiguous(memory_format=torch.channels_last)
         with otl.autocast(device, args.amp):
             logits = net(xs).float().view(args.views, len(idx), -1)   # (V, B, k)
         if args.supervised:
@@ -226,18 +233,19 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
             lab = targets[:, idx.to(targets.device)]                    # (label_views, B)
             lab = lab.expand(args.views, -1) if lab.shape[0] == 1 else lab
             loss = otl.lct_loss(logits, lab, consistent=args.lct)
-        if not torch.isfinite(loss):
-            raise SystemExit(f"loss is {loss.item()} at epoch {epoch + 1} step {step}: lower --lr; "
-                             f"the last good checkpoint is in {args.output}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        tot += loss.item() * len(idx)
+        tot += loss.detach() * len(idx)
         seen += len(idx)
-        if not args.no_progress and ranks.main:
-            it.set_postfix(loss=f"{tot / seen:.3f}", lr=f"{lr:.4f}")
+        if not args.no_progress and ranks.main and (step % 25 == 0 or step == steps - 1):
+            it.set_postfix(loss=f"{tot.item() / seen:.3f}", lr=f"{lr:.4f}")
+    tot, seen = ranks.sum(torch.stack([tot, torch.tensor(float(seen), dtype=torch.float64,
+                                                         device=device)])).tolist()
     train_s = time.time() - t0
-    tot, seen = ranks.sum(torch.tensor([tot, float(seen)], dtype=torch.float64, device=device)).tolist()
+    if not math.isfinite(tot):
+        raise SystemExit(f"the loss became {tot / seen} in epoch {epoch + 1}: lower --lr; the "
+                         f"last good checkpoint is in {args.output}")
     return {"loss": tot / seen, "lr": lr, "train_s": round(train_s, 1),
             "img_per_s": round(seen * args.views / train_s, 1)}
 
@@ -267,6 +275,7 @@ def main(args):
               flush=True)
         utils.print_run_header(args)
     torch.manual_seed(args.seed)
+    torch.backends.cudnn.benchmark = device.type == "cuda"   # a step's shapes repeat: fastest kernels
     gen = torch.Generator().manual_seed(args.seed + ranks.rank)
     os.makedirs(args.output, exist_ok=True)
 
@@ -288,9 +297,7 @@ def main(args):
     cfg = otl.ModelConfig(arch=args.arch, k=len(d["classes"]) if args.supervised else args.k,
                           small_stem=args.small_stem, width=args.width,
                           mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]))
-    model = otl.build_model(cfg).to(device)
-    if device.type == "cpu":
-        model = model.to(memory_format=torch.channels_last)
+    model = otl.build_model(cfg).to(device).to(memory_format=torch.channels_last)
     net = model
     if ranks.world > 1:
         torch.manual_seed(args.seed + 1 + ranks.rank)   # each process its own augmentations
@@ -299,7 +306,8 @@ def main(args):
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[ranks.local] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.wd, nesterov=False)
+                          weight_decay=args.wd, nesterov=False,
+                          fused=True if device.type == "cuda" else None)  # one kernel a step
 
     # ---- resume from the run folder's checkpoint, if any
     ckpt_path = os.path.join(args.output, "checkpoint.pth")

@@ -125,3 +125,25 @@ def test_a_kill_right_after_the_checkpoint_loses_nothing(small_data, tmp_path, m
     assert [r["epoch"] for r in log] == [1, 2]
     assert res["train_minutes"] == pytest.approx(sum(r["epoch_s"] for r in log) / 60, abs=0.01)
     assert res["train_minutes"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_trains_labels_and_resumes_on_cuda(small_data, tmp_path):
+    # the CUDA path: data resident on the GPU, sync-free augmentation, bf16 autocast, fused SGD
+    cuda = [a if a != "cpu" else "cuda" for a in TINY]
+    args = ["--data", str(small_data), "--output", str(tmp_path / "g"), *cuda]
+    assert train_otl.main(train_otl.get_args_parser().parse_args([*args, "--epochs", "1"]))
+    res = train_otl.main(train_otl.get_args_parser().parse_args([*args, "--epochs", "2"]))
+    assert res["device"].startswith("cuda")
+    log = [json.loads(x) for x in (tmp_path / "g" / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2]
+    for r in log:
+        assert r["pl_std"] < 0.05 * r["pl_std_max"] and r["loss"] > 0
+    ck = utils.load_file(tmp_path / "g" / "checkpoint.pth")
+    assert ck["epoch"] == 2 and ck["args"]["amp"] is True
+
+
+def test_a_diverging_loss_stops_before_its_checkpoint(small_data, tmp_path):
+    with pytest.raises(SystemExit, match="lower --lr"):
+        train(small_data, tmp_path / "d", "--epochs", "1", "--lr", "1e30")
+    assert not (tmp_path / "d" / "checkpoint.pth").exists()

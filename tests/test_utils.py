@@ -150,8 +150,9 @@ def test_presets_and_devices():
     assert utils.preset_for("auto", torch.device("cuda")) == "paper"
     assert utils.preset_for("paper", cpu) == "paper"
     with pytest.raises(ValueError, match="unknown preset"):
-        utils.preset_for("fast", cpu)
-    assert set(utils.PRESETS["paper"]) == set(utils.PRESETS["cpu"])
+        utils.preset_for("quick", cpu)
+    assert utils.preset_for("fast", cpu) == "fast"
+    assert set(utils.PRESETS["paper"]) == set(utils.PRESETS["cpu"]) == set(utils.PRESETS["fast"])
     assert utils.PRESETS["paper"]["img_size"] == 224 and utils.PRESETS["paper"]["k"] == 128
     assert utils.pick_device("cpu") == cpu
     if not torch.cuda.is_available():

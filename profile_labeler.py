@@ -1,0 +1,83 @@
+"""Where the exact labeler's time goes on one input: wall time per otl function (cProfile: on a
+GPU a function's time includes its waits for the device) and per device kernel (torch.profiler).
+
+    python profile_labeler.py --device cuda --n 1280000 --k 3000 --out results/labeler_profile_gpu.txt
+
+The input is bench_labeler's gaussian (the same seeds); one warm-up call, --repeat timed calls
+(their median is printed), then one profiled call.
+"""
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import bench_labeler
+import otl
+import utils
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--n", type=int, default=1_280_000)
+    p.add_argument("--k", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--out", default=None, help="write the report here too")
+    return p
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def main(a):
+    dev = utils.pick_device(a.device)
+    O = bench_labeler.gaussian(a.n, a.k, a.seed, device=str(dev) if dev.type == "cuda" else "cpu")
+    otl.translate(O[:65536])
+    times = []
+    for _ in range(a.repeat):
+        _sync(dev)
+        t = time.perf_counter()
+        res = otl.translate(O)
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    counts = torch.bincount(res.labels, minlength=a.k)
+    lines = [f"commit {utils.git_commit()}  device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
+             f"  N {a.n}  k {a.k}",
+             f"seconds {sorted(times)[len(times) // 2]:.4f} (median of {[round(t, 4) for t in times]})"
+             f"  iterations {res.iterations}  max-min {int(counts.max() - counts.min())}"
+             f"  stop {res.stop_reason}"]
+    prof = cProfile.Profile()
+    _sync(dev)
+    prof.enable()
+    otl.translate(O)
+    _sync(dev)
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
+    lines += ["", "cProfile, cumulative", s.getvalue()]
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    lines += ["", "cProfile, own time", s.getvalue()]
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as p:
+        otl.translate(O)
+        _sync(dev)
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    lines += ["", f"torch.profiler by {key}",
+              p.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=50)]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())
