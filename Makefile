@@ -4,8 +4,10 @@
 #   make test                       the test suite (what CI runs)
 #   make labeler-bench              ours vs the published labeler vs Sinkhorn-Knopp: time, balance, memory
 #   make labeler-bench-gpu          the same on a CUDA GPU
+#   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
+#   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
 #   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
-# Variables: PRESET=auto|paper|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
+# Variables: PRESET=auto|paper|fast|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
 #   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags).
 
 PY        ?= .venv/bin/python
@@ -17,11 +19,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data eval-run labeler-bench labeler-bench-gpu ablation-label-bn test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,10p' Makefile
+	@sed -n '1,12p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -68,6 +70,14 @@ labeler-bench: eurosat-data
 labeler-bench-gpu: $(STAMP)
 	PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $(PY) bench_labeler.py --device cuda --skip-real \
 	  --ref-n 640000 --repeat 3 --out results/labeler_bench_gpu.json --plot results/labeler_bench_gpu.png
+
+labeler-profile-gpu: $(STAMP)
+	$(PY) profile_labeler.py --device cuda --out results/labeler_profile_gpu.txt
+
+# images/s of the OTL step, the label pass and augmentation at 224, 112 and 64 px, and of a plain
+# supervised ResNet-18 loop (the ceiling); torch.compile timed at 112 px
+train-bench-gpu: $(STAMP)
+	$(PY) bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out results/train_throughput_gpu.json
 
 # ------------------------------------------------------------------------- experiments
 # The label pass's BatchNorm mode on a fresh cpu-preset network (docs/label_bn.md)
