@@ -41,7 +41,7 @@ PRESETS = {
     # EuroSAT's 64 px upsampled to 112 instead of 224 (4x less compute; the last stage still sees
     # 4 x 4), batch 512 with the learning rate scaled up, a short warm-up and a cosine schedule,
     # Cutout scaled with the image; k, views, LCT, strong augmentation and the per-epoch label
-    # pass are the paper's.  results/eurosat_fast.md has its run.
+    # pass are the paper's.  A first choice, not yet run on a GPU (docs/presets.md).
     "fast": dict(arch="resnet18", k=128, width=64, small_stem=False, img_size=112, epochs=100,
                  batch_size=512, lr=0.1, schedule="cosine", lr_drops=[], lr_values=[], views=2,
                  lct=True, aug="strong", cutout=8, label_every=1, label_views=2, warmup_epochs=2),
