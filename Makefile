@@ -6,6 +6,7 @@
 #   make labeler-bench-gpu          the same on a CUDA GPU
 #   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
 #   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
+#   make data DATASET=.. SRC=..     prepare any registered data set (hmhr-data, cifar10-data: ../shared/data)
 #   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
 # Variables: PRESET=auto|paper|fast|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
 #   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags).
@@ -19,11 +20,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data data hmhr-data cifar10-data eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,12p' Makefile
+	@sed -n '1,13p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -58,6 +59,19 @@ eval-run:
 	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE)
 	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
 	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
+
+# ---------------------------------------------------------------------------- other data sets
+# Any data set of prepare_data.py's registry (eurosat ucmerced siri_whu aid patternnet
+# nwpu_resisc45 hmhr cifar10 cifar100 svhn imagenet folder) from a local archive or folder:
+#   make data DATASET=ucmerced SRC=path/to/UCMerced_LandUse.zip
+data: $(STAMP)
+	$(PY) prepare_data.py --dataset $(DATASET) --source $(SRC) --out data/$(DATASET)
+
+hmhr-data: $(STAMP)
+	$(PY) prepare_data.py --dataset hmhr --source $(or $(SRC),../shared/data/HMHR.zip) --out data/hmhr
+
+cifar10-data: $(STAMP)
+	$(PY) prepare_data.py --dataset cifar10 $(if $(SRC),--source $(SRC),$(if $(wildcard ../shared/data/cifar10_jpg.zip),--source ../shared/data/cifar10_jpg.zip,--download)) --out data/cifar10
 
 # ------------------------------------------------------------------------- benchmarks
 # The labelers on the same outputs (gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh and

@@ -2,19 +2,26 @@
 
     python prepare_data.py --dataset eurosat --source ../shared/data/EuroSAT.zip --out data/eurosat
     python prepare_data.py --dataset eurosat --download --out data/eurosat
+    python prepare_data.py --dataset cifar10 --source ../shared/data/cifar10_jpg.zip --out data/cifar10
+    python prepare_data.py --source my_images/ --out data/mine        # any class-per-folder tree
 
-The output folder holds cache.pt, split.json (a seeded random train/test split, stratified by
-class: the paper's 80/20 protocol) and manifest.json (source, checksum, per-class counts, split
-sizes, skipped files).  Rerunning with the same arguments and an unchanged source reuses the cache;
-anything else rebuilds it.  The format is documented in utils.py above `load_prepared`.
+DATASETS below is the registry of the paper's data sets (class names, images per class, native
+and cached size, split, official archive and checksum).  The output folder holds cache.pt,
+split.json (the data set's official train / test split, or a seeded random one stratified by
+class: the paper's 80/20 protocol) and manifest.json (source, checksum, per-class counts, split,
+exact duplicates, skipped files, what differs from the registry).  Rerunning with the same
+arguments and an unchanged source reuses the cache; anything else rebuilds it.  The format is
+documented in utils.py above `load_prepared`.
 """
 import argparse
 import hashlib
 import io
 import json
 import os
+import pickle
 import re
 import sys
+import tarfile
 import time
 import zipfile
 from concurrent.futures import ProcessPoolExecutor
@@ -26,12 +33,99 @@ import utils
 
 IMG_EXT = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp")
 
-# Data sets this script knows: how to download them and their native image size.  The official
-# EuroSAT archive is the one torchvision downloads (and checks by md5).
+# ----------------------------------------------------------------------------------------------
+# The paper's data sets.  classes: as the official archive's folders name them (compared
+# ignoring case, spaces, '-' and '_'; empty where the data name them: ImageNet's WordNet ids);
+# per_class: the images per class the data set's paper or page gives (for an official split,
+# its training part); native: the side in pixels of its images; size: the side cached by default
+# (the remote-sensing protocol resizes to 256 and crops 224, so no larger than 256, and never
+# smaller than native unless asked with --size); split: "official" (the data set's own train /
+# test, taken from the source) or "random" (the paper's seeded, stratified 80/20).  url and md5 /
+# sha256 where an official archive and a published checksum exist; torchvision: the dataset
+# class that downloads it (with its own checksums).
+# ----------------------------------------------------------------------------------------------
+_UCM = ("agricultural airplane baseballdiamond beach buildings chaparral denseresidential forest "
+        "freeway golfcourse harbor intersection mediumresidential mobilehomepark overpass "
+        "parkinglot river runway sparseresidential storagetanks tenniscourt")
+_AID = dict(Airport=360, BareLand=310, BaseballField=220, Beach=400, Bridge=360, Center=260,
+            Church=240, Commercial=350, DenseResidential=410, Desert=300, Farmland=370, Forest=250,
+            Industrial=390, Meadow=280, MediumResidential=290, Mountain=340, Park=350, Parking=390,
+            Playground=370, Pond=420, Port=380, RailwayStation=260, Resort=290, River=410,
+            School=300, SparseResidential=300, Square=330, Stadium=290, StorageTanks=360,
+            Viaduct=420)
+_PATTERNNET = ("airplane baseball_field basketball_court beach bridge cemetery chaparral "
+               "christmas_tree_farm closed_road coastal_mansion crosswalk dense_residential "
+               "ferry_terminal football_field forest freeway golf_course harbor intersection "
+               "mobile_home_park nursing_home oil_gas_field oil_well overpass parking_lot "
+               "parking_space railway river runway runway_marking shipping_yard solar_panel "
+               "sparse_residential storage_tank swimming_pool tennis_court transformer_station "
+               "wastewater_treatment_plant")
+_NWPU = ("airplane airport baseball_diamond basketball_court beach bridge chaparral church "
+         "circular_farmland cloud commercial_area dense_residential desert forest freeway "
+         "golf_course ground_track_field harbor industrial_area intersection island lake meadow "
+         "medium_residential mobile_home_park mountain overpass palace parking_lot railway "
+         "railway_station rectangular_farmland river roundabout runway sea_ice ship snowberg "
+         "sparse_residential stadium storage_tank tennis_court terrace thermal_power_station "
+         "wetland")
+_CIFAR10 = "airplane automobile bird cat deer dog frog horse ship truck"
+_CIFAR100 = ("apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge "
+             "bus butterfly camel can castle caterpillar cattle chair chimpanzee clock cloud "
+             "cockroach couch crab crocodile cup dinosaur dolphin elephant flatfish forest fox "
+             "girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster "
+             "man maple_tree motorcycle mountain mouse mushroom oak_tree orange orchid otter "
+             "palm_tree pear pickup_truck pine_tree plain plate poppy porcupine possum rabbit "
+             "raccoon ray road rocket rose sea seal shark shrew skunk skyscraper snail snake "
+             "spider squirrel streetcar sunflower sweet_pepper table tank telephone television "
+             "tiger tractor train trout tulip turtle wardrobe whale willow_tree wolf woman worm")
+_SVHN_TRAIN = [4948, 13861, 10585, 8497, 7458, 6882, 5727, 5595, 5045, 4659]   # digits 0 .. 9
+
+
+def _spec(classes, per_class, native, size, split, **more):
+    classes = tuple(classes.split()) if isinstance(classes, str) else tuple(classes)
+    if isinstance(per_class, int):
+        per_class = {c: per_class for c in classes}
+    elif isinstance(per_class, list):
+        per_class = dict(zip(classes, per_class))
+    return dict(classes=classes, per_class=dict(per_class), native=native, size=size,
+                split=split, **more)
+
+
 DATASETS = {
-    "eurosat": {"size": 64, "archive": "EuroSAT.zip", "md5": "c8fa014336c82ac7804f0398fcb19387",
-                "url": "https://huggingface.co/datasets/torchgeo/eurosat/resolve/"
-                       "c877bcd43f099cd0196738f714544e355477f3fd/EuroSAT.zip"},
+    # remote sensing: the paper's seeded 80/20 split
+    "eurosat": _spec("AnnualCrop Forest HerbaceousVegetation Highway Industrial Pasture "
+                     "PermanentCrop Residential River SeaLake",
+                     [3000, 3000, 3000, 2500, 2500, 2000, 2500, 3000, 2500, 3000], 64, 64, "random",
+                     paper="Helber et al., IEEE JSTARS 2019 (EuroSAT RGB)", archive="EuroSAT.zip",
+                     md5="c8fa014336c82ac7804f0398fcb19387",
+                     url="https://huggingface.co/datasets/torchgeo/eurosat/resolve/"
+                         "c877bcd43f099cd0196738f714544e355477f3fd/EuroSAT.zip"),
+    "ucmerced": _spec(_UCM, 100, 256, 256, "random", archive="UCMerced_LandUse.zip",
+                      paper="Yang and Newsam, ACM SIGSPATIAL 2010 (some images are not 256 x 256)",
+                      url="http://weegee.vision.ucmerced.edu/datasets/UCMerced_LandUse.zip"),
+    "siri_whu": _spec("agriculture commercial harbor idle_land industrial meadow overpass park "
+                      "pond residential river water", 200, 200, 200, "random",
+                      paper="Zhao et al., IEEE TGRS 2016 (SIRI-WHU, Google image set)"),
+    "aid": _spec(list(_AID), _AID, 600, 256, "random", paper="Xia et al., IEEE TGRS 2017 (AID)"),
+    "patternnet": _spec(_PATTERNNET, 800, 256, 256, "random",
+                        paper="Zhou et al., ISPRS J. 2018 (PatternNet)"),
+    "nwpu_resisc45": _spec(_NWPU, 700, 256, 256, "random",
+                           paper="Cheng et al., Proc. IEEE 2017 (NWPU-RESISC45)"),
+    "hmhr": _spec("Buildings Farmland Greenbelt Wasteland Water", [121, 106, 112, 93, 101], 256, 256,
+                  "random", paper="'How to make high resolution remote sensing image dataset' "
+                  "(533 files, of which 496 distinct; 4 images sit in two classes)"),
+    # natural images: their official train / test split
+    "cifar10": _spec(_CIFAR10, 5000, 32, 32, "official", torchvision="CIFAR10",
+                     paper="Krizhevsky 2009 (CIFAR-10: 50,000 train + 10,000 test)"),
+    "cifar100": _spec(_CIFAR100, 500, 32, 32, "official", torchvision="CIFAR100",
+                      paper="Krizhevsky 2009 (CIFAR-100: 50,000 train + 10,000 test)"),
+    "svhn": _spec([str(i) for i in range(10)], _SVHN_TRAIN, 32, 32, "official", torchvision="SVHN",
+                  paper="Netzer et al., NIPS workshop 2011 (SVHN: 73,257 train + 26,032 test)"),
+    "imagenet": _spec((), {}, 0, 64, "official",
+                      paper="Russakovsky et al., IJCV 2015 (ILSVRC-12: 1,000 classes, 732 - 1,300 "
+                      "train images each, the 50,000 validation images as test; cached at 64 px "
+                      "by default: about 16 GB in memory, so a large machine)"),
+    # anything else: a tree of class folders (optionally under train/ and test/ or val/)
+    "folder": _spec((), {}, 0, 0, "random", paper="any class-per-folder tree"),
 }
 
 
@@ -44,23 +138,36 @@ def positive_int(v):
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default="eurosat", choices=sorted(DATASETS),
-                   help="which data set the source holds")
+    p.add_argument("--dataset", default="folder", choices=list(DATASETS),
+                   help="which data set the source holds: its classes and counts are checked, and "
+                   "it sets the default --size and split; 'folder' (default) takes any tree of "
+                   "class folders")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--source", help="a local archive in the official layout (.zip, e.g. "
-                     "../shared/data/EuroSAT.zip) or a folder with one subfolder per class")
+    src.add_argument("--source", help="a local archive or folder in the data set's official layout: "
+                     "class folders (in a .zip or a folder; under train/ and test/ or val/ for an "
+                     "official split), CIFAR's python pickles (the .tar.gz or its folder), or SVHN's "
+                     "train_32x32.mat and test_32x32.mat (their folder)")
     src.add_argument("--download", action="store_true", help="download the official archive "
-                     "(checksum verified) into --download-dir, then use it")
+                     "(checksum verified) into --download-dir, then use it: eurosat, cifar10, "
+                     "cifar100, svhn")
     p.add_argument("--download-dir", default="data/downloads", help="where --download puts the archive")
     p.add_argument("--out", required=True, help="output folder for cache.pt, split.json, manifest.json")
-    p.add_argument("--size", type=positive_int, default=None, help="side of the cached images in pixels "
-                   "(default: the data set's native size, 64 for EuroSAT; training can resize on the fly, "
-                   "so keep the native size unless disk or memory is short)")
+    p.add_argument("--size", type=positive_int, default=None, help="side of the cached images in "
+                   "pixels (default: the data set's, no larger than 256: 64 for EuroSAT, 256 for "
+                   "UC Merced, 32 for CIFAR; 'folder': its first image's side, at most 256)")
+    p.add_argument("--split", choices=["auto", "official", "random"], default="auto",
+                   help="official: the source's own train / test (or val) folders or files; "
+                   "random: the seeded, stratified split of --test-frac; auto: official when the "
+                   "source has one, else random")
     p.add_argument("--test-frac", type=float, default=0.2, help="fraction of each class held out "
-                   "for testing; 0.2 is the paper's 80/20 protocol")
+                   "for testing with a random split; 0.2 is the paper's 80/20 protocol")
     p.add_argument("--seed", type=int, default=0, help="seed of the random split")
     p.add_argument("--per-class", type=positive_int, default=None, help="keep only the first N images of each "
-                   "class (sorted by name): for tests and quick trials, not for reported results")
+                   "class (sorted by name; of each split part): for tests and quick trials, not for "
+                   "reported results")
+    p.add_argument("--drop-duplicates", action="store_true", help="keep one copy of images that "
+                   "are identical (same bytes or same pixels) within a class, and drop every copy "
+                   "of an image found in two classes; they are counted in the manifest either way")
     p.add_argument("--skip-bad", action="store_true", help="skip corrupt or unreadable images and list "
                    "them in the manifest (default: stop at the first one, naming it)")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
@@ -69,10 +176,15 @@ def get_args_parser():
     return p
 
 
+SPLIT_DIRS = {"train": "train", "test": "test", "val": "test"}
+
+
 def _classes_of(paths, source):
-    """[(class, path)] for image paths ("a/b/c.jpg"): the folders all of them share are left out
-    (EuroSAT's "2750/", HMHR's "RS Image Dataset/"), and the next folder is the class; images in
-    deeper subfolders belong to that class.  An image with no class folder is an error."""
+    """[(class, path, part)] for image paths ("a/b/c.jpg"): the folders all of them share are left
+    out (EuroSAT's "2750/", HMHR's "RS Image Dataset/"), and the next folder is the class, or,
+    when those are train/ and test/ (or val/), the part of the official split and the folder
+    below it the class; images in deeper subfolders belong to that class.  An image with no class
+    folder is an error."""
     parts = [p.split("/") for p in paths]
     shared = 0
     while (all(len(q) > shared + 1 for q in parts)
@@ -80,18 +192,21 @@ def _classes_of(paths, source):
         shared += 1
     while shared and any(len(q) - shared < 2 for q in parts):
         shared -= 1
-    if len({q[shared] for q in parts}) == 1 and shared:   # one class: keep its folder as the class
+    tops = {q[shared].lower() for q in parts}
+    if "train" in tops and tops <= set(SPLIT_DIRS) and len(tops) > 1 and all(len(q) - shared >= 3 for q in parts):
+        return sorted((q[shared + 1], p, SPLIT_DIRS[q[shared].lower()]) for p, q in zip(paths, parts))
+    if len(tops) == 1 and shared:   # one class: keep its folder as the class
         shared -= 1
     loose = [p for p, q in zip(paths, parts) if len(q) - shared < 2]
     if loose:
         raise ValueError(f"{len(loose)} image(s) in {source} sit outside any class folder (first: "
                          f"{loose[0]}); put each class's images in a folder named after the class")
-    return sorted((q[shared], p) for p, q in zip(paths, parts))
+    return sorted((q[shared], p, None) for p, q in zip(paths, parts))
 
 
 def list_source(source):
-    """[(class name, member path)] sorted, and a fingerprint of the source.  Images may sit in
-    subfolders of their class folder."""
+    """[(class name, member path, split part or None)] sorted, and a fingerprint of the source.
+    Images may sit in subfolders of their class folder."""
     if os.path.isdir(source):
         paths, fp = [], hashlib.sha256()
         for root, dirs, files in os.walk(source):
@@ -108,8 +223,78 @@ def list_source(source):
             names = [n for n in z.namelist() if n.lower().endswith(IMG_EXT) and not n.endswith("/")
                      and not n.startswith("__MACOSX/")]
         return (_classes_of(names, source) if names else []), "sha256:" + utils.sha256_file(source)
-    raise ValueError(f"--source {source} is neither a folder nor a zip archive; pass the official "
-                     "archive (e.g. ../shared/data/EuroSAT.zip) or a folder of class subfolders")
+    if tarfile.is_tarfile(source):
+        return [], "sha256:" + utils.sha256_file(source)       # CIFAR's pickles: load_arrays
+    raise ValueError(f"--source {source} is neither a folder nor a zip or tar archive; pass the "
+                     "official archive (e.g. ../shared/data/EuroSAT.zip) or a folder of class "
+                     "subfolders")
+
+
+def load_arrays(source):
+    """Data sets stored as arrays, not image files: CIFAR-10 / 100's python pickles (the official
+    .tar.gz or its unpacked folder) and SVHN's .mat files (their folder).  None when the source
+    is neither; else dict(images (N, 3, H, W) uint8, classes, labels, parts, files)."""
+    import pickle
+
+    class Arrays(pickle.Unpickler):
+        """The official files hold dicts of lists, bytes and numpy arrays: nothing else may be
+        built (a crafted pickle would otherwise run code while it loads)."""
+        def find_class(self, module, name):
+            if module.split(".")[0] == "numpy" and name in ("_reconstruct", "ndarray", "dtype", "scalar"):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{source} holds a pickle that builds {module}.{name}; "
+                                         "CIFAR's official files hold only arrays: refused")
+
+    def unpickle(raw):
+        return Arrays(io.BytesIO(raw), encoding="bytes").load()
+
+    members = {}
+    if os.path.isdir(source):
+        for root, _, files in os.walk(source):
+            for f in files:
+                members[f] = os.path.join(root, f)
+        read = lambda f: open(members[f], "rb").read()          # noqa: E731
+    elif tarfile.is_tarfile(source):
+        tf = tarfile.open(source)
+        for m in tf.getmembers():
+            if m.isfile():
+                members[os.path.basename(m.name)] = m
+        read = lambda f: tf.extractfile(members[f]).read()      # noqa: E731
+    else:
+        return None
+    if {"data_batch_1", "test_batch", "batches.meta"} <= set(members):          # CIFAR-10
+        meta = unpickle(read("batches.meta"))
+        classes = [c.decode() for c in meta[b"label_names"]]
+        parts = [(f"data_batch_{i}", "train") for i in range(1, 6)] + [("test_batch", "test")]
+        key = b"labels"
+    elif {"train", "test", "meta"} <= set(members):                                # CIFAR-100
+        classes = [c.decode() for c in unpickle(read("meta"))[b"fine_label_names"]]
+        parts, key = [("train", "train"), ("test", "test")], b"fine_labels"
+    elif {"train_32x32.mat", "test_32x32.mat"} <= set(members):                   # SVHN
+        from scipy.io import loadmat
+        imgs, labels, part, files = [], [], [], []
+        for f, pt in (("train_32x32.mat", "train"), ("test_32x32.mat", "test")):
+            m = loadmat(io.BytesIO(read(f)))
+            x = np.ascontiguousarray(m["X"].transpose(3, 2, 0, 1))               # (N, 3, 32, 32)
+            y = m["y"].reshape(-1).astype(np.int64) % 10                           # label 10 is digit 0
+            imgs.append(x)
+            labels += y.tolist()
+            part += [pt] * len(y)
+            files += [f"{f}:{i}" for i in range(len(y))]
+        return dict(images=np.concatenate(imgs), classes=[str(i) for i in range(10)],
+                    labels=labels, parts=part, files=files)
+    else:
+        return None
+    imgs, labels, part, files = [], [], [], []
+    for f, pt in parts:
+        if f not in members:
+            raise ValueError(f"{source} lacks {f}: an incomplete copy of the official archive")
+        d = unpickle(read(f))
+        imgs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        labels += list(d[key])
+        part += [pt] * len(d[key])
+        files += [f"{f}:{i}" for i in range(len(d[key]))]
+    return dict(images=np.concatenate(imgs), classes=classes, labels=labels, parts=part, files=files)
 
 
 def _to_rgb(im):
@@ -127,28 +312,36 @@ def _to_rgb(im):
 
 def _decode(job):
     """Decode a chunk of images in a worker: (uint8 arrays (3, s, s) or None, [bad (name, why)],
-    number of images scaled from 16 or 32 bits)."""
+    number of images scaled from 16 or 32 bits, [(sha256 of the file, sha256 of its pixels)])."""
     from PIL import Image
     source, names, size = job
     z = zipfile.ZipFile(source) if not os.path.isdir(source) else None
-    out, bad, scaled = [], [], 0
+    out, bad, scaled, hashes = [], [], 0, []
     for name in names:
         try:
             raw = z.read(name) if z else open(os.path.join(source, name), "rb").read()
             with Image.open(io.BytesIO(raw)) as im:
                 im, s = _to_rgb(im)
                 scaled += s
+                pix = np.asarray(im, dtype=np.uint8)
                 if im.size != (size, size):
                     im = im.resize((size, size), Image.BILINEAR, reducing_gap=None)
                 a = np.asarray(im, dtype=np.uint8).transpose(2, 0, 1)
             out.append(a)
+            hashes.append((hashlib.sha256(raw).hexdigest(), _pixel_hash(pix)))
         except Exception as e:  # PIL raises several types for broken files
             why = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", repr(name), str(e))
             bad.append((name, f"{type(e).__name__}: {why}"))
             out.append(None)
+            hashes.append(None)
     if z:
         z.close()
-    return out, bad, scaled
+    return out, bad, scaled, hashes
+
+
+def _pixel_hash(a):
+    """(H, W, 3) or (3, H, W) uint8 -> sha256 of its shape and pixels."""
+    return hashlib.sha256(str(a.shape).encode() + np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
 def decode_all(source, names, size, workers, progress=True):
@@ -169,7 +362,65 @@ def decode_all(source, names, size, workers, progress=True):
     bar.close()
     images = [a for r in results for a in r[0]]
     bad = [b for r in results for b in r[1]]
-    return images, bad, sum(r[2] for r in results)
+    hashes = [h for r in results for h in r[3]]
+    return images, bad, sum(r[2] for r in results), hashes
+
+
+def find_duplicates(files, classes_of, hashes):
+    """Groups of identical images (same file bytes or same decoded pixels): {"files", "distinct",
+    "groups" (lists of file names, each of 2 or more), "cross_class" (the groups whose files sit
+    in more than one class)}.  hashes[i]: (byte hash or None, pixel hash) of files[i]."""
+    parent = list(range(len(files)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    for which in (0, 1):
+        first = {}
+        for i, h in enumerate(hashes):
+            if h[which] is None:
+                continue
+            j = first.setdefault(h[which], i)
+            if j != i:
+                parent[root(i)] = root(j)
+    groups = {}
+    for i in range(len(files)):
+        groups.setdefault(root(i), []).append(i)
+    dup = [g for g in groups.values() if len(g) > 1]
+    return {"files": len(files), "distinct": len(groups),
+            "groups": [[files[i] for i in g] for g in dup],
+            "cross_class": [[files[i] for i in g] for g in dup if len({classes_of[i] for i in g}) > 1],
+            "_index_groups": dup}
+
+
+def _normal(name):
+    return re.sub(r"[\s_\-]", "", name).lower()
+
+
+def check_against_registry(dataset, classes, counts, parts):
+    """What differs from the data set's registry entry, as lines to print (empty: all as expected)."""
+    spec = DATASETS[dataset]
+    if not spec["classes"]:
+        return []
+    notes = []
+    want = {_normal(c): c for c in spec["classes"]}
+    have = {_normal(c): c for c in classes}
+    missing = [want[c] for c in want if c not in have]
+    extra = [have[c] for c in have if c not in want]
+    if missing or extra:
+        notes.append(f"the classes differ from {dataset}'s {len(want)}: missing {missing[:5]}"
+                     f"{'...' if len(missing) > 5 else ''}, not expected {extra[:5]}"
+                     f"{'...' if len(extra) > 5 else ''} (is --dataset right? --dataset folder "
+                     "takes any classes)")
+    off = {c: (counts.get(have[_normal(c)], 0), n) for c, n in spec["per_class"].items()
+           if _normal(c) in have and counts.get(have[_normal(c)], 0) != n}
+    if off:
+        c, (got, n) = next(iter(off.items()))
+        notes.append(f"{len(off)} class(es) hold another number of {'training ' if parts else ''}"
+                     f"images than {dataset} has (first: {c} {got}, expected {n})")
+    return notes
 
 
 FILES = ("cache.pt", "split.json")   # what the manifest vouches for, by checksum
@@ -194,15 +445,65 @@ def _check_folder(out, key):
 
 
 def download(dataset, dest):
-    """The official archive, from the address torchvision's EuroSAT uses, md5 checked by
-    torchvision's download_url; returns its path."""
-    from torchvision.datasets.utils import download_url
+    """The official archive, checksum verified, into dest; returns what --source would be.
+    EuroSAT: the address torchvision's EuroSAT uses, md5 checked by torchvision's download_url;
+    CIFAR-10 / 100 and SVHN: torchvision's own dataset classes (their md5s); the others have no
+    checksummed official download, so they need --source."""
     info = DATASETS[dataset]
-    if "url" not in info:
-        raise ValueError(f"no download source known for {dataset}; pass --source")
     os.makedirs(dest, exist_ok=True)
+    if info.get("torchvision"):
+        import torchvision.datasets as tvd
+        cls = getattr(tvd, info["torchvision"])
+        if dataset == "svhn":
+            for part in ("train", "test"):
+                cls(dest, split=part, download=True)
+        else:
+            for train in (True, False):
+                cls(dest, train=train, download=True)
+        return dest
+    if not info.get("md5") or not info.get("url"):
+        raise SystemExit(f"{dataset} has no official download with a published checksum; download "
+                         f"it yourself{' from ' + info['url'] if info.get('url') else ''} and pass "
+                         "--source")
+    from torchvision.datasets.utils import download_url
     download_url(info["url"], dest, filename=info["archive"], md5=info["md5"])
     return os.path.join(dest, info["archive"])
+
+
+def _first_side(source, name):
+    """The shorter side of one image of the source, at most 256: the 'folder' default size."""
+    from PIL import Image
+    raw = (open(os.path.join(source, name), "rb").read() if os.path.isdir(source)
+           else zipfile.ZipFile(source).read(name))
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            return min(256, *im.size)
+    except Exception:   # a bad first image is reported by the decoder, by name
+        return 64
+
+
+def _resize_arrays(images, size):
+    """uint8 (N, 3, H, W) numpy -> uint8 (N, 3, size, size), antialiased bilinear."""
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    out = []
+    for s in range(0, len(images), 4096):
+        x = torch.from_numpy(images[s:s + 4096]).float()
+        x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True,
+                                            align_corners=False)
+        out.append(x.round_().clamp_(0, 255).to(torch.uint8).numpy())
+    return np.concatenate(out)
+
+
+def _first_per_class(n, classes_of, parts, per_class):
+    """Indices (sorted) of the first per_class items of each (split part, class)."""
+    seen, keep = {}, []
+    for i in range(n):
+        key = (parts[i], classes_of[i])
+        if seen.get(key, 0) < per_class:
+            seen[key] = seen.get(key, 0) + 1
+            keep.append(i)
+    return keep
 
 
 def main(args):
@@ -210,29 +511,42 @@ def main(args):
     utils.print_run_header(args)
     if not 0 < args.test_frac < 1:
         raise SystemExit(f"--test-frac must be between 0 and 1, got {args.test_frac}")
-    size = args.size if args.size is not None else DATASETS[args.dataset]["size"]
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise SystemExit(f"--out {args.out} is a file; pass a folder (it is created if missing)")
+    spec = DATASETS[args.dataset]
     source = download(args.dataset, args.download_dir) if args.download else args.source
     if not os.path.exists(source):
         raise SystemExit(f"--source {source} does not exist; pass the official archive "
                          "(e.g. ../shared/data/EuroSAT.zip), a folder of class subfolders, or --download")
+
+    # ---- what the source holds: image files (class, name, split part) or arrays
     try:
         items, fingerprint = list_source(source)
-    except ValueError as e:
+        arrays = None if items else load_arrays(source)
+    except (ValueError, OSError, tarfile.TarError, pickle.UnpicklingError) as e:
         raise SystemExit(str(e)) from None
-    if not items:
-        raise SystemExit(f"no images ({', '.join(IMG_EXT)}) found in {source}")
+    if not items and arrays is None:
+        raise SystemExit(f"no images ({', '.join(IMG_EXT)}), CIFAR pickles or SVHN .mat files "
+                         f"found in {source}")
+    if arrays is not None:
+        if fingerprint.startswith("folder"):
+            fingerprint = "arrays-" + fingerprint
+        names, parts = arrays["files"], arrays["parts"]
+        classes_of = [arrays["classes"][y] for y in arrays["labels"]]
+    else:
+        classes_of, names, parts = (list(t) for t in zip(*items))
+    picked = list(range(len(names)))
     if args.per_class:
-        kept = {}
-        for cls, name in items:
-            kept.setdefault(cls, [])
-            if len(kept[cls]) < args.per_class:
-                kept[cls].append((cls, name))
-        items = sorted(it for group in kept.values() for it in group)
+        picked = _first_per_class(len(names), classes_of, parts, args.per_class)
+    has_parts = parts[0] is not None
+    split = args.split if args.split != "auto" else ("official" if has_parts else "random")
+    if split == "official" and not has_parts:
+        raise SystemExit(f"--split official: {source} has no train / test parts (train/ and test/ "
+                         "or val/ folders, or the official files); use --split random")
+    size = args.size or spec["size"] or (32 if arrays is not None else _first_side(source, names[0]))
     key = {"dataset": args.dataset, "source": os.path.abspath(source), "fingerprint": fingerprint,
            "size": size, "test_frac": args.test_frac, "seed": args.seed, "per_class": args.per_class,
-           "skip_bad": args.skip_bad}
+           "skip_bad": args.skip_bad, "split": split, "drop_duplicates": args.drop_duplicates}
     man_path = os.path.join(args.out, "manifest.json")
     if not args.force and os.path.isfile(man_path):
         old, why = _check_folder(args.out, key)
@@ -240,14 +554,21 @@ def main(args):
             print(f"cache in {args.out} is up to date ({old['n_images']} images); reusing it")
             return old
         print(f"cache in {args.out} is {why}; rebuilding")
-
     os.makedirs(args.out, exist_ok=True)
     if os.path.isfile(man_path):   # from here until the new manifest, the folder is incomplete
         os.remove(man_path)
-    classes = sorted({c for c, _ in items})
-    names = [n for _, n in items]
-    print(f"{args.dataset}: {len(names)} images in {len(classes)} classes from {source}, at {size} px")
-    images, bad, scaled = decode_all(source, names, size, args.workers)
+
+    # ---- decode (files) or take (arrays), at the cached size
+    names, classes_of, parts = ([x[i] for i in picked] for x in (names, classes_of, parts))
+    classes = sorted(set(classes_of)) if arrays is None else list(arrays["classes"])
+    print(f"{args.dataset}: {len(names)} images in {len(set(classes_of))} classes from {source}, "
+          f"at {size} px, {split} split")
+    if arrays is None:
+        images, bad, scaled, hashes = decode_all(source, names, size, args.workers)
+    else:
+        raw = arrays["images"][picked]
+        hashes = [(None, _pixel_hash(a)) for a in raw]
+        images, bad, scaled = list(_resize_arrays(raw, size)), [], 0
     if bad and not args.skip_bad:
         name, why = bad[0]
         raise SystemExit(f"cannot read {name} in {source} ({why}); {len(bad)} bad image(s) in all. "
@@ -259,32 +580,69 @@ def main(args):
     if not keep:
         raise SystemExit(f"none of the {len(names)} images in {source} could be read (first: "
                          f"{bad[0][0]}: {bad[0][1]})")
+
+    # ---- exact duplicates: counted always, dropped on request
+    dups = find_duplicates([names[i] for i in keep], [classes_of[i] for i in keep],
+                           [hashes[i] for i in keep])
+    dropped = []
+    if args.drop_duplicates:
+        gone = set()
+        for g in dups["_index_groups"]:
+            cross = len({classes_of[keep[i]] for i in g}) > 1
+            gone.update(g if cross else g[1:])       # cross-class: no label to trust
+        dropped = [names[keep[i]] for i in sorted(gone)]
+        keep = [k for j, k in enumerate(keep) if j not in gone]
+    del dups["_index_groups"]
+    if dups["groups"]:
+        print(f"{dups['files'] - dups['distinct']} duplicate image(s) in {len(dups['groups'])} "
+              f"group(s), {len(dups['cross_class'])} of them across classes"
+              + (f"; dropped {len(dropped)}" if dropped else "; --drop-duplicates drops them"))
+
+    # ---- labels and the split
     cls_idx = {c: i for i, c in enumerate(classes)}
-    labels = torch.tensor([cls_idx[items[i][0]] for i in keep], dtype=torch.long)
+    labels = torch.tensor([cls_idx[classes_of[i]] for i in keep], dtype=torch.long)
     imgs = torch.from_numpy(np.stack([images[i] for i in keep]))  # (N, 3, size, size) uint8
     files = [names[i] for i in keep]
-    train, test = (t.tolist() for t in utils.stratified_split(labels, args.test_frac, args.seed))
+    if split == "official":
+        train = [j for j, i in enumerate(keep) if parts[i] == "train"]
+        test = [j for j, i in enumerate(keep) if parts[i] == "test"]
+    else:
+        train, test = (t.tolist() for t in utils.stratified_split(labels, args.test_frac, args.seed))
     if not train or not test:
         raise SystemExit(f"the {len(files)} images split into {len(train)} for training and "
                          f"{len(test)} for testing: every class needs at least 2 images "
                          f"(per class: {torch.bincount(labels).tolist()}); raise --per-class or "
                          "add images")
+    counts = torch.bincount(labels, minlength=len(classes)).tolist()
+    train_counts = torch.bincount(labels[train], minlength=len(classes)).tolist()
+    notes = ([] if args.per_class else
+             check_against_registry(args.dataset, classes,
+                                    dict(zip(classes, train_counts if has_parts else counts)),
+                                    has_parts))
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr)
 
+    # ---- the folder: cache, split, and last the manifest that vouches for both
     utils.save_checkpoint({"images": imgs, "labels": labels, "classes": classes, "files": files},
                           os.path.join(args.out, "cache.pt"))
-    utils.write_json({"seed": args.seed, "test_frac": args.test_frac, "train": train, "test": test},
+    utils.write_json({"seed": args.seed, "test_frac": args.test_frac, "train": train, "test": test}
+                     if split == "random" else   # (as before official splits: the same file)
+                     {"split": "official", "train": train, "test": test},
                      os.path.join(args.out, "split.json"))
     if scaled:
         print(f"{scaled} images of 16 or 32 bits per pixel were scaled from their own range to "
               "8 bits", file=sys.stderr)
-    counts = torch.bincount(labels, minlength=len(classes)).tolist()
     mean = (imgs.float() / 255).mean((0, 2, 3)).tolist()
     std = (imgs.float() / 255).std((0, 2, 3)).tolist()
-    manifest = {"key": key, "dataset": args.dataset, "source": utils.rel_path(source),
-                "checksum": fingerprint, "image_size": size, "n_images": len(files),
+    manifest = {"key": key, "dataset": args.dataset, "about": spec.get("paper"),
+                "source": utils.rel_path(source), "checksum": fingerprint, "image_size": size,
+                "native_size": spec["native"] or None, "n_images": len(files),
                 "classes": classes, "per_class_counts": dict(zip(classes, counts)),
-                "n_train": len(train), "n_test": len(test), "test_frac": args.test_frac,
-                "split_seed": args.seed, "channel_mean": mean, "channel_std": std,
+                "split": split, "n_train": len(train), "n_test": len(test),
+                "test_frac": args.test_frac if split == "random" else None,
+                "split_seed": args.seed if split == "random" else None,
+                "channel_mean": mean, "channel_std": std,
+                "duplicates": {**dups, "dropped": dropped}, "registry_notes": notes,
                 "skipped": [{"file": n, "error": w} for n, w in bad], "scaled_to_8_bit": scaled,
                 "files_sha256": {f: utils.sha256_file(os.path.join(args.out, f)) for f in FILES},
                 "seconds": round(time.time() - t0, 1)}

@@ -95,7 +95,7 @@ def test_download_uses_official_source_with_checksum(eurosat_zip, tmp_path, monk
 
 def prep_download(tmp_path):
     args = prepare_data.get_args_parser().parse_args(
-        ["--download", "--download-dir", str(tmp_path / "dl"), "--out", str(tmp_path / "out"),
+        ["--dataset", "eurosat", "--download", "--download-dir", str(tmp_path / "dl"), "--out", str(tmp_path / "out"),
          "--per-class", "2", "--workers", "1"])
     return prepare_data.main(args)
 
