@@ -92,6 +92,9 @@ def get_args_parser():
                    "every shard holds at least this many rows")
     g.add_argument("--target-x", type=float, default=0.0, help="uneven target n_i ~ i^x "
                    "(0 = even, the method's default)")
+    g.add_argument("--init", metavar="CHECKPOINT", help="start from the backbone of another run "
+                   "(OTL or supervised, any data set), with a fresh head for this run's k: the "
+                   "paper's transfer protocol for small data sets; recorded in the run")
     g.add_argument("--supervised", action="store_true", help="train on the true labels instead "
                    "(same network and schedule): the supervised baseline")
     g = p.add_argument_group("run")
@@ -341,6 +344,10 @@ def main(args):
                 "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
                 "git_commit": utils.git_commit(), "data_identity": data_identity}
 
+    if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
+        args.init_from = utils.init_backbone(model, args.init)
+        if ranks.main:
+            print(f"backbone from {args.init} (epoch {args.init_from['epoch']}); fresh head", flush=True)
     if start_epoch == 0:
         first = state(0)
         if ranks.main:
@@ -385,6 +392,7 @@ def main(args):
                 epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
         results = {"epochs": args.epochs, "preset": args.preset_used, "device": str(device),
                    "processes": ranks.world, "checkpoint": utils.rel_path(ckpt_path),
+                   "init_from": getattr(args, "init_from", None),
                    "train_minutes": round(sum(epoch_s) / 60, 2),
                    "command": utils.command_line(), "git_commit": utils.git_commit()}
         utils.write_json(results, results_path)

@@ -221,6 +221,23 @@ def load_checkpoint(path: str, device="cpu"):
     return model.to(device), ckpt
 
 
+def init_backbone(model, path: str) -> dict:
+    """Start `model` from the backbone of another run's checkpoint (OTL or supervised, any data
+    set: the transfer protocol); its head stays freshly initialised for this run's k.  Returns
+    what the run records of its start: the checkpoint, its sha256, epoch and data set."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--init {path}: no such checkpoint (a run folder's checkpoint.pth)")
+    src, ck = load_checkpoint(path)
+    diff = {k: (ck["model_cfg"].get(k), getattr(model.cfg, k)) for k in ("arch", "width", "small_stem")
+            if ck["model_cfg"].get(k) != getattr(model.cfg, k)}
+    if diff:
+        raise SystemExit(f"--init {path} holds another backbone (its, this run's): {diff}; pass "
+                         "this run the same --arch, --width and --small-stem")
+    model.backbone.load_state_dict(src.backbone.state_dict())
+    return {"checkpoint": rel_path(path), "sha256": sha256_file(path), "epoch": ck.get("epoch"),
+            "data": (ck.get("args") or {}).get("data"), "supervised": (ck.get("args") or {}).get("supervised")}
+
+
 # flags that may change when a run is resumed, without a warning
 RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monitor")
 
@@ -266,6 +283,8 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
               f"{changed}", flush=True)
     model.load_state_dict(ck["model"])
     optimizer.load_state_dict(ck["optimizer"])
+    if ck["args"].get("init_from"):     # where the run's weights came from stays in its record
+        args.init_from = ck["args"]["init_from"]
     rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
     saved_world = ck.get("world_size", 1)
     if saved_world == world:   # each rank's random streams, as they were

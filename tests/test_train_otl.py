@@ -147,3 +147,35 @@ def test_a_diverging_loss_stops_before_its_checkpoint(small_data, tmp_path):
     with pytest.raises(SystemExit, match="lower --lr"):
         train(small_data, tmp_path / "d", "--epochs", "1", "--lr", "1e30")
     assert not (tmp_path / "d" / "checkpoint.pth").exists()
+
+
+def test_init_takes_another_runs_backbone_and_a_fresh_head(small_data, tmp_path):
+    train(small_data, tmp_path / "src", "--epochs", "1")
+    src = tmp_path / "src" / "checkpoint.pth"
+    # another k: the head cannot come from the source, the backbone does
+    res = train(small_data, tmp_path / "t", "--epochs", "1", "--k", "12", "--init", str(src))
+    m_src, _ = utils.load_checkpoint(str(src))
+    m0, ck0 = utils.load_checkpoint(str(tmp_path / "t" / "checkpoint0000.pth"))
+    for (name, a), b in zip(m_src.backbone.state_dict().items(), m0.backbone.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert m0.head.out_features == 12
+    # with the source's own k the head is still fresh, not the source's
+    train(small_data, tmp_path / "same_k", "--epochs", "1", "--init", str(src))
+    m1, _ = utils.load_checkpoint(str(tmp_path / "same_k" / "checkpoint0000.pth"))
+    assert m1.head.weight.shape == m_src.head.weight.shape
+    assert not torch.equal(m1.head.weight, m_src.head.weight)
+    assert ck0["args"]["init_from"]["sha256"] == utils.sha256_file(str(src))
+    assert res["init_from"]["epoch"] == 1 and res["init_from"]["checkpoint"].endswith("checkpoint.pth")
+    # the weights were trained from there, and a resumed run keeps the record
+    train(small_data, tmp_path / "t2", "--epochs", "2", "--init", str(src), "--max-minutes", "1e-9")
+    res2 = train(small_data, tmp_path / "t2", "--epochs", "2")
+    assert res2["init_from"]["sha256"] == ck0["args"]["init_from"]["sha256"]
+
+
+def test_init_from_another_backbone_is_refused(small_data, tmp_path):
+    train(small_data, tmp_path / "src", "--epochs", "1")
+    with pytest.raises(SystemExit, match="another backbone"):
+        train(small_data, tmp_path / "t", "--epochs", "1", "--width", "16",
+              "--init", str(tmp_path / "src" / "checkpoint.pth"))
+    with pytest.raises(SystemExit, match="no such checkpoint"):
+        train(small_data, tmp_path / "u", "--epochs", "1", "--init", str(tmp_path / "none.pth"))
