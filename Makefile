@@ -6,6 +6,7 @@
 #   make labeler-bench-gpu          the same on a CUDA GPU
 #   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
 #   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
+#   make hmhr                       HMHR by the transfer protocol: OTL from EuroSAT's OTL backbone, beside scratch and supervised
 #   make data DATASET=.. SRC=..     prepare any registered data set (hmhr-data, cifar10-data: ../shared/data)
 #   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
 # Variables: PRESET=auto|paper|fast|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
@@ -20,11 +21,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data data hmhr-data cifar10-data eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,13p' Makefile
+	@sed -n '1,14p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -69,6 +70,20 @@ data: $(STAMP)
 
 hmhr-data: $(STAMP)
 	$(PY) prepare_data.py --dataset hmhr --source $(or $(SRC),../shared/data/HMHR.zip) --out data/hmhr
+
+# HMHR, the paper's transfer protocol: OTL from a backbone pretrained by OTL on EuroSAT (HMHR_INIT,
+# by default this folder's make eurosat run, made first if missing), OTL from random init, and
+# supervised from the same backbone; each evaluated, then results/hmhr_transfer.md.
+# HMHR_PRESET=transfer-cpu (a cpu-preset backbone) or transfer (a paper-preset one, on a GPU).
+HMHR_INIT   ?= $(RUNS)/eurosat/checkpoint.pth
+HMHR_PRESET ?= transfer-cpu
+hmhr: hmhr-data
+	test -f $(HMHR_INIT) || $(MAKE) --no-print-directory eurosat
+	$(PY) train_otl.py --data data/hmhr --output $(RUNS)/hmhr_from_eurosat --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data data/hmhr --output $(RUNS)/hmhr_scratch --preset $(HMHR_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data data/hmhr --output $(RUNS)/hmhr_supervised_from_eurosat --supervised --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
+	for r in hmhr_from_eurosat hmhr_scratch hmhr_supervised_from_eurosat; do $(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$$r || exit 1; done
+	$(PY) report.py --dataset hmhr --runs $(RUNS) --out results --name hmhr_transfer --rows "OTL from EuroSAT OTL=hmhr_from_eurosat" "OTL from random init=hmhr_scratch" "supervised from EuroSAT OTL=hmhr_supervised_from_eurosat"
 
 cifar10-data: $(STAMP)
 	$(PY) prepare_data.py --dataset cifar10 $(if $(SRC),--source $(SRC),$(if $(wildcard ../shared/data/cifar10_jpg.zip),--source ../shared/data/cifar10_jpg.zip,--download)) --out data/cifar10

@@ -66,7 +66,7 @@ def main(args):
                              T=args.temperature, num_classes=len(feats["classes"]),
                              search=lambda tr, te, K: faiss_search(tr, te, K, use_gpu))
     acc = otl.top1(preds, feats["test_labels"])
-    out = args.output or utils.default_output(args.checkpoint, "knn")
+    out = args.output or utils.default_output(args.checkpoint, "knn", args.feature)
     res = {"knn_top1": {str(k): a for k, a in acc.items()}, "temperature": args.temperature,
            **utils.eval_record(args, feats, time.time() - t0)}
     utils.write_json(res, out)

@@ -149,7 +149,7 @@ def main(args):
                              seed=args.seed, device=device, max_iter=args.max_iter)
     except ValueError as e:
         raise SystemExit(f"linear probe of {args.checkpoint}: {e}") from None
-    out = args.output or utils.default_output(args.checkpoint, "linear")
+    out = args.output or utils.default_output(args.checkpoint, "linear", args.feature)
     res = {**probe, **utils.eval_record(args, feats, time.time() - t0)}
     utils.write_json(res, out)
     wd = res["chosen"]["weight_decay"]

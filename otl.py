@@ -357,44 +357,132 @@ def sinkhorn_knopp(outputs: torch.Tensor, lam: float = 25.0, tol: float = 1e-3,
 
 @dataclass
 class ModelConfig:
-    arch: str = "resnet18"        # resnet18 (AlexNet and ResNet-50 slot in through build_model)
-    k: int = 128                  # clusters = head outputs
-    small_stem: bool = False      # 3x3 stride-1 first conv and no max-pool, for images <= 64 px
-    width: int = 64               # channels of the first stage (torchvision's ResNet-18: 64)
+    arch: str = "resnet18"        # resnet18 | resnet50 | alexnet
+    k: int = 128                  # clusters = outputs of each head
+    small_stem: bool = False      # ResNets: 3x3 stride-1 first conv and no max-pool, for small images
+    width: int = 64               # ResNet-18: channels of the first stage (torchvision's: 64);
+                                  # AlexNet: of the first conv (the paper's: 96), all scaled alike
     mean: tuple = (0.5, 0.5, 0.5)  # per-channel normalisation of [0, 1] inputs, from the data
     std: tuple = (0.25, 0.25, 0.25)
+    heads: int = 1                # h heads of k clusters, each labelled by its own translation
+    embed: int = 0                # > 0: a linear embedding of this size between the features and
+                                  # the heads (the paper's 128-d layer before the last, for kNN)
 
 
 class OTLNet(nn.Module):
-    """A backbone that maps uint8 or [0, 1] images to pooled features, and a k-way linear head
-    (logits, no softmax).  `features(x)` is what kNN and linear evaluation use."""
+    """A backbone that maps uint8 or [0, 1] images to pooled features, an optional embedding, and
+    `heads` linear heads of k outputs (logits, no softmax).  forward gives (B, heads * k): head h
+    is columns h*k .. (h+1)*k - 1.  `features(x, layer)` is what kNN and linear evaluation use."""
 
     def __init__(self, backbone: nn.Module, feat_dim: int, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.backbone = backbone
         self.feat_dim = feat_dim
-        self.head = nn.Linear(feat_dim, cfg.k)
+        self.embedding = nn.Linear(feat_dim, cfg.embed) if cfg.embed else None
+        d = cfg.embed or feat_dim
+        if cfg.heads == 1:
+            self.head = nn.Linear(d, cfg.k)      # one head: the name stock checkpoints use
+        else:
+            self.heads = nn.ModuleList(nn.Linear(d, cfg.k) for _ in range(cfg.heads))
+        self.out_dim = cfg.heads * cfg.k
         self.register_buffer("mean", torch.tensor(cfg.mean).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(cfg.std).view(1, 3, 1, 1))
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
+    def _normalise(self, x):
         if x.dtype == torch.uint8:
             x = x.float().div_(255)
-        return self.backbone((x - self.mean) / self.std)  # (B, feat_dim)
+        return (x - self.mean) / self.std
+
+    def features(self, x: torch.Tensor, layer: str = "pool") -> torch.Tensor:
+        """(B, d) features of the images: "pool" the backbone's pooled output (default), "embed"
+        the embedding, "convN" the N-th conv block's output averaged over space (ResNets: conv1 =
+        the stem, conv2 .. conv5 = its four stages; AlexNet: its five convs)."""
+        x = self._normalise(x)
+        if layer == "pool":
+            return self.backbone(x)
+        if layer == "embed":
+            if self.embedding is None:
+                raise ValueError("--feature embed: this model has no embedding (ModelConfig.embed = 0)")
+            return self.embedding(self.backbone(x))
+        blocks = _conv_blocks(self.backbone, self.cfg.arch)
+        if not (layer.startswith("conv") and layer[4:].isdigit() and 1 <= int(layer[4:]) <= len(blocks)):
+            raise ValueError(f"unknown feature layer {layer!r}: pool, embed or conv1 .. conv{len(blocks)}")
+        for blk in blocks[:int(layer[4:])]:
+            x = blk(x)
+        return x.mean((2, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))  # (B, k)
+        z = self.backbone(self._normalise(x))
+        if self.embedding is not None:
+            z = self.embedding(z)
+        if self.cfg.heads == 1:
+            return self.head(z)                               # (B, k)
+        return torch.cat([h(z) for h in self.heads], 1)      # (B, heads * k)
+
+
+def _conv_blocks(backbone, arch):
+    """The backbone's conv blocks in order, each a module mapping the previous one's output."""
+    if arch == "alexnet":
+        return backbone.blocks
+    stem = nn.Sequential(backbone.conv1, backbone.bn1, backbone.relu, backbone.maxpool)
+    return [stem, backbone.layer1, backbone.layer2, backbone.layer3, backbone.layer4]
+
+
+class AlexNet(nn.Module):
+    """AlexNet with BatchNorm as SeLa and DeepCluster train it (conv 96-256-384-384-256 with
+    kernels 11-5-3-3-3, three max-pools, two 4096-d fully connected layers), every width scaled
+    by width / 96; the conv output is averaged to 6 x 6 first (as torchvision's AlexNet does), so
+    inputs of 63 px and more work (the paper upsamples CIFAR and SVHN to 224)."""
+
+    def __init__(self, width: int = 96):
+        super().__init__()
+        c = [max(1, round(n * width / 96)) for n in (96, 256, 384, 384, 256)]
+        fc = max(1, round(4096 * width / 96))
+
+        def conv(i, o, kk, st, pad, pool):
+            layers = [nn.Conv2d(i, o, kk, st, pad), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
+            return nn.Sequential(*layers, *([nn.MaxPool2d(3, 2)] if pool else []))
+        self.blocks = nn.ModuleList([conv(3, c[0], 11, 4, 2, True), conv(c[0], c[1], 5, 1, 2, True),
+                                     conv(c[1], c[2], 3, 1, 1, False), conv(c[2], c[3], 3, 1, 1, False),
+                                     conv(c[3], c[4], 3, 1, 1, True)])
+        self.pool = nn.AdaptiveAvgPool2d((6, 6))
+        self.classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(c[4] * 36, fc), nn.ReLU(inplace=True),
+                                        nn.Dropout(0.5), nn.Linear(fc, fc), nn.ReLU(inplace=True))
+        self.out_dim = fc
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return self.classifier(self.pool(x).flatten(1))
 
 
 def build_model(cfg: ModelConfig) -> OTLNet:
     """The network for a ModelConfig: torchvision's ResNet-18 (optionally with a small-image stem
-    and another width), its fc replaced by the k-way head."""
+    and another width) or ResNet-50, or AlexNet with BatchNorm; the classifier replaced by the
+    heads.  A ResNet's backbone loads into the stock torchvision model (its fc left out)."""
     import torchvision
-    if cfg.arch != "resnet18":
-        raise ValueError(f"unknown arch {cfg.arch!r}; available: resnet18")
-    net = torchvision.models.resnet18(weights=None)
-    if cfg.width != 64:
+    if cfg.heads < 1 or cfg.k < 2 or cfg.embed < 0:
+        raise ValueError(f"need heads >= 1, k >= 2 and embed >= 0, got {cfg.heads}, {cfg.k}, {cfg.embed}")
+    if cfg.arch == "alexnet":
+        net = AlexNet(cfg.width)
+        return OTLNet(net, net.out_dim, cfg)
+    if cfg.arch == "resnet50":
+        if cfg.width != 64:
+            raise ValueError("resnet50 comes at torchvision's width only (--width 64)")
+        net = torchvision.models.resnet50(weights=None)
+    elif cfg.arch == "resnet18":
+        net = torchvision.models.resnet18(weights=None)
+    else:
+        raise ValueError(f"unknown arch {cfg.arch!r}; available: resnet18, resnet50, alexnet")
+    if cfg.arch == "resnet18" and cfg.width != 64:
         # same block structure, every stage scaled by width / 64
         from torchvision.models.resnet import BasicBlock, ResNet
 
@@ -612,7 +700,7 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
     perm = torch.randperm(n, generator=generator).to(images.device)
     bounds = ([(s, s + batch_size) for s in range(0, n, batch_size)] if batches is None else
               [(i * n // batches, (i + 1) * n // batches) for i in range(batches)])
-    out = torch.empty(views, n, model.cfg.k if head else model.feat_dim, device=device)
+    out = torch.empty(views, n, model.out_dim if head else model.feat_dim, device=device)
     fwd = model if head else model.features
     ctx = batch_stats_mode(model) if bn == "batch" else _eval_mode(model)
     with ctx:
@@ -647,15 +735,15 @@ def autocast(device, enabled: bool = True):
 
 @torch.no_grad()
 def extract_features(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
-                     device="cpu", progress: bool = True) -> torch.Tensor:
-    """Frozen backbone features of every image with the test-time transform and the model in eval
-    mode: (N, feat_dim) float32 on the CPU."""
+                     device="cpu", progress: bool = True, layer: str = "pool") -> torch.Tensor:
+    """Frozen features (of `layer`, see OTLNet.features) of every image with the test-time
+    transform and the model in eval mode: (N, d) float32 on the CPU."""
     feats = []
     with _eval_mode(model):
         for s in _progress(range(0, images.shape[0], batch_size), "features", progress):
             x = resize_batch(images[s:s + batch_size].to(device, non_blocking=True), size)
             with autocast(device):
-                feats.append(model.features(x).float().cpu())
+                feats.append(model.features(x, layer).float().cpu())
     return torch.cat(feats)
 
 

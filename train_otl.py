@@ -39,12 +39,18 @@ def get_args_parser():
     p.add_argument("--preset", default="auto", choices=["auto", *utils.PRESETS],
                    help="defaults for every flag below that you do not give: 'paper' (the paper's "
                    "protocol, for a GPU), 'fast' (the paper's network at 112 px for 100 epochs: minutes "
-                   "on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'auto' "
+                   "on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'transfer' / "
+                   "'transfer-cpu' (a small set from another run's backbone, with --init), 'auto' "
                    "(paper on CUDA, cpu otherwise)")
     g = p.add_argument_group("model (preset values when not given)")
-    g.add_argument("--arch", choices=["resnet18"])
+    g.add_argument("--arch", choices=["resnet18", "resnet50", "alexnet"])
     g.add_argument("--k", type=int, help="clusters = outputs of the head; the paper uses 128 for "
                    "remote-sensing sets (about 10x the classes works well)")
+    g.add_argument("--heads", type=int, help="heads of --k clusters each, every "
+                   "one labelled by its own translation, the loss summed over them (the paper's "
+                   "ImageNet model: 10 heads of 3000)")
+    g.add_argument("--embed", type=int, help="size of a linear embedding between the features "
+                   "and the heads (0: none; the paper's AlexNet: 128, evaluated with --feature embed)")
     g.add_argument("--width", type=int, help="channels of ResNet-18's first stage (64 is torchvision's)")
     g.add_argument("--small-stem", type=utils.str2bool, help="3x3 stride-1 stem without max-pool: "
                    "keeps resolution for small images but costs ~16x the compute")
@@ -131,6 +137,11 @@ def resolve_args(args, device):
     for name in ("k", "epochs", "batch_size", "views", "label_every", "label_views", "img_size"):
         if getattr(args, name) < (2 if name == "k" else 1) and not (name == "epochs" and args.epochs == 0):
             raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.arch == "alexnet" and args.img_size < 63:
+        raise SystemExit(f"--arch alexnet needs --img-size >= 63 (its three max-pools), got "
+                         f"{args.img_size}; the paper upsamples CIFAR and SVHN to 224")
+    if args.heads < 1 or args.embed < 0:
+        raise SystemExit(f"--heads must be >= 1 and --embed >= 0, got {args.heads}, {args.embed}")
     if args.label_views not in (1, args.views):
         raise SystemExit(f"--label-views must be 1 or equal to --views ({args.views})")
     return args
@@ -161,24 +172,25 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
                           strong=args.aug == "strong", cutout=args.cutout, generator=gen,
                           progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
     t_pass = time.time() - t0
-    n, k = outs.shape[1], outs.shape[2]
+    n, k = outs.shape[1], outs.shape[2] // args.heads
     lo = ranks.shard(n_total)[0]
     target = otl.uneven_target(n_total, k, args.target_x) if args.target_x else None
     labels, stats = [], []
-    for v in range(outs.shape[0]):
+    for v, h in ((v, h) for v in range(outs.shape[0]) for h in range(args.heads)):
+        o = outs[v][:, h * k:(h + 1) * k]      # head h's outputs of view v: labels row v * heads + h
+        seed = args.seed + v + 1000 * h
         if args.labeler == "exact":   # otl.translate's exact method, with the head size given
-            st = otl.StreamingTranslator(k, target=target, seed=args.seed + v,
+            st = otl.StreamingTranslator(k, target=target, seed=seed,
                                          n_init=args.label_head_rows, distributed=ranks.world > 1,
                                          row_offset=lo if ranks.world > 1 else None)
             for s in range(0, n, st.chunk):
-                st.add(outs[v][s:s + st.chunk])
-            res = st.result(refetch=lambda rows, o=outs[v]: o[(rows - lo).to(o.device)])
+                st.add(o[s:s + st.chunk])
+            res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
         else:
-            res = otl.translate(outs[v], target=target, beta=args.beta, seed=args.seed + v,
-                                method=args.labeler)
+            res = otl.translate(o, target=target, beta=args.beta, seed=seed, method=args.labeler)
         labels.append(res.labels)
-        raw_counts = ranks.sum(torch.bincount(outs[v].argmax(1), minlength=k))
-        hi_lo = ranks.gather((outs[v].max().item(), outs[v].min().item()))
+        raw_counts = ranks.sum(torch.bincount(o.argmax(1), minlength=k))
+        hi_lo = ranks.gather((o.max().item(), o.min().item()))
         stats.append({"std": res.std, "std_max": res.std_max, "iterations": res.iterations,
                       "seconds": res.seconds,
                       "spread": max(h for h, _ in hi_lo) - min(m for _, m in hi_lo),
@@ -193,8 +205,8 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
            "labeler_iters": sum(s["iterations"] for s in stats),
            "labeler_s": round(sum(s["seconds"] for s in stats), 3),
            "clusters_used_before": stats[0]["clusters_used_before"]}
-    if outs.shape[0] > 1:
-        same = ranks.sum(torch.tensor([float((labels[0] == labels[1]).sum())], device=device))
+    if outs.shape[0] > 1:     # head 0's labels of view 0 against those of view 1
+        same = ranks.sum(torch.tensor([float((labels[0] == labels[args.heads]).sum())], device=device))
         log["view_agreement"] = same.item() / n_total
     return torch.stack(labels).to(device), log
 
@@ -228,14 +240,16 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
                         for _ in range(args.views)])
         xs = xs.contiguous(memory_format=torch.channels_last)
         with otl.autocast(device, args.amp):
-            logits = net(xs).float().view(args.views, len(idx), -1)   # (V, B, k)
-        if args.supervised:
-            y = targets[idx.to(targets.device)].to(device)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.repeat(args.views))
-        else:
-            lab = targets[:, idx.to(targets.device)]                    # (label_views, B)
-            lab = lab.expand(args.views, -1) if lab.shape[0] == 1 else lab
-            loss = otl.lct_loss(logits, lab, consistent=args.lct)
+            logits = net(xs).float().view(args.views, len(idx), args.heads, -1)   # (V, B, H, k)
+        loss = 0.0
+        for h in range(args.heads):          # the loss summed over heads
+            if args.supervised:
+                y = targets[idx.to(targets.device)].to(device)
+                loss = loss + F.cross_entropy(logits[:, :, h].flatten(0, 1), y.repeat(args.views))
+            else:
+                lab = targets[h::args.heads, idx.to(targets.device)]   # (label_views, B) of head h
+                lab = lab.expand(args.views, -1) if lab.shape[0] == 1 else lab
+                loss = loss + otl.lct_loss(logits[:, :, h], lab, consistent=args.lct)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -298,7 +312,8 @@ def main(args):
 
     # ---- model and optimizer (DistributedDataParallel across processes)
     cfg = otl.ModelConfig(arch=args.arch, k=len(d["classes"]) if args.supervised else args.k,
-                          small_stem=args.small_stem, width=args.width,
+                          small_stem=args.small_stem, width=args.width, heads=args.heads,
+                          embed=args.embed,
                           mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]))
     model = otl.build_model(cfg).to(device).to(memory_format=torch.channels_last)
     net = model

@@ -30,11 +30,11 @@ import otl
 # paper's: k = 128, two views with label-consistent training, strong augmentation with a 16-px
 # Cutout, SGD.  docs/presets.md has the runs that chose it.
 PRESETS = {
-    "paper": dict(arch="resnet18", k=128, width=64, small_stem=False, img_size=224, epochs=300,
+    "paper": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False, img_size=224, epochs=300,
                   batch_size=256, lr=0.03, schedule="step", lr_drops=[160, 240],
                   lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16, label_every=1,
                   label_views=2, warmup_epochs=0),
-    "cpu": dict(arch="resnet18", k=128, width=32, small_stem=False, img_size=32, epochs=20,
+    "cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32, epochs=20,
                 batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[], views=2,
                 lct=True, aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0),
     # "fast": the paper's network (full-width ResNet-18, ImageNet stem) on one GPU in minutes:
@@ -42,9 +42,21 @@ PRESETS = {
     # 4 x 4), batch 512 with the learning rate scaled up, a short warm-up and a cosine schedule,
     # Cutout scaled with the image; k, views, LCT, strong augmentation and the per-epoch label
     # pass are the paper's.  A first choice, not yet run on a GPU (docs/presets.md).
-    "fast": dict(arch="resnet18", k=128, width=64, small_stem=False, img_size=112, epochs=100,
+    "fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False, img_size=112, epochs=100,
                  batch_size=512, lr=0.1, schedule="cosine", lr_drops=[], lr_values=[], views=2,
                  lct=True, aug="strong", cutout=8, label_every=1, label_views=2, warmup_epochs=2),
+    # "transfer": the paper's protocol for a small remote-sensing set started from a network
+    # pretrained by OTL on another set (train_otl.py --init): 64 epochs, lr 0.03 -> 0.003 at 32
+    # -> 0.0006 at 48, the rest as "paper".  "transfer-cpu" is its CPU twin for a backbone from
+    # the "cpu" preset (half width, 32 px): it gives up image size and width, as "cpu" does.
+    "transfer": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False, img_size=224, epochs=64,
+                     batch_size=256, lr=0.03, schedule="step", lr_drops=[32, 48],
+                     lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16,
+                     label_every=1, label_views=2, warmup_epochs=0),
+    "transfer-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32, epochs=64,
+                         batch_size=256, lr=0.03, schedule="step", lr_drops=[32, 48],
+                         lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16,
+                         label_every=1, label_views=2, warmup_epochs=0),
 }
 
 
@@ -387,10 +399,10 @@ def stratified_split(labels, frac: float, seed: int = 0):
 
 
 def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu",
-                        batch_size: int = 256, progress: bool = True) -> dict:
-    """Frozen features of the train and test split for a checkpoint, extracted once and cached
-    beside it as features_<checkpoint name>.pt (reused while the checkpoint and data are
-    unchanged).  Returns {"train": (Ntr, D), "test": (Nte, D), "train_labels", "test_labels",
+                        batch_size: int = 256, progress: bool = True, layer: str = "pool") -> dict:
+    """Frozen features (of `layer`: otl.OTLNet.features) of the train and test split for a
+    checkpoint, extracted once and cached beside it as features_<checkpoint name>.pt (or
+    features_<name>_<layer>.pt; reused while the checkpoint and data are unchanged).  Returns {"train": (Ntr, D), "test": (Nte, D), "train_labels", "test_labels",
     "classes", "data_dir", "img_size", "checkpoint", "epoch"}."""
     model, ckpt = load_checkpoint(ckpt_path, device)
     args = ckpt.get("args", {})
@@ -408,16 +420,21 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
                          "pass --data with the folder it was trained on")
     size = int(args.get("img_size", 64))
     stem = os.path.splitext(os.path.basename(ckpt_path))[0]
+    if layer != "pool":
+        stem += f"_{layer}"
     cache = os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"features_{stem}.pt")
     # keyed on content: a checkpoint or split replaced in place (same size, same mtime) is seen
     key = {"checkpoint_sha256": sha256_file(ckpt_path), "data": os.path.abspath(data_dir),
            "split_sha256": sha256_file(os.path.join(data_dir, "split.json")), "img_size": size}
+    if layer != "pool":
+        key["layer"] = layer
     if os.path.isfile(cache):
         saved = load_file(cache)
         if saved.get("key") == key:
             return saved
     d = load_prepared(data_dir)
-    feats = otl.extract_features(model, d["images"], size, batch_size, device, progress)  # (N, D)
+    feats = otl.extract_features(model, d["images"], size, batch_size, device, progress,
+                                 layer=layer)                                          # (N, D)
     out = {"train": feats[d["train_idx"]], "test": feats[d["test_idx"]],
            "train_labels": d["labels"][d["train_idx"]], "test_labels": d["labels"][d["test_idx"]],
            "classes": list(d["classes"]), "data_dir": data_dir, "img_size": size,
@@ -443,8 +460,12 @@ def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
     p.add_argument("--batch-size", type=int, default=256,
                    help="images per batch for feature extraction; lower it if memory runs out "
                         "(it does not change the features: the model is in eval mode)")
+    p.add_argument("--feature", default="pool", help="the layer evaluated: pool (the backbone's "
+                   "pooled output, default), embed (the embedding, for models with one: the "
+                   "paper's 128-d AlexNet layer), or conv1 .. conv5 (a conv block averaged over space)")
     p.add_argument("--output", default=None,
-                   help=f"results JSON; default <checkpoint dir>/{prefix}_<checkpoint stem>.json")
+                   help=f"results JSON; default <checkpoint dir>/{prefix}_<checkpoint stem>.json "
+                   "(_<feature> added for another --feature)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (for logs and batch jobs)")
 
@@ -454,7 +475,8 @@ def eval_features(args):
     device = pick_device(args.device)
     try:
         feats = checkpoint_features(args.checkpoint, args.data, device=device,
-                                    batch_size=args.batch_size, progress=not args.no_progress)
+                                    batch_size=args.batch_size, progress=not args.no_progress,
+                                    layer=getattr(args, "feature", "pool"))
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(str(e)) from None
     for part in ("train", "test"):
@@ -474,7 +496,7 @@ def eval_record(args, feats: dict, seconds: float) -> dict:
             "seconds": seconds}
 
 
-def default_output(checkpoint: str, prefix: str) -> str:
-    """<checkpoint dir>/<prefix>_<checkpoint stem>.json"""
-    stem = os.path.splitext(os.path.basename(checkpoint))[0]
+def default_output(checkpoint: str, prefix: str, layer: str = "pool") -> str:
+    """<checkpoint dir>/<prefix>_<checkpoint stem>.json (_<layer> added for another layer)"""
+    stem = os.path.splitext(os.path.basename(checkpoint))[0] + ("" if layer == "pool" else f"_{layer}")
     return os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"{prefix}_{stem}.json")

@@ -746,3 +746,70 @@ def test_knn_clips_large_k_with_warning():
     with pytest.warns(UserWarning, match="clipped"):
         preds = otl.knn_classify(train, ytr, train, ks=(2, 100))
     assert sorted(preds) == [2, 6]
+
+
+# ----------------------------------------------------------------------------------------------
+# the networks: ResNet-18, ResNet-50, AlexNet; heads, embedding, feature layers
+# ----------------------------------------------------------------------------------------------
+
+NETS = [otl.ModelConfig(k=6, width=8), otl.ModelConfig(arch="resnet50", k=6),
+        otl.ModelConfig(arch="alexnet", k=6, width=8, heads=3, embed=16),
+        otl.ModelConfig(k=5, width=8, small_stem=True, heads=2)]
+
+
+@pytest.mark.parametrize("cfg", NETS, ids=lambda c: f"{c.arch}-h{c.heads}-e{c.embed}")
+def test_networks_train_a_step_and_load_back(cfg, tmp_path):
+    import utils
+    torch.manual_seed(0)
+    model = otl.build_model(cfg)
+    x = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)
+    out = model(x)
+    assert out.shape == (4, cfg.heads * cfg.k) and model.out_dim == cfg.heads * cfg.k
+    # one step of LCT summed over the heads, as train_otl takes it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.randint(0, cfg.k, (cfg.heads, 4))
+    loss = sum(otl.lct_loss(out.view(1, 4, cfg.heads, cfg.k)[:, :, h], labels[h:h + 1])
+               for h in range(cfg.heads))
+    before = [p.detach().clone() for p in model.parameters()]
+    loss.backward()
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    path = str(tmp_path / "m.pth")
+    utils.save_checkpoint({"model": model.state_dict(), "model_cfg": utils.model_state(cfg),
+                           "args": {}, "epoch": 1}, path)
+    back, _ = utils.load_checkpoint(path)
+    model.eval(), back.eval()
+    assert torch.equal(back(x), model(x))
+    assert back.features(x).shape == (4, back.feat_dim)
+    if cfg.embed:
+        assert back.features(x, "embed").shape == (4, cfg.embed)
+    else:
+        with pytest.raises(ValueError, match="no embedding"):
+            back.features(x, "embed")
+    dims = [back.features(x, f"conv{i}").shape[1] for i in range(1, 6)]
+    assert dims[-1] == (back.feat_dim if cfg.arch != "alexnet" else dims[-1]) and len(set(dims)) > 1
+    with pytest.raises(ValueError, match="unknown feature layer"):
+        back.features(x, "conv9")
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
+def test_resnet_backbone_loads_into_stock_torchvision(arch):
+    import torchvision
+    model = otl.build_model(otl.ModelConfig(arch=arch, k=10))
+    stock = getattr(torchvision.models, arch)(weights=None)
+    missing, unexpected = stock.load_state_dict(model.backbone.state_dict(), strict=False)
+    assert sorted(missing) == ["fc.bias", "fc.weight"] and unexpected == []
+    stock.fc = nn.Identity()
+    model.eval(), stock.eval()
+    x = torch.rand(2, 3, 64, 64)
+    assert torch.allclose(stock((x - model.mean) / model.std), model.features(x), atol=1e-5)
+
+
+def test_bad_network_configs_are_refused():
+    with pytest.raises(ValueError, match="unknown arch"):
+        otl.build_model(otl.ModelConfig(arch="vgg"))
+    with pytest.raises(ValueError, match="heads >= 1"):
+        otl.build_model(otl.ModelConfig(heads=0))
+    with pytest.raises(ValueError, match="torchvision's width"):
+        otl.build_model(otl.ModelConfig(arch="resnet50", width=32))

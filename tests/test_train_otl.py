@@ -179,3 +179,30 @@ def test_init_from_another_backbone_is_refused(small_data, tmp_path):
               "--init", str(tmp_path / "src" / "checkpoint.pth"))
     with pytest.raises(SystemExit, match="no such checkpoint"):
         train(small_data, tmp_path / "u", "--epochs", "1", "--init", str(tmp_path / "none.pth"))
+
+
+def test_multi_head_run_labels_every_head_evenly(small_data, tmp_path):
+    train(small_data, tmp_path / "h", "--epochs", "1", "--heads", "3", "--k", "8")
+    ck = utils.load_file(tmp_path / "h" / "checkpoint.pth")
+    pl = ck["pseudo_labels"]                     # (label_views * heads, n): view-major
+    assert pl.shape == (ck["args"]["label_views"] * 3, 160)
+    for row in pl:
+        counts = torch.bincount(row, minlength=8)
+        assert int(counts.max() - counts.min()) <= 1
+    assert len({tuple(r.tolist()) for r in pl[:3]}) == 3   # each head its own labelling
+    model, _ = utils.load_checkpoint(str(tmp_path / "h" / "checkpoint.pth"))
+    assert model(torch.zeros(2, 3, 16, 16, dtype=torch.uint8)).shape == (2, 24)
+
+
+def test_alexnet_with_an_embedding_trains_and_is_evaluated_on_it(small_data, tmp_path):
+    import eval_knn
+    with pytest.raises(SystemExit, match="img-size >= 63"):
+        train(small_data, tmp_path / "x", "--epochs", "1", "--arch", "alexnet")
+    train(small_data, tmp_path / "a", "--epochs", "1", "--arch", "alexnet", "--width", "8",
+          "--img-size", "64", "--embed", "16")
+    ckpt = str(tmp_path / "a" / "checkpoint.pth")
+    res = eval_knn.main(eval_knn.get_args_parser().parse_args(
+        ["--checkpoint", ckpt, "--feature", "embed", "--ks", "5", "--device", "cpu", "--no-progress"]))
+    saved = json.loads((tmp_path / "a" / "knn_checkpoint_embed.json").read_text())
+    assert saved["feat_dim"] == 16 and saved["knn_top1"] == res["knn_top1"]
+    assert (tmp_path / "a" / "features_checkpoint_embed.pt").is_file()
