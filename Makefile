@@ -68,22 +68,28 @@ eval-run:
 data: $(STAMP)
 	$(PY) prepare_data.py --dataset $(DATASET) --source $(SRC) --out data/$(DATASET)
 
+HMHR_DATA   ?= data/hmhr
+HMHR_PREP   ?=
 hmhr-data: $(STAMP)
-	$(PY) prepare_data.py --dataset hmhr --source $(or $(SRC),../shared/data/HMHR.zip) --out data/hmhr
+	$(PY) prepare_data.py --dataset hmhr --source $(or $(SRC),../shared/data/HMHR.zip) --out $(HMHR_DATA) $(HMHR_PREP)
 
 # HMHR, the paper's transfer protocol: OTL from a backbone pretrained by OTL on EuroSAT (HMHR_INIT,
 # by default this folder's make eurosat run, made first if missing), OTL from random init, and
 # supervised from the same backbone; each evaluated, then results/hmhr_transfer.md.
 # HMHR_PRESET=transfer-cpu (a cpu-preset backbone) or transfer (a paper-preset one, on a GPU).
+# HMHR keeps its duplicates as found (10 of the 106 test images have a copy in the training
+# split); HMHR_PREP=--drop-duplicates HMHR_DATA=data/hmhr_dedup HMHR_REPORT=hmhr_transfer_dedup
+# RUNS=runs/dedup runs the same without them.
 HMHR_INIT   ?= $(RUNS)/eurosat/checkpoint.pth
 HMHR_PRESET ?= transfer-cpu
+HMHR_REPORT ?= hmhr_transfer
 hmhr: hmhr-data
 	test -f $(HMHR_INIT) || $(MAKE) --no-print-directory eurosat
-	$(PY) train_otl.py --data data/hmhr --output $(RUNS)/hmhr_from_eurosat --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
-	$(PY) train_otl.py --data data/hmhr --output $(RUNS)/hmhr_scratch --preset $(HMHR_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(PY) train_otl.py --data data/hmhr --output $(RUNS)/hmhr_supervised_from_eurosat --supervised --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data $(HMHR_DATA) --output $(RUNS)/hmhr_from_eurosat --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data $(HMHR_DATA) --output $(RUNS)/hmhr_scratch --preset $(HMHR_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data $(HMHR_DATA) --output $(RUNS)/hmhr_supervised_from_eurosat --supervised --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
 	for r in hmhr_from_eurosat hmhr_scratch hmhr_supervised_from_eurosat; do $(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$$r || exit 1; done
-	$(PY) report.py --dataset hmhr --runs $(RUNS) --out results --name hmhr_transfer --rows "OTL from EuroSAT OTL=hmhr_from_eurosat" "OTL from random init=hmhr_scratch" "supervised from EuroSAT OTL=hmhr_supervised_from_eurosat"
+	$(PY) report.py --dataset hmhr --runs $(RUNS) --out results --name $(HMHR_REPORT) --rows "OTL from EuroSAT OTL=hmhr_from_eurosat" "OTL from random init=hmhr_scratch" "supervised from EuroSAT OTL=hmhr_supervised_from_eurosat"
 
 cifar10-data: $(STAMP)
 	$(PY) prepare_data.py --dataset cifar10 $(if $(SRC),--source $(SRC),$(if $(wildcard ../shared/data/cifar10_jpg.zip),--source ../shared/data/cifar10_jpg.zip,--download)) --out data/cifar10

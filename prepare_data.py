@@ -581,6 +581,15 @@ def main(args):
         raise SystemExit(f"none of the {len(names)} images in {source} could be read (first: "
                          f"{bad[0][0]}: {bad[0][1]})")
 
+    # ---- what differs from the registry, on the images as found (before any are dropped)
+    found = {}
+    for i in keep:
+        if not has_parts or parts[i] == "train":
+            found[classes_of[i]] = found.get(classes_of[i], 0) + 1
+    notes = [] if args.per_class else check_against_registry(args.dataset, classes, found, has_parts)
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr)
+
     # ---- exact duplicates: counted always, dropped on request
     dups = find_duplicates([names[i] for i in keep], [classes_of[i] for i in keep],
                            [hashes[i] for i in keep])
@@ -614,13 +623,6 @@ def main(args):
                          f"(per class: {torch.bincount(labels).tolist()}); raise --per-class or "
                          "add images")
     counts = torch.bincount(labels, minlength=len(classes)).tolist()
-    train_counts = torch.bincount(labels[train], minlength=len(classes)).tolist()
-    notes = ([] if args.per_class else
-             check_against_registry(args.dataset, classes,
-                                    dict(zip(classes, train_counts if has_parts else counts)),
-                                    has_parts))
-    for line in notes:
-        print(f"note: {line}", file=sys.stderr)
 
     # ---- the folder: cache, split, and last the manifest that vouches for both
     utils.save_checkpoint({"images": imgs, "labels": labels, "classes": classes, "files": files},

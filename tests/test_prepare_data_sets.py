@@ -265,3 +265,32 @@ def test_download_without_a_checksummed_source_is_refused(tmp_path):
          str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="no official download with a published checksum"):
         prepare_data.main(args)
+
+
+def test_grayscale_palette_cmyk_and_four_band_images_become_rgb(tmp_path):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        os.makedirs(src / c)
+        rgb = Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+        rgb.convert("L").save(src / c / "gray.png")
+        rgb.convert("P").save(src / c / "palette.png")
+        rgb.convert("CMYK").save(src / c / "cmyk.jpg")
+        rgb.convert("RGBA").save(src / c / "four_band.tif")
+    man = prep(src, tmp_path / "out")
+    assert man["n_images"] == 8 and man["skipped"] == []
+    imgs = utils.load_prepared(str(tmp_path / "out"))["images"]
+    assert imgs.shape == (8, 3, 20, 20) and imgs.float().std() > 10
+
+
+def test_registry_counts_are_checked_before_duplicates_are_dropped(tmp_path):
+    spec = REG["hmhr"]
+    src = _tree(tmp_path / "src", "RS Image Dataset/{cls}/{cls}{i}", spec["classes"], 2, 16, ".jpg")
+    import shutil
+    first = os.path.join(src, "RS Image Dataset", "Water", "Water0.jpg")
+    shutil.copy(first, os.path.join(src, "RS Image Dataset", "Water", "Water9.jpg"))
+    a = _prep_ds("hmhr", src, tmp_path / "a")
+    b = _prep_ds("hmhr", src, tmp_path / "b", "--drop-duplicates")
+    assert a["registry_notes"] == b["registry_notes"]          # the same source, the same notes
+    assert b["n_images"] == a["n_images"] - 1
