@@ -2,9 +2,13 @@
 GPU a function's time includes its waits for the device) and per device kernel (torch.profiler).
 
     python profile_labeler.py --device cuda --n 1280000 --k 3000 --out results/labeler_profile_gpu.txt
+    python profile_labeler.py --checkpoint runs/eurosat/checkpoint.pth --out prof.txt
 
-The input is bench_labeler's gaussian (the same seeds); one warm-up call, --repeat timed calls
-(their median is printed), then one profiled call.
+The input is bench_labeler's gaussian (the same seeds), or with --checkpoint the outputs that
+training hands the labeler: a label pass of that network over its training split (one strong
+view, BatchNorm on batch statistics, as train_otl.py), through its own head or, with --head-k, a
+fresh K-way head on its features.  --method published profiles the published rules instead.
+One warm-up call, --repeat timed calls (their median is printed), then one profiled call.
 """
 import argparse
 import cProfile
@@ -26,8 +30,31 @@ def get_args_parser():
     p.add_argument("--k", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--checkpoint", default=None, help="profile on this network's label-pass outputs")
+    p.add_argument("--data", default=None, help="its prepared data (default: the checkpoint's)")
+    p.add_argument("--head-k", type=int, default=None, help="a fresh head of this many outputs on "
+                   "the network's features instead of its own head")
+    p.add_argument("--method", default="exact", choices=["exact", "published"])
     p.add_argument("--out", default=None, help="write the report here too")
     return p
+
+
+def network_outputs(a, dev):
+    """(N, k) label-pass outputs of a trained network on its training split, one strong view."""
+    import torch.nn as nn
+    model, ck = utils.load_checkpoint(a.checkpoint, dev)
+    d = utils.load_prepared(a.data or ck["args"]["data"])
+    imgs = d["images"][d["train_idx"]]
+    args = ck["args"]
+    gen = torch.Generator().manual_seed(a.seed)
+    outs = otl.label_pass(model, imgs, int(args["img_size"]), 256, dev, bn="batch", views=2,
+                          strong=args.get("aug") == "strong", cutout=int(args.get("cutout", 16)),
+                          generator=gen, progress=False, head=a.head_k is None)[0]
+    if a.head_k:
+        torch.manual_seed(a.seed)
+        with torch.no_grad():
+            outs = nn.Linear(outs.shape[1], a.head_k).to(dev)(outs)
+    return outs
 
 
 def _sync(dev):
@@ -37,25 +64,34 @@ def _sync(dev):
 
 def main(a):
     dev = utils.pick_device(a.device)
-    O = bench_labeler.gaussian(a.n, a.k, a.seed, device=str(dev) if dev.type == "cuda" else "cpu")
-    otl.translate(O[:65536])
+    if a.checkpoint:
+        O = network_outputs(a, dev)
+        what = f"label-pass outputs of {a.checkpoint}" + (f", fresh {a.head_k}-way head" if a.head_k else "")
+    else:
+        O = bench_labeler.gaussian(a.n, a.k, a.seed, device=str(dev) if dev.type == "cuda" else "cpu")
+        what = "gaussian"
+    n, k = O.shape
+
+    def call():
+        return otl.translate(O, method=a.method)
+    otl.translate(O[:65536], method=a.method)
     times = []
     for _ in range(a.repeat):
         _sync(dev)
         t = time.perf_counter()
-        res = otl.translate(O)
+        res = call()
         _sync(dev)
         times.append(time.perf_counter() - t)
-    counts = torch.bincount(res.labels, minlength=a.k)
+    counts = torch.bincount(res.labels, minlength=k)
     lines = [f"commit {utils.git_commit()}  device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
-             f"  N {a.n}  k {a.k}",
+             f"  N {n}  k {k}  input: {what}  method {a.method}",
              f"seconds {sorted(times)[len(times) // 2]:.4f} (median of {[round(t, 4) for t in times]})"
              f"  iterations {res.iterations}  max-min {int(counts.max() - counts.min())}"
              f"  stop {res.stop_reason}"]
     prof = cProfile.Profile()
     _sync(dev)
     prof.enable()
-    otl.translate(O)
+    call()
     _sync(dev)
     prof.disable()
     s = io.StringIO()
@@ -67,7 +103,7 @@ def main(a):
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with torch.profiler.profile(activities=acts) as p:
-        otl.translate(O)
+        call()
         _sync(dev)
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     lines += ["", f"torch.profiler by {key}",
