@@ -51,7 +51,8 @@ def get_args_parser():
                    "ImageNet model: 10 heads of 3000)")
     g.add_argument("--embed", type=int, help="size of a linear embedding between the features "
                    "and the heads (0: none; the paper's AlexNet: 128, evaluated with --feature embed)")
-    g.add_argument("--width", type=int, help="channels of ResNet-18's first stage (64 is torchvision's)")
+    g.add_argument("--width", type=int, help="channels of ResNet-18's first stage (64 is "
+                   "torchvision's) or of AlexNet's first conv (96 in the paper), the rest scaled alike")
     g.add_argument("--small-stem", type=utils.str2bool, help="3x3 stride-1 stem without max-pool: "
                    "keeps resolution for small images but costs ~16x the compute")
     g.add_argument("--img-size", type=int, help="side of the training and test images (the cache "
