@@ -526,8 +526,11 @@ def main(args):
     except (ValueError, OSError, tarfile.TarError, pickle.UnpicklingError) as e:
         raise SystemExit(str(e)) from None
     if not items and arrays is None:
+        tar = os.path.isfile(source) and tarfile.is_tarfile(source)
         raise SystemExit(f"no images ({', '.join(IMG_EXT)}), CIFAR pickles or SVHN .mat files "
-                         f"found in {source}")
+                         f"found in {source}" + (" (a tar archive is read for CIFAR's pickles "
+                                                  "only: unpack other archives to a folder)"
+                                                  if tar else ""))
     if arrays is not None:
         if fingerprint.startswith("folder"):
             fingerprint = "arrays-" + fingerprint

@@ -294,3 +294,14 @@ def test_registry_counts_are_checked_before_duplicates_are_dropped(tmp_path):
     b = _prep_ds("hmhr", src, tmp_path / "b", "--drop-duplicates")
     assert a["registry_notes"] == b["registry_notes"]          # the same source, the same notes
     assert b["n_images"] == a["n_images"] - 1
+
+
+def test_a_tar_of_images_says_to_unpack_it(tmp_path):
+    src = _tree(tmp_path / "src", "{cls}/{i}", ["a", "b"], 2, 16, ".png")
+    with tarfile.open(tmp_path / "imgs.tar", "w") as t:
+        t.add(src, arcname="imgs")
+    with pytest.raises(SystemExit, match="unpack other archives"):
+        prep(tmp_path / "imgs.tar", tmp_path / "out")
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(SystemExit, match="no images"):
+        prep(tmp_path / "empty", tmp_path / "out2")
