@@ -129,13 +129,19 @@ def resnet18_features():
                           progress=False)[0]
 
 
+FULL_N = (10, 100, 500, 1000)   # these at N = 50,000; the others on its first 20,000 rows
+
+
 @pytest.mark.parametrize("k", KS)
-def test_exact_balance_resnet18_heads_50k(resnet18_features, k):
-    """Every k of the issue on real network outputs: a fresh k-way head on the features."""
+def test_exact_balance_resnet18_heads(resnet18_features, k):
+    """Every k from 10 to 1000 on real network outputs: a fresh k-way head on the features, all
+    50,000 rows for the k in FULL_N and the first 20,000 for the others (on these outputs the
+    exact labeler takes up to 48 s at N = 50,000, which kept the suite over 15 minutes)."""
     torch.manual_seed(k)
+    n = 50_000 if k in FULL_N else 20_000
     with torch.no_grad():
-        O = torch.nn.Linear(resnet18_features.shape[1], k)(resnet18_features)
-    assert O.shape == (50_000, k)
+        O = torch.nn.Linear(resnet18_features.shape[1], k)(resnet18_features[:n])
+    assert O.shape == (n, k)
     r = exact(O)
     check_even(r)
     check_translation(O, r)
