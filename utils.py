@@ -30,33 +30,35 @@ import otl
 # paper's: k = 128, two views with label-consistent training, strong augmentation with a 16-px
 # Cutout, SGD.  docs/presets.md has the runs that chose it.
 PRESETS = {
-    "paper": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False, img_size=224, epochs=300,
-                  batch_size=256, lr=0.03, schedule="step", lr_drops=[160, 240],
-                  lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16, label_every=1,
-                  label_views=2, warmup_epochs=0),
-    "cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32, epochs=20,
-                batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[], views=2,
-                lct=True, aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0),
+    "paper": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
+                  img_size=224, epochs=300, batch_size=256, lr=0.03, schedule="step",
+                  lr_drops=[160, 240], lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong",
+                  cutout=16, label_every=1, label_views=2, warmup_epochs=0),
+    "cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32,
+                epochs=20, batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[],
+                views=2, lct=True, aug="strong", cutout=16, label_every=1, label_views=2,
+                warmup_epochs=0),
     # "fast": the paper's network (full-width ResNet-18, ImageNet stem) on one GPU in minutes:
     # EuroSAT's 64 px upsampled to 112 instead of 224 (4x less compute; the last stage still sees
     # 4 x 4), batch 512 with the learning rate scaled up, a short warm-up and a cosine schedule,
     # Cutout scaled with the image; k, views, LCT, strong augmentation and the per-epoch label
     # pass are the paper's.  A first choice, not yet run on a GPU (docs/presets.md).
-    "fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False, img_size=112, epochs=100,
-                 batch_size=512, lr=0.1, schedule="cosine", lr_drops=[], lr_values=[], views=2,
-                 lct=True, aug="strong", cutout=8, label_every=1, label_views=2, warmup_epochs=2),
+    "fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
+                 img_size=112, epochs=100, batch_size=512, lr=0.1, schedule="cosine", lr_drops=[],
+                 lr_values=[], views=2, lct=True, aug="strong", cutout=8, label_every=1,
+                 label_views=2, warmup_epochs=2),
     # "transfer": the paper's protocol for a small remote-sensing set started from a network
     # pretrained by OTL on another set (train_otl.py --init): 64 epochs, lr 0.03 -> 0.003 at 32
     # -> 0.0006 at 48, the rest as "paper".  "transfer-cpu" is its CPU twin for a backbone from
     # the "cpu" preset (half width, 32 px): it gives up image size and width, as "cpu" does.
-    "transfer": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False, img_size=224, epochs=64,
-                     batch_size=256, lr=0.03, schedule="step", lr_drops=[32, 48],
-                     lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16,
-                     label_every=1, label_views=2, warmup_epochs=0),
-    "transfer-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32, epochs=64,
-                         batch_size=256, lr=0.03, schedule="step", lr_drops=[32, 48],
-                         lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong", cutout=16,
-                         label_every=1, label_views=2, warmup_epochs=0),
+    "transfer": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
+                     img_size=224, epochs=64, batch_size=256, lr=0.03, schedule="step",
+                     lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
+                     aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0),
+    "transfer-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
+                         img_size=32, epochs=64, batch_size=256, lr=0.03, schedule="step",
+                         lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
+                         aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0),
 }
 
 
@@ -246,8 +248,9 @@ def init_backbone(model, path: str) -> dict:
         raise SystemExit(f"--init {path} holds another backbone (its, this run's): {diff}; pass "
                          "this run the same --arch, --width and --small-stem")
     model.backbone.load_state_dict(src.backbone.state_dict())
+    src_args = ck.get("args") or {}
     return {"checkpoint": rel_path(path), "sha256": sha256_file(path), "epoch": ck.get("epoch"),
-            "data": (ck.get("args") or {}).get("data"), "supervised": (ck.get("args") or {}).get("supervised")}
+            "data": src_args.get("data"), "supervised": src_args.get("supervised")}
 
 
 # flags that may change when a run is resumed, without a warning
@@ -402,7 +405,8 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
                         batch_size: int = 256, progress: bool = True, layer: str = "pool") -> dict:
     """Frozen features (of `layer`: otl.OTLNet.features) of the train and test split for a
     checkpoint, extracted once and cached beside it as features_<checkpoint name>.pt (or
-    features_<name>_<layer>.pt; reused while the checkpoint and data are unchanged).  Returns {"train": (Ntr, D), "test": (Nte, D), "train_labels", "test_labels",
+    features_<name>_<layer>.pt; reused while the checkpoint and data are unchanged).  Returns
+    {"train": (Ntr, D), "test": (Nte, D), "train_labels", "test_labels",
     "classes", "data_dir", "img_size", "checkpoint", "epoch"}."""
     model, ckpt = load_checkpoint(ckpt_path, device)
     args = ckpt.get("args", {})
