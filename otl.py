@@ -597,62 +597,41 @@ def _rand_ops(x, U, g, n_ops: int = 2, select: bool | None = None):
     B, dev = x.shape[0], x.device
     if select is None:
         select = dev.type == "cpu"
-    if not select:
-        return _rand_ops_whole(x, U, g, n_ops)
     for _ in range(n_ops):
         op = torch.randint(0, 6, (B,), device=dev, generator=g)
         m = U(0, 1)
-        y = x.clone()
-        sel = op == 0                                   # sharpness / blur
-        if sel.any():
-            blur = F.avg_pool2d(F.pad(x[sel], (1, 1, 1, 1), mode="replicate"), 3, 1)
-            y[sel] = _blend(x[sel], blur, 1 + (m[sel] * 2 - 1) * 0.9)
-        sel = op == 1                                   # posterize to 4..8 bits
-        if sel.any():
-            levels = (2 ** (4 + (m[sel] * 4).floor())).view(-1, 1, 1, 1)
-            y[sel] = (x[sel] * (levels - 1)).round() / (levels - 1)
-        sel = op == 2                                   # solarize above a threshold
-        if sel.any():
-            th = (1 - 0.5 * m[sel]).view(-1, 1, 1, 1)
-            y[sel] = torch.where(x[sel] >= th, 1 - x[sel], x[sel])
-        sel = op == 3                                   # autocontrast per channel
-        if sel.any():
-            lo = x[sel].amin((2, 3), keepdim=True)
-            hi = x[sel].amax((2, 3), keepdim=True)
-            y[sel] = ((x[sel] - lo) / (hi - lo).clamp(min=1e-3)).clamp(0, 1)
-        sel = op == 4                                   # equalise-like: stretch the 2-98 % range
-        if sel.any():
-            flat = x[sel].flatten(2)
-            q = torch.quantile(flat, torch.tensor([0.02, 0.98], device=dev), dim=2)  # (2, b, 3)
-            lo, hi = q[0][..., None, None], q[1][..., None, None]
-            y[sel] = ((x[sel] - lo) / (hi - lo).clamp(min=1e-3)).clamp(0, 1)
-        # op 5: identity
+        y = x.clone() if select else x
+        for i in range(5):                              # op 5: identity
+            if select:
+                sel = op == i
+                if sel.any():
+                    y[sel] = _photometric(i, x[sel], m[sel])
+            else:
+                y = torch.where((op == i).view(-1, 1, 1, 1), _photometric(i, x, m), y)
         x = y
     return x
 
 
-def _rand_ops_whole(x, U, g, n_ops):
-    """_rand_ops on every image of the batch, each keeping the op it drew (same draws, same
-    arithmetic, no host synchronisation)."""
-    B, dev = x.shape[0], x.device
-    for _ in range(n_ops):
-        op = torch.randint(0, 6, (B,), device=dev, generator=g).view(-1, 1, 1, 1)
-        m = U(0, 1)
-        m4 = m.view(-1, 1, 1, 1)
+def _photometric(i, x, m):
+    """Photometric op i of images x (b, 3, H, W) in [0, 1] at magnitudes m (b,) in [0, 1)."""
+    m4 = m.view(-1, 1, 1, 1)
+    if i == 0:                                          # sharpness / blur
         blur = F.avg_pool2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), 3, 1)
-        y = torch.where(op == 0, _blend(x, blur, 1 + (m * 2 - 1) * 0.9), x)
+        return _blend(x, blur, 1 + (m * 2 - 1) * 0.9)
+    if i == 1:                                          # posterize to 4..8 bits
         levels = 2 ** (4 + (m4 * 4).floor())
-        y = torch.where(op == 1, (x * (levels - 1)).round() / (levels - 1), y)
-        y = torch.where((op == 2) & (x >= 1 - 0.5 * m4), 1 - x, y)
+        return (x * (levels - 1)).round() / (levels - 1)
+    if i == 2:                                          # solarize above a threshold
+        return torch.where(x >= 1 - 0.5 * m4, 1 - x, x)
+    if i == 3:                                          # autocontrast per channel
         lo, hi = x.amin((2, 3), keepdim=True), x.amax((2, 3), keepdim=True)
-        y = torch.where(op == 3, ((x - lo) / (hi - lo).clamp(min=1e-3)).clamp(0, 1), y)
-        flat, qs = x.flatten(2).flatten(0, 1), torch.tensor([0.02, 0.98], device=dev)
-        rows = max(1, (1 << 24) // flat.shape[1])      # torch.quantile takes 2^24 values at most
+    else:                                               # equalise-like: stretch the 2-98 % range
+        flat, qs = x.flatten(2).flatten(0, 1), torch.tensor([0.02, 0.98], device=x.device)
+        rows = max(1, (1 << 24) // max(flat.shape[1], 1))   # torch.quantile takes 2^24 values at most
         q = torch.cat([torch.quantile(flat[r:r + rows], qs, dim=1)
-                       for r in range(0, flat.shape[0], rows)], 1).view(2, B, 3)
+                       for r in range(0, flat.shape[0], rows)], 1).view(2, x.shape[0], 3)
         lo, hi = q[0][..., None, None], q[1][..., None, None]
-        x = torch.where(op == 4, ((x - lo) / (hi - lo).clamp(min=1e-3)).clamp(0, 1), y)
-    return x
+    return ((x - lo) / (hi - lo).clamp(min=1e-3)).clamp(0, 1)
 
 
 @contextmanager

@@ -813,3 +813,20 @@ def test_bad_network_configs_are_refused():
         otl.build_model(otl.ModelConfig(heads=0))
     with pytest.raises(ValueError, match="torchvision's width"):
         otl.build_model(otl.ModelConfig(arch="resnet50", width=32))
+
+
+@pytest.mark.parametrize("B, side", [(64, 32), (300, 40)])
+def test_photometric_ops_whole_batch_equal_per_op_selection(B, side):
+    """CUDA's path (every op on the whole batch, each image keeping its own) gives exactly the
+    CPU's images (each op on the images that drew it), for the same draws."""
+    x = torch.rand(B, 3, side, side, generator=torch.Generator().manual_seed(1))
+
+    def run(select):
+        g = torch.Generator().manual_seed(7)
+
+        def U(lo, hi, *shape):
+            return torch.rand(*(shape or (B,)), generator=g) * (hi - lo) + lo
+        return otl._rand_ops(x.clone(), U, g, select=select)
+    a, b = run(True), run(False)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, x)                     # the ops did change the images
