@@ -42,11 +42,6 @@ def get_args_parser():
     return p
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _trainer_args(a, size, device):
     args = train_otl.get_args_parser().parse_args(
         ["--data", "-", "--output", "-", "--preset", "paper", "--img-size", str(size),
@@ -77,11 +72,11 @@ def label_pass(a, model, images, size, device):
     n = min(images.shape[0], a.label_batch_size * max(a.steps // 4, 2))
     otl.label_pass(model, images[:a.label_batch_size], size, a.label_batch_size, device,
                    views=a.views, strong=True, progress=False)
-    _sync(device)
+    utils.synchronize(device)
     t = time.perf_counter()
     otl.label_pass(model, images[:n], size, a.label_batch_size, device, views=a.views, strong=True,
                    progress=False)
-    _sync(device)
+    utils.synchronize(device)
     return {"views_per_s": round(n * a.views / (time.perf_counter() - t), 1)}
 
 
@@ -89,11 +84,11 @@ def augment(a, images, size, device):
     x = images[:a.batch_size]
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
-            _sync(device)
+            utils.synchronize(device)
             t = time.perf_counter()
         for _ in range(a.views):
             otl.augment(x, size, strong=True, cutout=max(1, 16 * size // 224))
-    _sync(device)
+    utils.synchronize(device)
     return {"views_per_s": round(a.steps * a.views * a.batch_size / (time.perf_counter() - t), 1)}
 
 
@@ -107,7 +102,7 @@ def supervised(a, images, size, device):
     mean = torch.tensor([0.5, 0.5, 0.5], device=device).view(1, 3, 1, 1)
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
-            _sync(device)
+            utils.synchronize(device)
             t = time.perf_counter()
         idx = torch.randint(0, images.shape[0], (b,), device=device)
         x = images[idx].float().div_(255)
@@ -121,7 +116,7 @@ def supervised(a, images, size, device):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    _sync(device)
+    utils.synchronize(device)
     return {"views_per_s": round(a.steps * b / (time.perf_counter() - t), 1)}
 
 

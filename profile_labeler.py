@@ -57,11 +57,6 @@ def network_outputs(a, dev):
     return outs
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def main(a):
     dev = utils.pick_device(a.device)
     if a.checkpoint:
@@ -77,10 +72,10 @@ def main(a):
     otl.translate(O[:65536], method=a.method)
     times = []
     for _ in range(a.repeat):
-        _sync(dev)
+        utils.synchronize(dev)
         t = time.perf_counter()
         res = call()
-        _sync(dev)
+        utils.synchronize(dev)
         times.append(time.perf_counter() - t)
     counts = torch.bincount(res.labels, minlength=k)
     lines = [f"commit {utils.git_commit()}  device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
@@ -89,10 +84,10 @@ def main(a):
              f"  iterations {res.iterations}  max-min {int(counts.max() - counts.min())}"
              f"  stop {res.stop_reason}"]
     prof = cProfile.Profile()
-    _sync(dev)
+    utils.synchronize(dev)
     prof.enable()
     call()
-    _sync(dev)
+    utils.synchronize(dev)
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
@@ -104,7 +99,7 @@ def main(a):
         [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with torch.profiler.profile(activities=acts) as p:
         call()
-        _sync(dev)
+        utils.synchronize(dev)
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     lines += ["", f"torch.profiler by {key}",
               p.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=50)]

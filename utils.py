@@ -81,6 +81,12 @@ def pick_device(name: str = "auto") -> torch.device:
     return dev
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Ranks:
     """This process's place among the processes torchrun started: rank 0 of 1 without torchrun,
     so a single process runs the same code.  NCCL on CUDA, gloo on the CPU."""
