@@ -167,7 +167,8 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
     t0 = time.time()
     batches, bs = None, args.label_batch_size
     if ranks.world > 1:   # the same number of forward passes on every rank (SyncBatchNorm)
-        batches = -(-(-(-n_total // ranks.world)) // bs)
+        per_rank = -(-n_total // ranks.world)                       # ceil(n_total / world)
+        batches = -(-per_rank // bs)
     outs = otl.label_pass(model, images, args.img_size, batch_size=bs,
                           device=device, bn=args.label_bn, views=args.label_views,
                           strong=args.aug == "strong", cutout=args.cutout, generator=gen,
@@ -242,15 +243,15 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
         xs = xs.contiguous(memory_format=torch.channels_last)
         with otl.autocast(device, args.amp):
             logits = net(xs).float().view(args.views, len(idx), args.heads, -1)   # (V, B, H, k)
+        lab = targets[..., idx.to(targets.device)].to(device)   # (B,) true or (L * H, B) pseudo
         loss = 0.0
         for h in range(args.heads):          # the loss summed over heads
             if args.supervised:
-                y = targets[idx.to(targets.device)].to(device)
-                loss = loss + F.cross_entropy(logits[:, :, h].flatten(0, 1), y.repeat(args.views))
+                loss = loss + F.cross_entropy(logits[:, :, h].flatten(0, 1), lab.repeat(args.views))
             else:
-                lab = targets[h::args.heads, idx.to(targets.device)]   # (label_views, B) of head h
-                lab = lab.expand(args.views, -1) if lab.shape[0] == 1 else lab
-                loss = loss + otl.lct_loss(logits[:, :, h], lab, consistent=args.lct)
+                lab_h = lab[h::args.heads]                             # (label_views, B) of head h
+                lab_h = lab_h.expand(args.views, -1) if lab_h.shape[0] == 1 else lab_h
+                loss = loss + otl.lct_loss(logits[:, :, h], lab_h, consistent=args.lct)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
