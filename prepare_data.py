@@ -473,8 +473,12 @@ def download(dataset, dest):
 def _first_side(source, name):
     """The shorter side of one image of the source, at most 256: the 'folder' default size."""
     from PIL import Image
-    raw = (open(os.path.join(source, name), "rb").read() if os.path.isdir(source)
-           else zipfile.ZipFile(source).read(name))
+    if os.path.isdir(source):
+        with open(os.path.join(source, name), "rb") as fh:
+            raw = fh.read()
+    else:
+        with zipfile.ZipFile(source) as z:
+            raw = z.read(name)
     try:
         with Image.open(io.BytesIO(raw)) as im:
             return min(256, *im.size)

@@ -88,8 +88,8 @@ def get_args_parser():
     g.add_argument("--labeler", choices=("exact", "published"), default="exact",
                    help="exact (default, as in otl.translate): counts within 1 of the target in "
                    "every epoch; published: the paper's Algorithm 1 as the authors run it, which "
-                   "left std 1.6 - 40 in the cpu preset's run and took a third of the time there "
-                   "(docs/labeler.md, 'Which labeler by default')")
+                   "stops short of balance and is faster on some outputs (docs/labeler.md, 'Which "
+                   "labeler by default', has the measurement)")
     g.add_argument("--label-batch-size", type=int, help="images per forward pass of the label pass "
                    "(BatchNorm's batch with --label-bn batch); default: the larger of --batch-size "
                    "and 256 on the CPU, 1024 on CUDA")

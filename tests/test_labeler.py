@@ -135,8 +135,8 @@ FULL_N = (10, 100, 500, 1000)   # these at N = 50,000; the others on its first 2
 @pytest.mark.parametrize("k", KS)
 def test_exact_balance_resnet18_heads(resnet18_features, k):
     """Every k from 10 to 1000 on real network outputs: a fresh k-way head on the features, all
-    50,000 rows for the k in FULL_N and the first 20,000 for the others (on these outputs the
-    exact labeler takes up to 48 s at N = 50,000, which kept the suite over 15 minutes)."""
+    50,000 rows for the k in FULL_N and the first 20,000 for the others, which keeps the suite
+    within its time (docs/labeler.md: the exact labeler is slow on such outputs)."""
     torch.manual_seed(k)
     n = 50_000 if k in FULL_N else 20_000
     with torch.no_grad():
