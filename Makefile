@@ -7,12 +7,16 @@
 #   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
 #   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
 #   make hmhr                       HMHR by the transfer protocol: OTL from EuroSAT's OTL backbone, beside scratch and supervised
+#   make cifar10                    CIFAR-10 with AlexNet (the CPU twin here), from ../shared/data; likewise
+#     make ucmerced|siri_whu|aid|patternnet|nwpu_resisc45|cifar100|svhn SRC=<archive or folder>
 #   make data DATASET=.. SRC=..     prepare any registered data set (hmhr-data, cifar10-data: ../shared/data)
 #   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
-# Variables: PRESET=auto|paper|fast|cpu (auto: paper on CUDA, cpu otherwise), DEVICE=auto|cpu|cuda,
+# Variables: PRESET=auto|paper|fast|cpu|... (auto: the data set's protocol on CUDA, its CPU twin
+#   otherwise; docs/presets.md), DEVICE=auto|cpu|cuda,
 #   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags).
 
 PY        ?= .venv/bin/python
+SETS       = ucmerced siri_whu aid patternnet nwpu_resisc45 cifar10 cifar100 svhn
 PRESET    ?= auto
 DEVICE    ?= auto
 RUNS      ?= runs
@@ -21,11 +25,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,14p' Makefile
+	@sed -n '1,17p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -54,12 +58,13 @@ eurosat-supervised: eurosat-data
 	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/eurosat_supervised
 	$(PY) report.py --dataset eurosat --runs $(RUNS) --out results
 
-# evaluate the last checkpoint of RUN and its random-init snapshot
+# evaluate the last checkpoint of RUN and its random-init snapshot (FEATURE: eval_knn.py --feature)
+FEATURE ?= pool
 eval-run:
-	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE)
-	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE)
-	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
-	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE)
+	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE) --feature $(FEATURE)
+	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE) --feature $(FEATURE)
+	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(FEATURE)
+	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(FEATURE)
 
 # ---------------------------------------------------------------------------- other data sets
 # Any data set of prepare_data.py's registry (eurosat ucmerced siri_whu aid patternnet
@@ -93,6 +98,25 @@ hmhr: hmhr-data
 
 cifar10-data: $(STAMP)
 	$(PY) prepare_data.py --dataset cifar10 $(if $(SRC),--source $(SRC),$(if $(wildcard ../shared/data/cifar10_jpg.zip),--source ../shared/data/cifar10_jpg.zip,--download)) --out data/cifar10
+
+# make <set> [SRC=<archive or folder>] for the paper's other data sets: prepare (from SRC, else
+# from ../shared/data where it is there, else --download where the set has a checksummed
+# source), OTL with PRESET (auto: the data set's protocol, paper or alexnet-cifar on CUDA and
+# their CPU twins otherwise: docs/presets.md), kNN and linear probe of the final and the
+# random-init network (on the 128-d embedding when the model has one, the paper's AlexNet
+# layer), then results/<set>.md and the overview results/tables.md.
+#   make cifar10                           AlexNet (alexnet-cifar-cpu here), from ../shared/data
+#   make ucmerced SRC=UCMerced_LandUse.zip ResNet-18, the paper's protocol on a GPU
+#   make cifar10 PRESET=resnet50-cifar RUN_NAME=cifar10_resnet50    the ResNet-50 table's run
+# ImageNet has no preset of its own: make data DATASET=imagenet SRC=..., then train_otl.py.
+SHARED_cifar10 = cifar10_jpg.zip
+RUN_NAME ?=
+$(SETS): $(STAMP)
+	$(PY) prepare_data.py --dataset $@ $(if $(SRC),--source $(SRC),$(if $(and $(SHARED_$@),$(wildcard ../shared/data/$(SHARED_$@))),--source ../shared/data/$(SHARED_$@),--download)) --out data/$@
+	$(PY) train_otl.py --data data/$@ --output $(RUNS)/$(or $(RUN_NAME),$@) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(or $(RUN_NAME),$@) FEATURE=auto
+	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(or $(RUN_NAME),$@) --name $(or $(RUN_NAME),$@) --feature auto
+	$(PY) report.py --overview --runs $(RUNS) --out results $(OVERVIEW_ARGS)
 
 # ------------------------------------------------------------------------- benchmarks
 # The labelers on the same outputs (gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh and

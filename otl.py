@@ -529,11 +529,13 @@ def _blend(a, b, w):  # w: (B,) factor, 1 keeps a
 
 
 def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
-            cutout: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
+            cutout: int = 16, generator: torch.Generator | None = None,
+            rot90: bool = True) -> torch.Tensor:
     """Random views of a uint8 batch (B, 3, H, W), all on x's device: float [0, 1] (B, 3, size, size).
 
     simple: random resized crop (area `scale`, aspect 3/4..4/3), random flips and 90-degree
-    rotations (overhead images have no up), mild colour jitter.
+    rotations (overhead images have no up; rot90=False keeps natural images upright, with
+    horizontal flips only), mild colour jitter.
     strong: simple plus two RandAugment-style ops per image at random magnitude (rotate, shear,
     translate, brightness, contrast, saturation, sharpness, posterize, solarize, autocontrast,
     equalise-like histogram stretch) and Cutout with one hole of side `cutout` pixels of the
@@ -557,7 +559,7 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     theta[:, 0, 0], theta[:, 1, 1] = sw, sh
     theta[:, 0, 2], theta[:, 1, 2] = cx, cy
     rot = torch.randint(0, 4, (B,), device=dev, generator=g)
-    ang = rot.float() * (math.pi / 2)
+    ang = rot.float() * (math.pi / 2) if rot90 else torch.zeros(B, device=dev)
     flip = torch.where(torch.rand(B, device=dev, generator=g) < 0.5, -1.0, 1.0)
     shear = torch.zeros(B, device=dev)
     if strong:
@@ -667,7 +669,7 @@ def _progress(batches, desc: str, progress: bool):
 def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
                device="cpu", bn: str = "batch", views: int = 1, strong: bool = False,
                cutout: int = 16, generator=None, progress: bool = True,
-               head: bool = True, batches: int | None = None) -> torch.Tensor:
+               head: bool = True, batches: int | None = None, rot90: bool = True) -> torch.Tensor:
     """The network's outputs for every image: (views, N, k) float32 on `device` (head=False: the
     backbone's features, (views, N, feat_dim), e.g. to try several heads).  views = 1 uses
     the test-time transform; views > 1 uses random (simple or strong) augmentations.  bn="batch"
@@ -688,7 +690,8 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
             x = images[idx].to(device, non_blocking=True)
             idx = idx.to(device, non_blocking=True)
             for v in range(views):
-                xv = resize_batch(x, size) if views == 1 else augment(x, size, strong, cutout=cutout)
+                xv = (resize_batch(x, size) if views == 1 else
+                      augment(x, size, strong, cutout=cutout, rot90=rot90))
                 with autocast(device):
                     out[v, idx] = fwd(xv.contiguous(memory_format=torch.channels_last)).float()
     return out

@@ -40,8 +40,10 @@ def get_args_parser():
                    help="defaults for every flag below that you do not give: 'paper' (the paper's "
                    "protocol, for a GPU), 'fast' (the paper's network at 112 px for 100 epochs: minutes "
                    "on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'transfer' / "
-                   "'transfer-cpu' (a small set from another run's backbone, with --init), 'auto' "
-                   "(paper on CUDA, cpu otherwise)")
+                   "'transfer-cpu' (a small set from another run's backbone, with --init), "
+                   "'alexnet-cifar' / 'resnet50-cifar' (CIFAR-10/100, SVHN) and their '-cpu' "
+                   "twins; 'auto': the data set's protocol, paper (alexnet-cifar for CIFAR and "
+                   "SVHN) on CUDA and its CPU twin otherwise. docs/presets.md says what each is")
     g = p.add_argument_group("model (preset values when not given)")
     g.add_argument("--arch", choices=["resnet18", "resnet50", "alexnet"])
     g.add_argument("--k", type=int, help="clusters = outputs of the head; the paper uses 128 for "
@@ -74,6 +76,9 @@ def get_args_parser():
                    "the labels of every view (true), or only its own (false)")
     g.add_argument("--aug", choices=["simple", "strong"], help="strong = RandAugment-style ops + "
                    "Cutout 16, as in the paper")
+    g.add_argument("--rot90", type=utils.str2bool, help="random 90-degree rotations in the "
+                   "augmentation: true for overhead (remote-sensing) images, which have no up; "
+                   "false for natural images (CIFAR, SVHN, ImageNet)")
     g.add_argument("--cutout", type=int, help="side in pixels (of the --img-size image) of the "
                    "Cutout hole in strong augmentation; 16 in the paper at 224 px, 0 for none")
     g.add_argument("--label-every", type=int, help="epochs between label passes")
@@ -124,7 +129,11 @@ def get_args_parser():
 
 def resolve_args(args, device):
     """Fill the flags not given from the preset; say which preset was taken."""
-    args.preset_used = utils.preset_for(args.preset, device)
+    try:
+        dataset = utils.load_manifest(args.data).get("dataset")
+    except (OSError, ValueError):
+        dataset = None                  # no prepared data there: load_prepared says so later
+    args.preset_used = utils.preset_for(args.preset, device, dataset)
     for key, val in utils.PRESETS[args.preset_used].items():
         if getattr(args, key, None) is None:
             setattr(args, key, val)
@@ -171,8 +180,8 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
         batches = -(-per_rank // bs)
     outs = otl.label_pass(model, images, args.img_size, batch_size=bs,
                           device=device, bn=args.label_bn, views=args.label_views,
-                          strong=args.aug == "strong", cutout=args.cutout, generator=gen,
-                          progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
+                          strong=args.aug == "strong", cutout=args.cutout, rot90=args.rot90,
+                          generator=gen, progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
     t_pass = time.time() - t0
     n, k = outs.shape[1], outs.shape[2] // args.heads
     lo = ranks.shard(n_total)[0]
@@ -238,8 +247,8 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
             grp["lr"] = lr
         idx = perm[step * b:(step + 1) * b]
         x = images[idx].to(device, non_blocking=True)
-        xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong", cutout=args.cutout)
-                        for _ in range(args.views)])
+        xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong", cutout=args.cutout,
+                                    rot90=args.rot90) for _ in range(args.views)])
         xs = xs.contiguous(memory_format=torch.channels_last)
         with otl.autocast(device, args.amp):
             logits = net(xs).float().view(args.views, len(idx), args.heads, -1)   # (V, B, H, k)
@@ -407,7 +416,8 @@ def main(args):
         if os.path.isfile(log_path):    # every epoch's time, resumed or not
             with open(log_path) as fh:
                 epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
-        results = {"epochs": args.epochs, "preset": args.preset_used, "device": str(device),
+        results = {"epochs": args.epochs, "preset": args.preset_used, "arch": args.arch,
+                   "device": str(device),
                    "processes": ranks.world, "checkpoint": utils.rel_path(ckpt_path),
                    "init_from": getattr(args, "init_from", None),
                    "train_minutes": round(sum(epoch_s) / 60, 2),

@@ -33,11 +33,11 @@ PRESETS = {
     "paper": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
                   img_size=224, epochs=300, batch_size=256, lr=0.03, schedule="step",
                   lr_drops=[160, 240], lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong",
-                  cutout=16, label_every=1, label_views=2, warmup_epochs=0),
+                  cutout=16, label_every=1, label_views=2, warmup_epochs=0, rot90=True),
     "cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32,
                 epochs=20, batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[],
                 views=2, lct=True, aug="strong", cutout=16, label_every=1, label_views=2,
-                warmup_epochs=0),
+                warmup_epochs=0, rot90=True),
     # "fast": the paper's network (full-width ResNet-18, ImageNet stem) on one GPU in minutes:
     # EuroSAT's 64 px upsampled to 112 instead of 224 (4x less compute; the last stage still sees
     # 4 x 4), batch 512 with the learning rate scaled up, a short warm-up and a cosine schedule,
@@ -46,7 +46,7 @@ PRESETS = {
     "fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
                  img_size=112, epochs=100, batch_size=512, lr=0.1, schedule="cosine", lr_drops=[],
                  lr_values=[], views=2, lct=True, aug="strong", cutout=8, label_every=1,
-                 label_views=2, warmup_epochs=2),
+                 label_views=2, warmup_epochs=2, rot90=True),
     # "transfer": the paper's protocol for a small remote-sensing set started from a network
     # pretrained by OTL on another set (train_otl.py --init): 64 epochs, lr 0.03 -> 0.003 at 32
     # -> 0.0006 at 48, the rest as "paper".  "transfer-cpu" is its CPU twin for a backbone from
@@ -54,18 +54,63 @@ PRESETS = {
     "transfer": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
                      img_size=224, epochs=64, batch_size=256, lr=0.03, schedule="step",
                      lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
-                     aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0),
+                     aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0,
+                     rot90=True),
     "transfer-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
                          img_size=32, epochs=64, batch_size=256, lr=0.03, schedule="step",
                          lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
-                         aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0),
+                         aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0,
+                         rot90=True),
+    # The paper's natural-image runs.  Its appendix's values were not at hand when these were
+    # written, so "alexnet-cifar" takes the optimisation of SeLa's public CIFAR script
+    # (github.com/yukimasano/self-label, scripts/cifar.sh and cifar.py: AlexNet with BatchNorm,
+    # 10 heads of 128 clusters, 400 epochs, batch 128, lr 0.03 divided by 10 at 160, 240 and
+    # 320, weight decay 5e-4, images upsampled to 224 px) with the paper's method (two views with
+    # LCT, strong augmentation, Cutout 16) and its 128-d embedding, on which the paper runs kNN
+    # (eval_knn.py --feature embed).  For CIFAR-10/100 and SVHN: natural images, so no 90-degree
+    # rotations.  "resnet50-cifar" is the same protocol with ResNet-50 at CIFAR's 32 px with a
+    # small stem (3x3, no max-pool) and batch 256: our choices, not the paper's.
+    "alexnet-cifar": dict(arch="alexnet", k=128, heads=10, embed=128, width=96, small_stem=False,
+                          img_size=224, epochs=400, batch_size=128, lr=0.03, schedule="step",
+                          lr_drops=[160, 240, 320], lr_values=[0.003, 0.0003, 0.00003], views=2,
+                          lct=True, aug="strong", cutout=16, label_every=1, label_views=2,
+                          warmup_epochs=0, rot90=False),
+    "resnet50-cifar": dict(arch="resnet50", k=128, heads=10, embed=0, width=64, small_stem=True,
+                           img_size=32, epochs=400, batch_size=256, lr=0.03, schedule="step",
+                           lr_drops=[160, 240, 320], lr_values=[0.003, 0.0003, 0.00003], views=2,
+                           lct=True, aug="strong", cutout=8, label_every=1, label_views=2,
+                           warmup_epochs=0, rot90=False),
+    # Their CPU twins, sized for 2 cores (docs/presets.md has the measurements).
+    # "alexnet-cifar-cpu" (about 30 minutes): AlexNet at half width on 64 px images, one head,
+    # one view without LCT, 8 epochs on a cosine schedule.  "resnet50-cifar-cpu": ResNet-50 with
+    # the ImageNet stem at 32 px (its last stage sees 1 x 1), one head, one view, 2 epochs: at
+    # about 100 images/s that is what 30 minutes holds, a check that the path runs end to end
+    # rather than a representation.
+    "alexnet-cifar-cpu": dict(arch="alexnet", k=128, heads=1, embed=128, width=48,
+                              small_stem=False, img_size=64, epochs=8, batch_size=256, lr=0.05,
+                              schedule="cosine", lr_drops=[], lr_values=[], views=1, lct=False,
+                              aug="strong", cutout=5, label_every=1, label_views=1,
+                              warmup_epochs=0, rot90=False),
+    "resnet50-cifar-cpu": dict(arch="resnet50", k=128, heads=1, embed=0, width=64,
+                               small_stem=False, img_size=32, epochs=2, batch_size=256, lr=0.05,
+                               schedule="cosine", lr_drops=[], lr_values=[], views=1, lct=False,
+                               aug="strong", cutout=8, label_every=1, label_views=1,
+                               warmup_epochs=0, rot90=False),
 }
 
 
-def preset_for(name: str, device: torch.device) -> str:
-    """'auto' -> 'paper' on CUDA, 'cpu' otherwise; other names as given."""
+NATURAL = ("cifar10", "cifar100", "svhn")   # data sets the paper trains AlexNet on (its 32-px sets)
+
+
+def preset_for(name: str, device: torch.device, dataset: str | None = None) -> str:
+    """'auto' -> the paper's protocol for the data set on CUDA and its CPU twin otherwise:
+    'alexnet-cifar(-cpu)' for CIFAR-10/100 and SVHN, 'paper' / 'cpu' for the rest (remote
+    sensing); other names as given."""
     if name == "auto":
-        return "paper" if device.type == "cuda" else "cpu"
+        cuda = device.type == "cuda"
+        if dataset in NATURAL:
+            return "alexnet-cifar" if cuda else "alexnet-cifar-cpu"
+        return "paper" if cuda else "cpu"
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from auto, {', '.join(PRESETS)}")
     return name
@@ -472,7 +517,8 @@ def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
                         "(it does not change the features: the model is in eval mode)")
     p.add_argument("--feature", default="pool", help="the layer evaluated: pool (the backbone's "
                    "pooled output, default), embed (the embedding, for models with one: the "
-                   "paper's 128-d AlexNet layer), or conv1 .. conv5 (a conv block averaged over space)")
+                   "paper's 128-d AlexNet layer), conv1 .. conv5 (a conv block averaged over "
+                   "space), or auto (embed when the model has an embedding, else pool)")
     p.add_argument("--output", default=None,
                    help=f"results JSON; default <checkpoint dir>/{prefix}_<checkpoint stem>.json "
                    "(_<feature> added for another --feature)")
@@ -484,6 +530,10 @@ def eval_features(args):
     """(device, features) for an evaluation script's flags (add_checkpoint_args)."""
     device = pick_device(args.device)
     try:
+        if getattr(args, "feature", "pool") == "auto":   # resolved here, so output names say it
+            if not os.path.isfile(args.checkpoint):
+                raise FileNotFoundError(f"no checkpoint at {args.checkpoint}")
+            args.feature = "embed" if load_file(args.checkpoint)["model_cfg"].get("embed") else "pool"
         feats = checkpoint_features(args.checkpoint, args.data, device=device,
                                     batch_size=args.batch_size, progress=not args.no_progress,
                                     layer=getattr(args, "feature", "pool"))

@@ -830,3 +830,22 @@ def test_photometric_ops_whole_batch_equal_per_op_selection(B, side):
     a, b = run(True), run(False)
     assert torch.equal(a, b)
     assert not torch.equal(a, x)                     # the ops did change the images
+
+
+def test_augment_rot90_off_keeps_images_upright():
+    """rot90=False (natural images): the bright top half stays on top in every view; with the
+    default (overhead images) some views are turned; the random stream is the same either way."""
+    x = torch.zeros(64, 3, 32, 32, dtype=torch.uint8)
+    x[:, :, :16] = 220
+    def top_minus_bottom(out):
+        return out[:, :, :8].mean((1, 2, 3)) - out[:, :, -8:].mean((1, 2, 3))
+    up = otl.augment(x, 32, scale=(1.0, 1.0), generator=gen(5), rot90=False)
+    assert (top_minus_bottom(up) > 0.3).all()
+    turned = otl.augment(x, 32, scale=(1.0, 1.0), generator=gen(5))
+    assert (top_minus_bottom(turned) < 0.3).sum() >= 16      # about 3 in 4 are turned
+    g = gen(6)
+    otl.augment(x, 32, generator=g, rot90=False)
+    after_off = torch.rand(1, generator=g)
+    g = gen(6)
+    otl.augment(x, 32, generator=g)
+    assert torch.equal(after_off, torch.rand(1, generator=g))

@@ -3,6 +3,8 @@ eval_linear -> report."""
 import json
 import os
 
+import pytest
+
 import eval_knn
 import eval_linear
 import report
@@ -41,3 +43,42 @@ def test_end_to_end_train_evaluate_report(small_data, tmp_path):
     again = json.loads((out / "eurosat_again.json").read_text())
     assert again["otl"]["final"] == js["otl"]["final"]
     assert (out / "eurosat_again.md").read_text().startswith("# eurosat_again: results")
+
+
+def test_feature_auto_and_the_overview_of_every_table(small_data, tmp_path):
+    """eval_*.py --feature auto takes the embedding of a model that has one (files named _embed),
+    report.py --feature auto reads them, and --overview writes every table of the paper: our run
+    where one exists, a row that says why for every data set without one."""
+    runs = tmp_path / "runs"
+    train(small_data, runs / "a", "--epochs", "1", "--arch", "alexnet", "--width", "8",
+          "--img-size", "64", "--embed", "16", "--heads", "2")
+    ck = str(runs / "a" / "checkpoint.pth")
+    k = eval_knn.main(eval_knn.get_args_parser().parse_args(
+        ["--checkpoint", ck, "--device", "cpu", "--no-progress", "--feature", "auto", "--ks", "10"]))
+    lin = eval_linear.main(eval_linear.get_args_parser().parse_args(
+        ["--checkpoint", ck, "--device", "cpu", "--no-progress", "--feature", "auto"]))
+    saved = json.loads((runs / "a" / "knn_checkpoint_embed.json").read_text())
+    assert saved["feat_dim"] == 16 and saved["knn_top1"] == k["knn_top1"]
+    assert json.loads((runs / "a" / "linear_checkpoint_embed.json").read_text())["feat_dim"] == 16
+    out = tmp_path / "results"
+    report.main(report.get_args_parser().parse_args(
+        ["--dataset", "cifar10", "--runs", str(runs), "--out", str(out), "--otl-run", "a",
+         "--feature", "auto"]))
+    js = json.loads((out / "cifar10.json").read_text())
+    assert js["otl"]["feature"] == "embed"
+    assert js["otl"]["final"]["linear"] == lin["linear_top1"]
+    report.main(report.get_args_parser().parse_args(
+        ["--overview", "--runs", str(runs), "--out", str(out), "--run-for", "alexnet:cifar10=a"]))
+    md = (out / "tables.md").read_text()
+    for title in ("ResNet-18 on remote-sensing", "AlexNet on natural images", "ResNet-50 on natural"):
+        assert title in md
+    ours = [line for line in md.splitlines() if line.startswith("| cifar10 | ours |")]
+    assert len(ours) == 2      # AlexNet's table has the run, ResNet-50's says there is none
+    assert f"{k['knn_top1']['10']:.1f}" in ours[0] and "features: embed" in ours[0]
+    assert "no run" in ours[1]
+    for ds in ("ucmerced", "siri_whu", "aid", "patternnet", "nwpu_resisc45", "svhn", "imagenet"):
+        assert f"| {ds} | ours | - |" in md
+    assert "| eurosat | paper | 94.4 |" in md
+    with pytest.raises(SystemExit, match="TABLE:DATASET=RUN"):
+        report.main(report.get_args_parser().parse_args(
+            ["--overview", "--runs", str(runs), "--out", str(out), "--run-for", "cifar10=a"]))

@@ -177,3 +177,30 @@ def test_str2bool():
 def test_load_prepared_says_what_to_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="run prepare_data.py --out"):
         utils.load_prepared(str(tmp_path))
+
+
+def test_auto_preset_follows_the_data_set_and_every_preset_builds():
+    """auto: the paper's protocol for the data set (AlexNet for CIFAR and SVHN) on CUDA, its CPU
+    twin otherwise; every preset has every key and its network builds and runs at its size."""
+    import otl
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for ds in ("cifar10", "cifar100", "svhn"):
+        assert utils.preset_for("auto", cpu, ds) == "alexnet-cifar-cpu"
+        assert utils.preset_for("auto", cuda, ds) == "alexnet-cifar"
+    for ds in (None, "eurosat", "hmhr", "folder"):
+        assert utils.preset_for("auto", cpu, ds) == "cpu"
+        assert utils.preset_for("auto", cuda, ds) == "paper"
+    assert utils.preset_for("resnet50-cifar-cpu", cpu, "cifar10") == "resnet50-cifar-cpu"
+    keys = set(utils.PRESETS["paper"])
+    for name, p in utils.PRESETS.items():
+        assert set(p) == keys, name
+        assert p["rot90"] == (name not in ("alexnet-cifar", "alexnet-cifar-cpu", "resnet50-cifar",
+                                           "resnet50-cifar-cpu")), name
+        cfg = otl.ModelConfig(arch=p["arch"], k=p["k"], heads=p["heads"], embed=p["embed"],
+                              width=p["width"], small_stem=p["small_stem"])
+        model = otl.build_model(cfg).eval()
+        with torch.no_grad():
+            out = model(torch.zeros(2, 3, p["img_size"], p["img_size"], dtype=torch.uint8))
+        assert out.shape == (2, p["heads"] * p["k"]), name
+        if p["schedule"] == "step":
+            assert len(p["lr_drops"]) == len(p["lr_values"]), name
