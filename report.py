@@ -74,6 +74,18 @@ def _load(path):
     return None
 
 
+def _split_of(res):
+    """What the evaluation's test split was, from its data set's manifest: 'official' or the
+    seeded random fraction, and how many test images."""
+    n = res.get("n_test")
+    man = _load(os.path.join(res.get("data_dir") or "", "manifest.json")) or {}
+    if man.get("split") == "official":
+        return f"the official test split ({n:,} images)" if n else "the official test split"
+    frac = man.get("test_frac") or 0.2
+    what = f"a seeded, stratified random {round(100 * frac)} % test split"
+    return f"{what} ({n:,} images)" if n else what
+
+
 def run_summary(run_dir, feature="pool"):
     """Accuracies of the final checkpoint and of the random-init snapshot of one run folder."""
     if not os.path.isdir(run_dir):
@@ -86,6 +98,8 @@ def run_summary(run_dir, feature="pool"):
     for tag, stem in (("final", "checkpoint"), ("random_init", "checkpoint0000")):
         knn = _load(os.path.join(run_dir, f"knn_{stem}{sfx}.json"))
         lin = _load(os.path.join(run_dir, f"linear_{stem}{sfx}.json"))
+        if tag == "final" and (knn or lin):
+            out["test_split"] = _split_of(knn or lin)
         out[tag] = {"knn": knn["knn_top1"] if knn else None,
                     "linear": lin["linear_top1"] if lin else None,
                     "epoch": (knn or lin or {}).get("epoch")}
@@ -178,8 +192,9 @@ def main(args):
         otl_run = run_summary(os.path.join(args.runs, args.otl_run or args.dataset), args.feature)
         sup_run = run_summary(os.path.join(args.runs, f"{args.dataset}_supervised"), args.feature)
         runs = [("OTL (ours)", otl_run), ("supervised (ours)", sup_run)]
+    split = next((r["test_split"] for _, r in runs if r and r.get("test_split")), "the test split")
     lines = [f"# {report_name}: results", "",
-             "Top-1 accuracy (%) on the test split (seeded random 20 %); kNN weighted by exp(sim/0.1).",
+             f"Top-1 accuracy (%) on {split}; kNN weighted by exp(sim/0.1).",
              "", "| model | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear | notes |",
              "|---|---|---|---|---|---|---|"]
     for name, run in runs:

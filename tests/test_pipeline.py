@@ -35,6 +35,7 @@ def test_end_to_end_train_evaluate_report(small_data, tmp_path):
     md = (out / "eurosat.md").read_text()
     assert "OTL (ours)" in md and "supervised (ours)" in md and "random init (ours)" in md
     assert "94.4" in md  # the paper's row
+    assert "random 20 % test split (40 images)" in md   # the split, from the data's manifest
     js = json.loads((out / "eurosat.json").read_text())
     assert js["otl"]["final"]["knn"] and js["otl"]["random_init"]["linear"] is not None
     # another run folder under another name: its own report, the same numbers
