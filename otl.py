@@ -918,10 +918,10 @@ class StreamingTranslator:
     1. an ascending auction: every over-full cluster raises its T_j to the middle of the gap
        that leaves just its excess below (ranks exchange only k-vectors);
     2. an exact finish: shortest augmenting paths between over- and under-full clusters (a
-       Dijkstra on the k clusters over the edges that cost at most tau, edge a -> b the
-       cheapest row of a to move to b, from a k x k table of those rows that a round updates
-       only for the clusters that gained or lost a row), with T moved by the path lengths so
-       every row stays at its argmax; several disjoint paths per round;
+       Dijkstra on the k clusters over the moves that cost at most tau, edge a -> b the
+       cheapest row of a to move to b; when most moves are needed, from a k x k table of those
+       rows that a round updates only for the clusters that gained or lost a row), with T moved
+       by the path lengths so every row stays at its argmax; several disjoint paths per round;
     3. strict argmax: moved rows sit exactly on a tie; T is nudged along the order of those ties
        by less than half of any other margin, so each row's label becomes its strict argmax.
 
@@ -1593,13 +1593,63 @@ class _ExactSolver:
 
     # -- 2. exact finish: shortest augmenting paths ------------------------------------------
     # Moving row i from its cluster a to b costs r_ib = (V_ia - dT_a) - (V_ib - dT_b) >= 0 of
-    # score (V: vals); the edge a -> b of the cluster graph is the cheapest such row.  Its base
-    # V_ia - V_ib does not depend on T, so the solver keeps, for every pair of clusters, the
-    # cheapest base among all rows and its row (a k x k table, built in one pass), and after a
-    # round looks again only at the rows of the clusters that gained or lost one: a round costs
-    # the rows it touches, not every candidate.  Dijkstra runs on the edges that cost at most
-    # tau at the current T, so a distance below tau is exact; tau grows when no needy cluster
-    # lies within it.
+    # score (V: vals); the edge a -> b of the cluster graph is the cheapest such row.  A round
+    # needs only the edges shorter than the paths it routes, so the solver keeps the moves that
+    # cost at most tau (a short list, built in one pass: _pairs, _list_edges).  On crowded real
+    # outputs tau must grow until most moves are kept, and rebuilding the graph from all of them
+    # every round dominated; then it switches to a k x k table of each cluster pair's cheapest
+    # base V_ia - V_ib (independent of T) and its row, of which a round recomputes only the
+    # clusters that gained or lost a row (_edge_table, _edges).
+    def _pairs(self, rows, tau):
+        """(row, cluster b, V_ia - V_ib) of every candidate move of `rows` (local, ascending, or
+        self.all_rows) that costs at most tau at the current dT."""
+        out = [[], [], []]
+        for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
+            r = rows[s:s + self.chunk]
+            cr, lab = cr.long(), self.labels[r]
+            own = vr.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
+            base = own - vr                                  # +inf for empty slots (vals = -inf)
+            cost = base + self._gathered(self.dT, cr) - self.dT.index_select(0, lab)[:, None]
+            i, j = ((cost <= tau) & (cr != lab[:, None]) & torch.isfinite(base)).nonzero(as_tuple=True)
+            out[0].append(r.index_select(0, i))
+            out[1].append(cr[i, j])
+            out[2].append(base[i, j])
+        if not out[0]:
+            z = torch.zeros(0, dtype=torch.int64, device=self.dev)
+            return z, z, torch.zeros(0, dtype=torch.float64, device=self.dev)
+        return tuple(torch.cat(o) for o in out)
+
+    def _list_edges(self, pairs, W0, arg):
+        """The cluster graph on the kept moves: (a, b, cost at the current dT, row id) per edge
+        a -> b, its cheapest move and, among equal ones, the lowest global row id (the same row on
+        every rank and in every chunking).  W0 and arg are k*k scratch arrays (inf / max), left
+        as they were found."""
+        k, BIG = self.k, torch.iinfo(torch.int64).max
+        prow, pb, pbase = pairs
+        key = self.labels.index_select(0, prow) * k + pb
+        W0.scatter_reduce_(0, key, pbase, "amin")
+        rid = self.rows_global.index_select(0, prow)
+        if self.comm.on:   # ranks agree on the global cheapest move first
+            w = self.comm.min(W0.clone())
+            hit = pbase == w.index_select(0, key)
+            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
+            a = self.comm.min(arg.clone())
+            W0[key], arg[key] = math.inf, BIG
+            e = torch.isfinite(w).nonzero()[:, 0]
+            ew, er = w.index_select(0, e), a.index_select(0, e)
+        else:
+            hit = pbase == W0.index_select(0, key)
+            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
+            one = hit & (rid == arg.index_select(0, key))   # one entry per edge
+            e, ew, er = key[one], pbase[one], rid[one]
+            W0[key], arg[key] = math.inf, BIG
+        e, order = e.sort()                       # row-major: a csr matrix as it stands
+        ew, er = ew.index_select(0, order), er.index_select(0, order)
+        ea, eb = e // k, e % k
+        ew = ew + self.dT.index_select(0, eb) - self.dT.index_select(0, ea)
+        indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
+        return e.cpu(), eb.cpu(), ew.clamp(min=0).cpu(), er.cpu(), indptr.cpu()
+
     def _edge_table(self, W, arg, clusters=None):
         """The cheapest base V_ia - V_ib of a move a -> b among this process's rows (W, k*k
         float64, inf: none) and its row (arg: the lowest global row id among equal ones, so the
@@ -1646,10 +1696,16 @@ class _ExactSolver:
                 ag.index_select(0, e).cpu(), indptr.cpu())
 
     def _finish(self, history, tau0, max_phases=10000):
+        """Rounds of shortest paths on one of two graphs: while the moves that cost at most tau
+        are few, a list of them (built in one pass; a round re-reads only the moved rows, and a
+        distance is trusted below tau minus how far T has moved since); once they are more than
+        a quarter of all candidate moves (real networks' crowded outputs), the k x k table of
+        every cluster pair's cheapest move, of which a round recomputes only the clusters that
+        gained or lost a row (there a distance below tau is exact)."""
         k, dev = self.k, self.dev
-        W = torch.empty(k * k, dtype=torch.float64, device=dev)
-        arg = torch.empty(k * k, dtype=torch.int64, device=dev)
-        built, tau = False, float(tau0)
+        W = torch.full((k * k,), math.inf, dtype=torch.float64, device=dev)
+        arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
+        pairs, tau, dT_built, table = None, float(tau0), None, False
         while self.phases < max_phases:
             counts = self.counts.cpu()
             lo, hi = self.lo.cpu(), self.hi.cpu()
@@ -1659,10 +1715,19 @@ class _ExactSolver:
                 give, take = (counts - lo).clamp(min=0), (lo - counts).clamp(min=0)
             else:
                 return True
-            if not built:
-                self._edge_table(W, arg)
-                built = True
-            ek, eb, ew, er, indptr = self._edges(W, arg, tau)
+            if not table and pairs is None:
+                pairs, dT_built = self._pairs(self.all_rows, tau), self.dT.clone()
+                n_pairs = int(self.comm.sum(torch.tensor([pairs[0].numel()]))[0])
+                n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])
+                if n_pairs > n_moves // 4:      # most moves kept: the table is cheaper per round
+                    table, pairs = True, None
+                    self._edge_table(W, arg)
+            if table:
+                trust = tau
+                ek, eb, ew, er, indptr = self._edges(W, arg, tau)
+            else:
+                trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
+                ek, eb, ew, er, indptr = self._list_edges(pairs, W, arg)
             d, pred = _shortest_paths(k, ek, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
             at = torch.searchsorted(ek, pred * k + torch.arange(k)).clamp(max=max(ek.numel() - 1, 0))
             row_of = er[at] if ek.numel() else torch.zeros(k, dtype=torch.int64)  # edge pred[x] -> x
@@ -1671,7 +1736,7 @@ class _ExactSolver:
             gl, tl = give.tolist(), take.tolist()
             used, moves, D = set(), [], None
             for b in torch.argsort(d, stable=True).tolist():
-                if not dl[b] <= tau:      # beyond tau a path may miss a left-out edge
+                if not (dl[b] <= trust if table else dl[b] < trust):   # beyond: an edge may be left out
                     break
                 if tl[b] <= 0 or pl[b] < 0:
                     continue
@@ -1691,13 +1756,14 @@ class _ExactSolver:
                 moves += path
                 D = dl[b]
             if D is None:
-                if math.isinf(tau):
-                    return False     # no move reaches a cluster that needs rows
-                # the needy clusters lie beyond tau: let in costlier edges and try again
                 needy = d[take > 0]
+                if math.isinf(tau) or not needy.numel():
+                    return False     # no move reaches a cluster that needs rows
+                # the needy clusters lie beyond tau: let in costlier moves and try again
                 near = float(needy.min()) if needy.numel() else math.inf
                 grown = 2 * max(tau, near) if math.isfinite(near) else math.inf
                 tau = grown if grown > tau else math.inf     # tau = 0 (exact ties, no tie-break)
+                pairs = None
                 continue
             self.phases += 1
             # potentials: every cluster closer than D moves up by D - d; tree edges become ties
@@ -1708,13 +1774,22 @@ class _ExactSolver:
             li = torch.searchsorted(self.rows_global, ids).clamp(max=max(self.rows_global.numel() - 1, 0))
             here = ((self.rows_global[li] == ids) if self.rows_global.numel()
                     else torch.zeros_like(ids, dtype=torch.bool))
+            moved = li[here].unique()            # the moved rows that live here (ascending ids)
             self.labels[li[here]] = to[here]
             self.counts = self._count()
             history.append(self._std())
-            # the clusters that lost or gained a row (on any rank): their rows of the table again
-            touched = torch.zeros(k, dtype=torch.bool, device=dev)
-            touched[torch.tensor([a for _, a, _ in moves] + [b for _, _, b in moves], device=dev)] = True
-            self._edge_table(W, arg, touched)
+            if table:   # the clusters that lost or gained a row (on any rank): their table rows
+                touched = torch.zeros(k, dtype=torch.bool, device=dev)
+                touched[torch.tensor([a for _, a, _ in moves] + [b for _, _, b in moves], device=dev)] = True
+                self._edge_table(W, arg, touched)
+                continue
+            # the moved rows' moves are relative to their new cluster: replace them, kept up to tau
+            # (from now on T only rises, so a move left out costs more than trust then too)
+            gone = torch.zeros(self.vals.shape[0], dtype=torch.bool, device=dev)
+            gone[moved] = True
+            keep = ~gone.index_select(0, pairs[0])
+            new = self._pairs(moved, tau)
+            pairs = tuple(torch.cat([p[keep], q]) for p, q in zip(pairs, new))
         return False
 
     def run(self, max_rounds, history, tau0):
