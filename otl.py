@@ -1599,18 +1599,25 @@ class _ExactSolver:
     # outputs tau must grow until most moves are kept, and rebuilding the graph from all of them
     # every round dominated; then it switches to a k x k table of each cluster pair's cheapest
     # base V_ia - V_ib (independent of T) and its row, of which a round recomputes only the
-    # clusters that gained or lost a row (_edge_table, _edges).
+    # clusters that gained or lost a row (_edge_table, _table_edges).
+    def _moves(self, rows):
+        """Every candidate move of `rows` (local, ascending, or self.all_rows), block by block:
+        (rows r, candidate clusters cr, labels lab, base V_ia - V_ib, valid: another cluster
+        and a finite value)."""
+        for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
+            r = rows[s:s + self.chunk]
+            cr, lab = cr.long(), self.labels.index_select(0, r)
+            own = vr.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
+            base = own - vr                                  # +inf for empty slots (vals = -inf)
+            yield r, cr, lab, base, (cr != lab[:, None]) & torch.isfinite(base)
+
     def _pairs(self, rows, tau):
         """(row, cluster b, V_ia - V_ib) of every candidate move of `rows` (local, ascending, or
         self.all_rows) that costs at most tau at the current dT."""
         out = [[], [], []]
-        for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
-            r = rows[s:s + self.chunk]
-            cr, lab = cr.long(), self.labels[r]
-            own = vr.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
-            base = own - vr                                  # +inf for empty slots (vals = -inf)
+        for r, cr, lab, base, valid in self._moves(rows):
             cost = base + self._gathered(self.dT, cr) - self.dT.index_select(0, lab)[:, None]
-            i, j = ((cost <= tau) & (cr != lab[:, None]) & torch.isfinite(base)).nonzero(as_tuple=True)
+            i, j = ((cost <= tau) & valid).nonzero(as_tuple=True)
             out[0].append(r.index_select(0, i))
             out[1].append(cr[i, j])
             out[2].append(base[i, j])
@@ -1665,12 +1672,7 @@ class _ExactSolver:
             W.view(k, k)[clusters] = math.inf
             arg.view(k, k)[clusters] = BIG
         for second in (False, True):     # the minima first, then the lowest row id at each
-            for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
-                r = rows[s:s + self.chunk]
-                cr, lab = cr.long(), self.labels.index_select(0, r)
-                own = vr.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
-                base = own - vr                              # +inf for empty slots (vals = -inf)
-                ok = (cr != lab[:, None]) & torch.isfinite(base)
+            for r, cr, lab, base, ok in self._moves(rows):
                 key = lab[:, None] * k + cr
                 if not second:
                     W.scatter_reduce_(0, key[ok], base[ok], "amin")
@@ -1679,7 +1681,7 @@ class _ExactSolver:
                     rid = self.rows_global.index_select(0, r)[:, None].expand_as(key)
                     arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
 
-    def _edges(self, W, arg, tau):
+    def _table_edges(self, W, arg, tau):
         """The cluster graph at the current dT on the edges that cost at most tau: (a * k + b,
         b, cost, row id) per edge a -> b, sorted by a, and the csr row pointers; on the CPU."""
         k = self.k
@@ -1706,6 +1708,7 @@ class _ExactSolver:
         W = torch.full((k * k,), math.inf, dtype=torch.float64, device=dev)
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
         pairs, tau, dT_built, table = None, float(tau0), None, False
+        n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])   # candidate slots, all ranks
         while self.phases < max_phases:
             counts = self.counts.cpu()
             lo, hi = self.lo.cpu(), self.hi.cpu()
@@ -1718,13 +1721,12 @@ class _ExactSolver:
             if not table and pairs is None:
                 pairs, dT_built = self._pairs(self.all_rows, tau), self.dT.clone()
                 n_pairs = int(self.comm.sum(torch.tensor([pairs[0].numel()]))[0])
-                n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])
                 if n_pairs > n_moves // 4:      # most moves kept: the table is cheaper per round
                     table, pairs = True, None
                     self._edge_table(W, arg)
             if table:
                 trust = tau
-                ek, eb, ew, er, indptr = self._edges(W, arg, tau)
+                ek, eb, ew, er, indptr = self._table_edges(W, arg, tau)
             else:
                 trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
                 ek, eb, ew, er, indptr = self._list_edges(pairs, W, arg)
