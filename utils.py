@@ -456,9 +456,10 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
                         batch_size: int = 256, progress: bool = True, layer: str = "pool") -> dict:
     """Frozen features (of `layer`: otl.OTLNet.features) of the train and test split for a
     checkpoint, extracted once and cached beside it as features_<checkpoint name>.pt (or
-    features_<name>_<layer>.pt; reused while the checkpoint and data are unchanged).  Returns
-    {"train": (Ntr, D), "test": (Nte, D), "train_labels", "test_labels",
-    "classes", "data_dir", "img_size", "checkpoint", "epoch"}."""
+    features_<name>_<layer>.pt; reused while the checkpoint and data are unchanged).  layer
+    "auto" is the embedding when the model has one, else "pool".  Returns {"train": (Ntr, D),
+    "test": (Nte, D), "train_labels", "test_labels", "classes", "data_dir", "img_size",
+    "checkpoint", "epoch", "layer" (the layer taken)}."""
     model, ckpt = load_checkpoint(ckpt_path, device)
     args = ckpt.get("args", {})
     given, data_dir = data_dir, data_dir or args.get("data")
@@ -474,6 +475,8 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
                          f"classes, counts, image size or split: {load_manifest(data_dir).get('classes')}); "
                          "pass --data with the folder it was trained on")
     size = int(args.get("img_size", 64))
+    if layer == "auto":                     # the embedding when the model has one
+        layer = "embed" if model.embedding is not None else "pool"
     stem = os.path.splitext(os.path.basename(ckpt_path))[0]
     if layer != "pool":
         stem += f"_{layer}"
@@ -486,7 +489,7 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     if os.path.isfile(cache):
         saved = load_file(cache)
         if saved.get("key") == key:
-            return saved
+            return {**saved, "layer": layer}
     d = load_prepared(data_dir)
     feats = otl.extract_features(model, d["images"], size, batch_size, device, progress,
                                  layer=layer)                                          # (N, D)
@@ -495,7 +498,7 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
            "classes": list(d["classes"]), "data_dir": data_dir, "img_size": size,
            "checkpoint": os.path.abspath(ckpt_path), "epoch": ckpt.get("epoch"), "key": key}
     save_checkpoint(out, cache)
-    return out
+    return {**out, "layer": layer}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,15 +533,13 @@ def eval_features(args):
     """(device, features) for an evaluation script's flags (add_checkpoint_args)."""
     device = pick_device(args.device)
     try:
-        if getattr(args, "feature", "pool") == "auto":   # resolved here, so output names say it
-            if not os.path.isfile(args.checkpoint):
-                raise FileNotFoundError(f"no checkpoint at {args.checkpoint}")
-            args.feature = "embed" if load_file(args.checkpoint)["model_cfg"].get("embed") else "pool"
         feats = checkpoint_features(args.checkpoint, args.data, device=device,
                                     batch_size=args.batch_size, progress=not args.no_progress,
                                     layer=getattr(args, "feature", "pool"))
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(str(e)) from None
+    if hasattr(args, "feature"):
+        args.feature = feats["layer"]        # "auto" resolved, so output names say which layer
     for part in ("train", "test"):
         if feats[part].shape[0] == 0:
             raise SystemExit(f"the {part} split of {feats['data_dir']} is empty: nothing to "
