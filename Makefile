@@ -111,11 +111,12 @@ cifar10-data: $(STAMP)
 # ImageNet has no preset of its own: make data DATASET=imagenet SRC=..., then train_otl.py.
 SHARED_cifar10 = cifar10_jpg.zip
 RUN_NAME ?=
+$(SETS): NAME = $(or $(RUN_NAME),$@)
 $(SETS): $(STAMP)
 	$(PY) prepare_data.py --dataset $@ $(if $(SRC),--source $(SRC),$(if $(and $(SHARED_$@),$(wildcard ../shared/data/$(SHARED_$@))),--source ../shared/data/$(SHARED_$@),--download)) --out data/$@
-	$(PY) train_otl.py --data data/$@ --output $(RUNS)/$(or $(RUN_NAME),$@) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(or $(RUN_NAME),$@) FEATURE=auto
-	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(or $(RUN_NAME),$@) --name $(or $(RUN_NAME),$@) --feature auto
+	$(PY) train_otl.py --data data/$@ --output $(RUNS)/$(NAME) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(NAME) FEATURE=auto
+	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(NAME) --name $(NAME) --feature auto
 	$(PY) report.py --overview --runs $(RUNS) --out results $(OVERVIEW_ARGS)
 
 # ------------------------------------------------------------------------- benchmarks

@@ -147,9 +147,8 @@ def overview(args):
         lines += [f"## {title}", "", "| data set | who | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear "
                   "| notes |", "|---|---|---|---|---|---|---|---|"]
         for ds in sets:
-            feature = "auto"
             folder = chosen.get(f"{arch}:{ds}", pattern.format(ds))
-            run = run_summary(os.path.join(args.runs, folder), feature)
+            run = run_summary(os.path.join(args.runs, folder), "auto")
             tr = (run or {}).get("train") or {}
             if run and run["final"]["knn"] and tr.get("arch", arch) == arch:
                 lines.append(_row(f"{ds} | ours", run["final"], _note(run)))
