@@ -10,6 +10,10 @@
 #   make cifar10                    CIFAR-10 with AlexNet (the CPU twin here), from ../shared/data; likewise
 #     make ucmerced|siri_whu|aid|patternnet|nwpu_resisc45|cifar100|svhn SRC=<archive or folder>
 #   make data DATASET=.. SRC=..     prepare any registered data set (hmhr-data, cifar10-data: ../shared/data)
+#   make ablations                  every study of the paper (ablations.py); one at a time:
+#     make ablation-beta|k-labeler|sinkhorn    labeler studies (minutes)
+#     make ablation-k|uneven|imbalanced|splits|labeler-in-training|lct   training studies (<= 2 h each
+#       on 2 CPU cores; ABL_PRESET=paper: the paper's scale, for a GPU); results/ablations/
 #   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
 # Variables: PRESET=auto|paper|fast|cpu|... (auto: the data set's protocol on CUDA, its CPU twin
 #   otherwise; docs/presets.md), DEVICE=auto|cpu|cuda,
@@ -25,11 +29,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablation-label-bn test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablations $(addprefix ablation-,$(ABLATIONS)) ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,17p' Makefile
+	@sed -n '1,21p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -140,6 +144,20 @@ train-bench-gpu: $(STAMP)
 	$(PY) bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out results/train_throughput_gpu.json
 
 # ------------------------------------------------------------------------- experiments
+# The paper's studies (ablations.py --help; docs/ablations.md): each resumes where it stopped and
+# writes results/ablations/<study>.json, .md, .png.  ABL_ARGS: extra ablations.py flags.
+ABL_PRESET ?= study
+ABL_ARGS   ?=
+ABL_CIFAR   = beta k-labeler sinkhorn k uneven imbalanced labeler-in-training lct
+ABLATIONS   = $(ABL_CIFAR) splits
+ablations: $(addprefix ablation-,$(ABLATIONS))
+
+$(addprefix ablation-,$(ABL_CIFAR)): ablation-%: cifar10-data
+	$(PY) ablations.py $* --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
+
+ablation-splits: eurosat-data
+	$(PY) ablations.py splits --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
+
 # The label pass's BatchNorm mode on a fresh cpu-preset network (docs/label_bn.md)
 ablation-label-bn: eurosat-data
 	$(PY) ablations.py label-bn --data data/eurosat --output $(RUNS)/label_bn --device $(DEVICE)

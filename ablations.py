@@ -1,26 +1,131 @@
-"""The paper's studies and our own experiments, each a command that writes a results JSON.
+"""The paper's studies, rerun: each a grid of runs of the stage scripts (train_otl.py, eval_knn.py,
+eval_linear.py) or of the labelers alone, with our numbers beside the paper's.
 
-    python ablations.py label-bn --data data/eurosat --output runs/bn
+    python ablations.py beta                    # a labeler study: minutes on 2 CPU cores
+    python ablations.py k                       # a training study: at most 2 h on 2 CPU cores
+    python ablations.py k --preset paper        # the same grid at the paper's scale (a GPU)
+    make ablation-k                             # the same; `make ablations` runs every study
 
-Studies:
-  label-bn   the label pass's BatchNorm mode: label the training split once with running
-             statistics (eval) and once with batch statistics, and translate each with the
-             published rules as the authors' code runs them (start at 0, no tie-break) and with
-             ours; writes <output>/label_bn.json.  docs/label_bn.md has the recorded runs.
+Every study writes <out>/<study>.json (every grid point, the command and commit), <study>.md (the
+table and whether our trend agrees with the paper's) and <study>.png (the plot).  The runs live in
+<runs>/<preset>/<study>/<point>/; a run that has finished (its results.json and evaluation JSONs
+are there) is skipped, an interrupted one resumes from its checkpoint, so rerunning the same
+command after a crash or a Ctrl-C continues where it stopped.  The labeler studies keep each
+measurement in <runs>/<preset>/labeler/measurements.jsonl and skip the ones made.
+
+Labeler studies (no training; N = 50,000; inputs: Gaussian outputs and the outputs of a randomly
+initialised network on CIFAR-10's training split, the paper's two inputs):
+  beta              the published labeler's std of the counts against iteration for beta = 1.5 ..
+                    6 and 5 .. 50, k = 128 (paper: even for the whole range)
+  k-labeler         iterations and final std of the published labeler (and ours) for k = 50 ..
+                    1000 (paper: about 20 iterations or fewer for every k)
+  sinkhorn          OTL (published and ours) against Sinkhorn-Knopp for k = 50, 100, .., 1000:
+                    final std and seconds (paper: OTL more even for every k)
+Training studies (CIFAR-10 unless said; --preset study is sized for 2 CPU cores, see PRESETS):
+  k                 k in 10 .. 1024: kNN and linear accuracy against k
+  uneven            target n_i ~ i^x, x = 0 .. 10, k = 128: kNN against the target's evenness
+  imbalanced        the paper's D_100 .. D_500 subsets (0, d, .., 9d images deleted from classes
+                    0 .. 9) against even subsets of the same size: kNN
+  splits            five seeded 80/20 splits of a remote-sensing set: mean and spread
+  labeler-in-training  the same training with the published labeler, ours and Sinkhorn-Knopp
+  lct               LCT with 1, 2 and 4 views, the loss averaged over view pairs or summed
+Other:
+  label-bn          the label pass's BatchNorm mode (docs/label_bn.md): writes
+                    <output>/label_bn.json; its own flags (ablations.py label-bn --help)
 """
 import argparse
 import json
+import math
 import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
 
 import torch
 
 import otl
 import utils
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# What each scale trains with: the train_otl.py flags of the CIFAR-10 studies ("cifar") and of the
+# remote-sensing splits study ("rs").  The paper ran its studies with fewer epochs than its main
+# runs, simple augmentation and no LCT; "study" does the same at CPU size: the study-cpu preset
+# (utils.PRESETS: ResNet-18 at half width on CIFAR's 32 px, 10 epochs, one view, simple
+# augmentation), and the cpu preset for EuroSAT cut to 16 epochs so five runs fit in 2 hours.
+# "paper" is the paper's networks and schedules (alexnet-cifar, paper) with the studies' changes;
+# the paper's study epochs were not readable here, so its presets' epochs stand (--train-args
+# "--epochs N" changes them).
+SCALES = {
+    "study": {"cifar": ["--preset", "study-cpu"], "rs": ["--preset", "cpu", "--epochs", "16"],
+              "labeler_net": "alexnet-cifar-cpu"},
+    "paper": {"cifar": ["--preset", "alexnet-cifar", "--aug", "simple", "--views", "1",
+                        "--label-views", "1", "--lct", "false"],
+              "rs": ["--preset", "paper"], "labeler_net": "alexnet-cifar"},
+}
+
+# What the paper reports for each study: its claim, and its numbers where they could be read.
+PAPER = {
+    "beta": "even distributions for every beta from 1.5 to 50: the labeler is insensitive to beta",
+    "k-labeler": "about 20 iterations or fewer for every k from 50 to 1000",
+    "sinkhorn": "OTL gives more even clusters than Sinkhorn-Knopp for every k",
+    "k": "accuracy against k on CIFAR-10 (the paper's figure; its values were not transcribed)",
+    "uneven": "accuracy falls as the target's evenness falls",
+    "imbalanced": "kNN of OTL trained on the uneven D_100 .. D_500: 77.0, 76.8, 76.0, 75.4, 73.6",
+    "splits": "five random 80/20 splits of SIRI-WHU (its mean and spread were not transcribed)",
+    "labeler-in-training": "not in the paper (ours)",
+    "lct": "not in the paper (ours); the paper writes the LCT loss as a sum over view pairs",
+}
+PAPER_IMBALANCED = {100: 77.0, 200: 76.8, 300: 76.0, 400: 75.4, 500: 73.6}
+
+LABELER_STUDIES = ("beta", "k-labeler", "sinkhorn")
+TRAINING_STUDIES = ("k", "uneven", "imbalanced", "splits", "labeler-in-training", "lct")
+GRIDS = {   # each study's default grid (--grid replaces it)
+    "beta": [1.5, 2, 2.5, 3, 4, 5, 6, 10, 20, 30, 40, 50],
+    "k-labeler": list(range(50, 1001, 50)),
+    "sinkhorn": list(range(50, 1001, 50)),
+    "k": [10, 32, 64, 128, 256, 512, 1024],
+    "uneven": [0, 2, 4, 6, 8, 10],
+    "imbalanced": [100, 200, 300, 400, 500],
+    "splits": [0, 1, 2, 3, 4],
+    "labeler-in-training": ["published", "exact", "sinkhorn"],
+    "lct": ["1-mean", "2-mean", "2-sum", "4-mean", "4-sum"],
+}
+EVALS = {"k": ("knn", "linear"), "uneven": ("knn",), "imbalanced": ("knn",),
+         "splits": ("knn", "linear"), "labeler-in-training": ("knn", "linear"), "lct": ("knn",)}
+DATA = {"splits": "data/eurosat"}     # the rest: data/cifar10
+
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="study", required=True, metavar="STUDY")
+    for name in LABELER_STUDIES + TRAINING_STUDIES:
+        s = sub.add_parser(name, help=PAPER[name])
+        s.add_argument("--preset", default="study", choices=list(SCALES), help="study: sized for "
+                       "2 CPU cores (see SCALES in ablations.py: what it gives up); paper: the "
+                       "paper's networks and schedules, for a GPU")
+        s.add_argument("--runs", default="runs/ablations", help="folder of the study's runs "
+                       "(<runs>/<preset>/<study>/<point>); a finished run there is skipped")
+        s.add_argument("--out", default="results/ablations", help="folder of <study>.json, .md "
+                       "and .png (<study>_paper.* with --preset paper)")
+        s.add_argument("--data", help=f"prepared data folder (default {DATA.get(name, 'data/cifar10')}"
+                       "; the labeler studies use its training split as the network's input)")
+        s.add_argument("--grid", help="comma list replacing the study's grid, e.g. 16,32 (default "
+                       f"{','.join(str(g) for g in GRIDS[name])})")
+        s.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
+        s.add_argument("--seed", type=int, default=0, help="seeds the inputs, the networks and "
+                       "the training runs")
+        s.add_argument("--no-plot", action="store_true", help="skip the PNG (needs matplotlib)")
+        s.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
+        if name in LABELER_STUDIES:
+            s.add_argument("--n", type=int, default=50_000, help="rows of each input (50,000: "
+                           "the paper's, CIFAR-10's training split)")
+            s.add_argument("--k", type=int, default=128, help="clusters (beta only; the paper's 128)")
+        else:
+            s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
+                           "run, e.g. \"--epochs 4\" (they win over the preset's)")
     s = sub.add_parser("label-bn", help="BatchNorm statistics in the label pass: eval or batch")
     s.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
     s.add_argument("--output", required=True, help="folder for label_bn.json; a checkpoint.pth "
@@ -38,6 +143,511 @@ def get_args_parser():
     s.add_argument("--no-progress", action="store_true", help="no tqdm bars (for logs)")
     return p
 
+
+# ==============================================================================================
+# Labeler studies
+# ==============================================================================================
+
+def parse_grid(study, text):
+    """The study's grid, or --grid's comma list in the grid's own type."""
+    if not text:
+        return list(GRIDS[study])
+    kind = type(GRIDS[study][0])
+    try:
+        vals = [kind(v) if kind is not float else float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--grid {text!r}: {study}'s grid values are like "
+                         f"{','.join(str(g) for g in GRIDS[study][:3])}")
+    bad = [v for v in vals if kind is str and v not in GRIDS[study]]
+    if bad or not vals:
+        raise SystemExit(f"--grid {text!r}: choose from {','.join(GRIDS[study])}")
+    return vals
+
+
+class Inputs:
+    """The labeler studies' (N, k) outputs: "gaussian" (torch.randn, seeded per k) and
+    "random_net" (the training split of --data through a freshly initialised network of the
+    scale's labeler_net preset, a fresh k-way head per k: utils.random_net_features); the
+    network's features are computed once and cached under the runs folder."""
+
+    def __init__(self, args, folder):
+        self.args, self.folder, self.feats = args, folder, None
+
+    def get(self, name, k):
+        n, seed = self.args.n, self.args.seed
+        if name == "gaussian":
+            return torch.randn(n, k, generator=torch.Generator().manual_seed(seed * 100_003 + k))
+        if self.feats is None:
+            self.feats = self._features()
+        return utils.fresh_head_outputs(self.feats, k, seed)
+
+    def _features(self):
+        a = self.args
+        data = a.data or "data/cifar10"
+        net = SCALES[a.preset]["labeler_net"]
+        path = os.path.join(self.folder, f"features_{net}_{utils.data_identity(data)[:12]}"
+                            f"_n{a.n}_seed{a.seed}.pt")
+        if os.path.isfile(path):
+            return torch.load(path, weights_only=True)
+        d = utils.load_prepared(data)
+        images = d["images"][d["train_idx"]]
+        if len(images) < a.n:
+            raise SystemExit(f"{data}'s training split has {len(images):,} images, fewer than "
+                             f"--n {a.n:,}")
+        t0 = time.time()
+        feats = utils.random_net_features(images[:a.n], utils.load_manifest(data), net, a.seed,
+                                          utils.pick_device(a.device), not a.no_progress).cpu()
+        print(f"random_net: {net} features of {a.n:,} images in {time.time() - t0:.0f} s", flush=True)
+        os.makedirs(self.folder, exist_ok=True)
+        torch.save(feats, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return feats
+
+
+def measure_labeler(O, method, beta=1.5):
+    """One labeler on O: final std against the even target, max - min, iterations, seconds, and
+    the std after every step (published)."""
+    n, k = O.shape
+    t0 = time.perf_counter()
+    history = None
+    if method == "sinkhorn":
+        labels, _, iters = otl.sinkhorn_knopp(O)
+    elif method == "published":    # Algorithm 1 as the authors' code runs it: T from 0, no tie-break
+        res = otl.translate(O, method="published", beta=beta, init="zero", tie_eps=0)
+        labels, iters, history = res.labels, res.iterations, res.std_history
+    else:
+        res = otl.translate(O, method="exact")
+        labels, iters = res.labels, res.iterations
+    seconds = time.perf_counter() - t0
+    counts = torch.bincount(labels.cpu(), minlength=k).double()
+    rec = {"std": (counts - n / k).pow(2).mean().sqrt().item(), "max_minus_min": int(counts.max() - counts.min()),
+           "iterations": int(iters), "seconds": round(seconds, 4),
+           "std_max": n * math.sqrt(k - 1) / k, "std_before": None}
+    raw = torch.bincount(O.argmax(1).cpu(), minlength=k).double()
+    rec["std_before"] = (raw - n / k).pow(2).mean().sqrt().item()
+    if history is not None:
+        rec["std_history"] = [round(h, 4) for h in history]
+    return rec
+
+
+def labeler_study(args):
+    """beta, k-labeler, sinkhorn: every (input, k, method, beta) measured once, kept in
+    measurements.jsonl (so a rerun skips what is there), then the study's table and plot."""
+    folder = os.path.join(args.runs, args.preset, "labeler")
+    os.makedirs(folder, exist_ok=True)
+    store = os.path.join(folder, "measurements.jsonl")
+    done = {}
+    if os.path.isfile(store):
+        with open(store) as fh:
+            for line in fh:
+                if line.strip():
+                    r = json.loads(line)
+                    done[r["key"]] = r
+    grid = parse_grid(args.study, args.grid)
+    if args.study == "beta":
+        todo = [(inp, args.k, "published", b) for inp in ("gaussian", "random_net") for b in grid]
+    else:
+        methods = ("published", "exact") + (("sinkhorn",) if args.study == "sinkhorn" else ())
+        todo = [(inp, k, m, 1.5) for inp in ("gaussian", "random_net") for k in grid for m in methods]
+    bad = [k for _, k, _, _ in todo if not 2 <= k <= args.n]
+    if bad:
+        raise SystemExit(f"k must lie in [2, --n {args.n}], got {sorted(set(bad))}")
+    torch.set_num_threads(os.cpu_count() or 1)   # every measurement on all cores, one at a time
+    inputs, rows, made = Inputs(args, folder), [], 0
+    device = utils.pick_device(args.device)
+    for inp, k, method, beta in _bar(todo, args):
+        key = f"{inp}|n{args.n}|seed{args.seed}|k{k}|{method}|beta{beta}|{device.type}"
+        if key not in done:
+            O = inputs.get(inp, k).to(device)
+            rec = {"key": key, "input": inp, "n": args.n, "k": k, "method": method, "beta": beta,
+                   "device": str(device), **measure_labeler(O, method, beta),
+                   "git_commit": utils.git_commit()}
+            with open(store, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            done[key], made = rec, made + 1
+        rows.append(done[key])
+    print(f"{args.study}: {made} measured, {len(rows) - made} from {store}", flush=True)
+    return rows
+
+
+def _bar(items, args):
+    if args.no_progress:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=args.study, dynamic_ncols=True)
+
+
+# ==============================================================================================
+# Training studies
+# ==============================================================================================
+
+def derived_data(src, dst, train_idx, test_idx, note):
+    """A prepared-data folder that shares src's image cache (a symbolic link) with another split:
+    how the studies train on subsets and other splits without copying images."""
+    split = {"seed": None, "train": sorted(int(i) for i in train_idx),
+             "test": sorted(int(i) for i in test_idx), "derived_from": os.path.abspath(src),
+             "note": note}
+    path = os.path.join(dst, "split.json")
+    if os.path.isfile(path):
+        with open(path) as fh:
+            if json.load(fh) == split:
+                return dst
+        raise SystemExit(f"{dst} holds another split than this study asks for; delete it (and "
+                         "the runs trained on it) or use another --runs")
+    os.makedirs(dst, exist_ok=True)
+    link = os.path.join(dst, "cache.pt")
+    if not os.path.exists(link):
+        os.symlink(os.path.abspath(os.path.join(src, "cache.pt")), link)
+    man = utils.load_manifest(src)
+    man["derived"] = note
+    utils.write_json(man, os.path.join(dst, "manifest.json"))
+    utils.write_json(split, path)
+    return dst
+
+
+def imbalanced_indices(labels, train_idx, d, even, seed):
+    """The paper's D_d: 0, d, 2d, .., (C-1) d training images deleted (at random, seeded) from
+    classes 0 .. C-1; even: the same number deleted evenly over the classes (the remainder from
+    the first classes).  Returns the kept training indices."""
+    C = int(labels.max()) + 1
+    train_idx = torch.as_tensor(train_idx)
+    per_class = [train_idx[labels[train_idx] == c] for c in range(C)]
+    total = d * C * (C - 1) // 2
+    drop = ([d * c for c in range(C)] if not even else
+            [total // C + (1 if c < total % C else 0) for c in range(C)])
+    g = torch.Generator().manual_seed(seed)
+    kept = []
+    for c, idx in enumerate(per_class):
+        if drop[c] >= len(idx):
+            raise SystemExit(f"D_{d}: class {c} has {len(idx)} training images, fewer than the "
+                             f"{drop[c]} to delete; use a smaller d (--grid)")
+        kept.append(idx[torch.randperm(len(idx), generator=g)[drop[c]:]])
+    return torch.cat(kept).sort().values
+
+
+def training_points(args):
+    """[(point name, {grid values}, data folder, train_otl flags)] of the study."""
+    study, grid = args.study, parse_grid(args.study, args.grid)
+    data = args.data or DATA.get(study, "data/cifar10")
+    scale = SCALES[args.preset]["rs" if study == "splits" else "cifar"]
+    pts = []
+    if study == "k":
+        pts = [(f"k{k}", {"k": k}, data, ["--k", str(k)]) for k in grid]
+    elif study == "uneven":
+        pts = [(f"x{x:g}", {"x": x}, data, ["--target-x", str(x)]) for x in grid]
+    elif study == "labeler-in-training":
+        pts = [(m, {"labeler": m}, data, ["--labeler", m]) for m in grid]
+    elif study == "lct":
+        for g in grid:
+            v, red = g.split("-")
+            pts.append((f"views{v}_{red}", {"views": int(v), "reduction": red}, data,
+                        ["--views", v, "--label-views", v, "--lct", "true", "--lct-reduction", red]))
+    elif study in ("imbalanced", "splits"):
+        d = utils.load_prepared(data)
+        for g in grid:
+            if study == "splits":
+                train, test = utils.stratified_split(d["labels"], 0.2, seed=int(g))
+                folder = derived_data(data, os.path.join(args.runs, "data", f"{_base(data)}_split{g}"),
+                                      train, test, f"stratified 80/20 split, seed {g}")
+                pts.append((f"seed{g}", {"seed": int(g)}, folder, ["--seed", str(g)]))
+                continue
+            for even in (False, True):
+                kept = imbalanced_indices(d["labels"], d["train_idx"], int(g), even, args.seed)
+                name = f"D{g}_{'even' if even else 'uneven'}"
+                folder = derived_data(data, os.path.join(args.runs, "data", f"{_base(data)}_{name}"),
+                                      kept, d["test_idx"],
+                                      f"{'even subset of the size of ' if even else ''}the paper's "
+                                      f"D_{g}: {len(kept)} training images")
+                pts.append((name, {"d": int(g), "subset": "even" if even else "uneven",
+                                   "n_train": len(kept)}, folder, []))
+    if study != "splits":
+        for _, point, _, _ in pts:
+            point.setdefault("seed", args.seed)
+    return [(name, point, folder, [*scale, *flags, *([] if study == "splits" else ["--seed", str(args.seed)])])
+            for name, point, folder, flags in pts]
+
+
+def _base(path):
+    return os.path.basename(os.path.normpath(path))
+
+
+def run_stage(cmd, log):
+    """A stage script in a child process (its own memory and threads), its output to log."""
+    print("  $ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    with open(log, "a") as fh:
+        proc = subprocess.run(cmd, cwd=HERE, stdout=fh, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{os.path.basename(cmd[1])} failed (exit {proc.returncode}); its output "
+                         f"is in {log}.  Rerunning the same ablations.py command resumes here.")
+
+
+def training_study(args):
+    """Train and evaluate every grid point not finished yet; one result row per point."""
+    pts = training_points(args)
+    evals = EVALS[args.study]
+    folder = os.path.join(args.runs, args.preset, args.study)
+    extra = shlex.split(args.train_args)
+    rows, ran = [], []
+    for i, (name, point, data, flags) in enumerate(pts):
+        run = os.path.join(folder, name)
+        log = os.path.join(folder, f"{name}.log")
+        os.makedirs(folder, exist_ok=True)
+        py = [sys.executable]
+        outs = {e: os.path.join(run, f"{e}.json") for e in evals}
+        if i == 0:      # the random-init network of the first point: the table's floor
+            outs["knn_init"] = os.path.join(run, "knn_init.json")
+        todo = not os.path.isfile(os.path.join(run, "results.json")) or not all(
+            os.path.isfile(p) for p in outs.values())
+        if todo:
+            print(f"[{args.study}] {name} ({i + 1}/{len(pts)})", flush=True)
+            ran.append(name)
+            run_stage(py + ["train_otl.py", "--data", data, "--output", run, "--device", args.device,
+                            "--no-progress", *flags, *extra], log)
+            for e, path in outs.items():
+                if os.path.isfile(path):
+                    continue
+                script = "eval_linear.py" if e == "linear" else "eval_knn.py"
+                ck = "checkpoint0000.pth" if e == "knn_init" else "checkpoint.pth"
+                run_stage(py + [script, "--checkpoint", os.path.join(run, ck), "--device",
+                                args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
+        rows.append(training_row(run, point, outs))
+    skipped = [n for n, *_ in pts if n not in ran]
+    print(f"{args.study}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before", flush=True)
+    return rows, ran
+
+
+def training_row(run, point, outs):
+    with open(os.path.join(run, "results.json")) as fh:
+        res = json.load(fh)
+    row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
+           "epochs": res.get("epochs"), "preset": res.get("preset"),
+           "git_commit": res.get("git_commit"), "command": res.get("command")}
+    for e, path in outs.items():
+        with open(path) as fh:
+            r = json.load(fh)
+        if e == "linear":
+            row["linear"] = round(r["linear_top1"], 2)
+        else:
+            for kk, v in r["knn_top1"].items():
+                row[f"{e}{kk}"] = round(v, 2)
+    log = os.path.join(run, "log.jsonl")
+    if os.path.isfile(log):
+        with open(log) as fh:
+            last = [json.loads(line) for line in fh if line.strip()]
+        if last:
+            lab = [r for r in last if "pl_std" in r]
+            row["final_loss"] = round(last[-1]["loss"], 4)
+            if lab:
+                row["pl_std_last"] = round(lab[-1]["pl_std"], 3)
+                row["labeler_s_mean"] = round(sum(r["labeler_s"] for r in lab) / len(lab), 3)
+    return row
+
+
+# ==============================================================================================
+# Tables, agreement lines and plots
+# ==============================================================================================
+
+def summarise(study, rows, args):
+    """(markdown table lines, one-line verdict against the paper)."""
+    if study == "beta":
+        head = "| input | beta | iterations | final std | max - min | std before | seconds |"
+        lines = [head, "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['input']} | {r['beta']:g} | {r['iterations']} | {r['std']:.2f} | "
+                         f"{r['max_minus_min']} | {r['std_before']:.1f} | {r['seconds']:.2f} |")
+        worst = max(rows, key=lambda r: r["std"])
+        frac = worst["std"] / worst["std_max"]
+        verdict = (f"{'agrees' if frac < 0.01 else 'disagrees'}: the largest final std over every "
+                   f"beta and input is {worst['std']:.2f} ({100 * frac:.3f} % of the std with all "
+                   f"images in one cluster; {worst['input']}, beta {worst['beta']:g})")
+        return lines, verdict
+    if study in ("k-labeler", "sinkhorn"):
+        methods = ["published", "exact"] + (["sinkhorn"] if study == "sinkhorn" else [])
+        by = {(r["input"], r["k"], r["method"]): r for r in rows}
+        head = "| input | k | " + " | ".join(f"{m} std | {m} iters | {m} s" for m in methods) + " |"
+        lines = [head, "|---|---|" + "---|---|---|" * len(methods)]
+        for inp, k in sorted({(r["input"], r["k"]) for r in rows}):
+            cells = []
+            for m in methods:
+                r = by[(inp, k, m)]
+                cells.append(f"{r['std']:.2f} | {r['iterations']} | {r['seconds']:.2f}")
+            lines.append(f"| {inp} | {k} | " + " | ".join(cells) + " |")
+        if study == "k-labeler":
+            pub = [r for r in rows if r["method"] == "published"]
+            most = max(pub, key=lambda r: r["iterations"])
+            over = sum(r["iterations"] > 20 for r in pub)
+            verdict = (f"{'agrees' if over == 0 else 'disagrees'}: the published labeler takes at most "
+                       f"{most['iterations']} iterations ({most['input']}, k = {most['k']}); "
+                       f"{over} of {len(pub)} cases need more than 20")
+        else:
+            pairs = [(by[(i, k, 'published')], by[(i, k, 'exact')], by[(i, k, 'sinkhorn')])
+                     for i, k in {(r["input"], r["k"]) for r in rows}]
+            pub_better = sum(p["std"] < s["std"] for p, _, s in pairs)
+            ex_better = sum(e["std"] < s["std"] for _, e, s in pairs)
+            verdict = (f"{'agrees' if pub_better == len(pairs) else 'partly agrees' if pub_better else 'disagrees'}: "
+                       f"the published labeler is more even than Sinkhorn-Knopp in {pub_better} of "
+                       f"{len(pairs)} cases, ours in {ex_better} of {len(pairs)}")
+        return lines, verdict
+    # training studies
+    keys = [k for k in ("k", "x", "d", "subset", "n_train", "seed", "labeler", "views", "reduction")
+            if any(k in r for r in rows) and not (k == "seed" and args.study != "splits")]
+    metrics = [m for m in ("knn10", "knn50", "knn100", "knn200", "linear") if any(m in r for r in rows)]
+    head = "| " + " | ".join(keys + metrics + ["final loss", "minutes"]) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + len(metrics) + 2)]
+    for r in rows:
+        lines.append("| " + " | ".join([str(r.get(k, "")) for k in keys] +
+                                      [f"{r[m]:.1f}" if m in r else "" for m in metrics] +
+                                      [f"{r.get('final_loss', float('nan')):.3f}",
+                                       f"{r.get('train_minutes') or 0:.1f}"]) + " |")
+    init = [r for r in rows if "knn_init10" in r]
+    if init:
+        lines.append("")
+        lines.append(f"Random-init network (the first run's checkpoint0000.pth): kNN@10 "
+                     f"{init[0]['knn_init10']:.1f}.")
+    return lines, training_verdict(study, rows)
+
+
+def _spearman(a, b):
+    ra = torch.tensor(a, dtype=torch.float64).argsort().argsort().double()
+    rb = torch.tensor(b, dtype=torch.float64).argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = (ra.norm() * rb.norm()).item()
+    return (ra @ rb).item() / den if den else 0.0
+
+
+def training_verdict(study, rows):
+    knn = [r["knn10"] for r in rows]
+    if study == "k":
+        best = max(rows, key=lambda r: r["knn10"])
+        return (f"the paper's values were not transcribed; ours: kNN@10 from {min(knn):.1f} to "
+                f"{max(knn):.1f}, best at k = {best['k']} (Spearman of k against kNN@10: "
+                f"{_spearman([r['k'] for r in rows], knn):+.2f})")
+    if study == "uneven":
+        rho = _spearman([r["x"] for r in rows], knn)
+        return (f"{'agrees' if rho < 0 else 'disagrees'}: Spearman of x against kNN@10 is "
+                f"{rho:+.2f} (kNN@10 {rows[0]['knn10']:.1f} at x = {rows[0]['x']:g}, "
+                f"{rows[-1]['knn10']:.1f} at x = {rows[-1]['x']:g})")
+    if study == "imbalanced":
+        un = [r for r in rows if r["subset"] == "uneven"]
+        ev = {r["d"]: r for r in rows if r["subset"] == "even"}
+        rho = _spearman([r["d"] for r in un], [r["knn10"] for r in un]) if len(un) > 1 else 0.0
+        gap = [ev[r["d"]]["knn10"] - r["knn10"] for r in un if r["d"] in ev]
+        paper = [PAPER_IMBALANCED[r["d"]] - r["knn10"] for r in un if r["d"] in PAPER_IMBALANCED]
+        txt = (f"uneven D_d: Spearman of d against kNN@10 {rho:+.2f} (paper: falls, 77.0 to 73.6); "
+               f"even minus uneven subset: {sum(gap) / max(len(gap), 1):+.1f} points on average")
+        if paper:
+            txt += f"; ours are {sum(paper) / len(paper):.1f} points below the paper's (a smaller network and run)"
+        return ("agrees: " if rho < 0 else "disagrees: ") + txt
+    if study == "splits":
+        t = torch.tensor(knn, dtype=torch.float64)
+        lin = torch.tensor([r["linear"] for r in rows if "linear" in r], dtype=torch.float64)
+        sd = lambda x: x.std().item() if x.numel() > 1 else 0.0
+        return (f"over {len(rows)} splits: kNN@10 {t.mean():.1f} +- {sd(t):.1f}, linear "
+                f"{lin.mean():.1f} +- {sd(lin):.1f} (the paper's spread was not transcribed)")
+    if study == "labeler-in-training":
+        best = max(rows, key=lambda r: r["knn10"])
+        return ("ours, not in the paper: " + ", ".join(f"{r['labeler']} {r['knn10']:.1f}" for r in rows)
+                + f" kNN@10; best: {best['labeler']}")
+    if study == "lct":
+        return "ours, not in the paper: " + ", ".join(
+            f"{r['views']} view(s) {r['reduction']} {r['knn10']:.1f}" for r in rows) + " kNN@10"
+    return ""
+
+
+def plot(study, rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot: matplotlib is not installed ({path} not written)", flush=True)
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if study == "beta":
+        for ax, inp in zip(axes, ("gaussian", "random_net")):
+            for r in (r for r in rows if r["input"] == inp):
+                h = [max(v, 1e-2) for v in r["std_history"]]
+                ax.semilogy(range(len(h)), h, label=f"beta {r['beta']:g}")
+            ax.set(title=f"{inp}, k = {rows[0]['k']}", xlabel="iteration", ylabel="std of the counts")
+        axes[1].legend(fontsize=7, ncol=2)
+    elif study in ("k-labeler", "sinkhorn"):
+        methods = ["published", "exact"] + (["sinkhorn"] if study == "sinkhorn" else [])
+        for inp, ls in (("gaussian", "-"), ("random_net", "--")):
+            for m in methods:
+                rs = sorted((r for r in rows if r["input"] == inp and r["method"] == m), key=lambda r: r["k"])
+                ks = [r["k"] for r in rs]
+                if study == "k-labeler":
+                    axes[0].plot(ks, [r["iterations"] for r in rs], ls, label=f"{m}, {inp}")
+                else:
+                    axes[0].plot(ks, [r["seconds"] for r in rs], ls, label=f"{m}, {inp}")
+                axes[1].plot(ks, [r["std"] for r in rs], ls, label=f"{m}, {inp}")
+        axes[0].set(xlabel="k", ylabel="iterations" if study == "k-labeler" else "seconds")
+        axes[1].set(xlabel="k", ylabel="final std of the counts")
+        axes[0].legend(fontsize=7)
+    else:
+        xkey = {"k": "k", "uneven": "x", "imbalanced": "d", "splits": "seed"}.get(study)
+        for ax, metric in zip(axes, ("knn10", "linear")):
+            if study == "imbalanced":
+                for sub in ("uneven", "even"):
+                    rs = [r for r in rows if r["subset"] == sub]
+                    ax.plot([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs], "o-", label=sub)
+                ax.plot(list(PAPER_IMBALANCED), list(PAPER_IMBALANCED.values()), "k:", label="uneven (paper)")
+            elif xkey:
+                ax.plot([r[xkey] for r in rows], [r.get(metric, float("nan")) for r in rows], "o-", label="ours")
+                if study == "k":
+                    ax.set_xscale("log", base=2)
+            else:
+                names = [r.get("labeler") or f"{r['views']}v {r['reduction']}" for r in rows]
+                ax.bar(names, [r.get(metric, float("nan")) for r in rows])
+            ax.set(xlabel=xkey or "", ylabel=f"{metric} top-1 (%)")
+            if study == "imbalanced":
+                ax.legend(fontsize=8)
+    fig.suptitle(f"{study}: {PAPER[study]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_results(args, rows, extra=None):
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.study + ("" if args.preset == "study" else f"_{args.preset}"))
+    lines, verdict = summarise(args.study, rows, args)
+    out = {"study": args.study, "preset": args.preset, "paper": PAPER[args.study],
+           "verdict": verdict, "rows": rows, **(extra or {}),
+           "command": utils.command_line(), "git_commit": utils.git_commit(),
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+    utils.write_json(out, stem + ".json")
+    md = [f"# Ablation `{args.study}` (preset {args.preset})", "",
+          f"Paper: {PAPER[args.study]}.", "", f"Ours: {verdict}.", "", *lines, "",
+          f"Made by `{out['command']}` at commit {out['git_commit'][:12]}."]
+    if extra and extra.get("notes"):
+        md[4:4] = [*extra["notes"], ""]
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    if not args.no_plot:
+        plot(args.study, rows, stem + ".png")
+    print(f"{args.study}: {verdict}\nwrote {stem}.json, .md" + ("" if args.no_plot else ", .png"), flush=True)
+    return out
+
+
+def uneven_notes(n=50_000, k=128, xs=(0, 2, 4, 6, 8, 10)):
+    """The std of the uneven targets under both indexings, to check against the paper's."""
+    rows = []
+    for x in xs:
+        s0 = otl.uneven_target(n, k, x, first=0).std(unbiased=False).item()
+        s1 = otl.uneven_target(n, k, x, first=1).std(unbiased=False).item()
+        rows.append(f"| {x:g} | {s0:.1f} | {s1:.1f} |")
+    return {"target_std": rows, "notes": [
+        f"Target std (N = {n:,}, k = {k}) for i = 0 .. k-1 (used here, the paper's indexing) and "
+        "i = 1 .. k; the paper's printed values were not readable here:", "",
+        "| x | std, i = 0 .. k-1 | std, i = 1 .. k |", "|---|---|---|", *rows]}
+
+
+# ==============================================================================================
+# label-bn (docs/label_bn.md)
+# ==============================================================================================
 
 def label_bn(args):
     """Counts' std before translating, after the published labeler as the authors run it and
@@ -84,11 +694,17 @@ def label_bn(args):
     return out
 
 
-STUDIES = {"label-bn": label_bn}
-
-
 def main(args):
-    return STUDIES[args.study](args)
+    if args.study == "label-bn":
+        return label_bn(args)
+    utils.print_run_header(args)
+    if args.study in LABELER_STUDIES:
+        rows = labeler_study(args)
+        return write_results(args, rows)
+    rows, ran = training_study(args)
+    out = write_results(args, rows, uneven_notes() if args.study == "uneven" else None)
+    out["ran"] = ran
+    return out
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn as nn
 from tqdm import tqdm
 
 import otl
@@ -294,20 +293,12 @@ def real_inputs(args, skipped):
     n_real = min(args.n, 2 * len(images))  # N = 50,000 from 27,000 images: each also mirrored
     with open(os.path.join(args.data, "manifest.json")) as fh:
         manifest = json.load(fh)
-    pre = utils.PRESETS["cpu"]
-    torch.manual_seed(args.seed)
-    model = otl.build_model(otl.ModelConfig(arch=pre["arch"], k=pre["k"], small_stem=pre["small_stem"],
-                                            width=pre["width"], mean=tuple(manifest["channel_mean"]),
-                                            std=tuple(manifest["channel_std"])))
     t0 = time.perf_counter()
     both = torch.cat([images, images.flip(3)])[:n_real]
-    feats = otl.label_pass(model, both, pre["img_size"], 256, "cpu", bn="batch", head=False,
-                           generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
+    feats = utils.random_net_features(both, manifest, "cpu", args.seed)
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
     for k in args.real_ks:
-        torch.manual_seed(args.seed + k)
-        with torch.no_grad():
-            yield "random_net", k, nn.Linear(model.feat_dim, k)(feats)  # a fresh head's outputs
+        yield "random_net", k, utils.fresh_head_outputs(feats, k, args.seed)
     if not os.path.isfile(args.checkpoint):
         skipped["trained_net"] = f"no checkpoint at {args.checkpoint}"
         print(f"skipping trained_net: no checkpoint at {args.checkpoint}", flush=True)

@@ -254,17 +254,23 @@ def even_target(n: int, k: int) -> torch.Tensor:
     return torch.full((k,), n / k, dtype=torch.float64)
 
 
-def uneven_target(n: int, k: int, x: float) -> torch.Tensor:
-    """Integer counts n_i proportional to i**x (i = 1..k) that sum to N (paper, appendix on
-    unevenly distributed pseudo-labels; x = 0 is the even target).  Largest-remainder rounding."""
+def uneven_target(n: int, k: int, x: float, first: int = 0) -> torch.Tensor:
+    """Integer counts n_i proportional to i**x that sum to N (paper, appendix on unevenly
+    distributed pseudo-labels; x = 0 is the even target), i = first .. first + k - 1.  The
+    default, i = 0 .. k-1, is the paper's indexing (so cluster 0 gets no images for x > 0);
+    first=1 gives i = 1 .. k, which also allows x < 0.  Largest-remainder rounding."""
     if k < 2 or n < k:
         raise ValueError(f"uneven_target needs k >= 2 and N >= k, got N={n}, k={k}")
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise ValueError(f"x must be a finite number (0 = even), got {x!r}")
-    i = torch.arange(1, k + 1, dtype=torch.float64)
-    w = i ** float(x)
-    if not torch.isfinite(w / w.sum()).all():    # i**x overflows: the same ratios, scaled by k**-x
-        w = torch.exp(float(x) * (i.log() - math.log(k)))
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"first must be a non-negative integer (0: the paper's i = 0 .. k-1), got {first!r}")
+    if first == 0 and x < 0:
+        raise ValueError(f"x = {x} < 0 gives cluster 0 (i = 0) an infinite share; use first=1")
+    i = torch.arange(first, first + k, dtype=torch.float64)
+    w = i ** float(x)                            # 0 ** 0 = 1: x = 0 stays even
+    if not torch.isfinite(w / w.sum()).all():    # i**x overflows: the same ratios, scaled by last**-x
+        w = torch.exp(float(x) * (i.log() - math.log(first + k - 1)))
     exact = w / w.sum() * n
     counts = exact.floor()
     short = int(n - counts.sum().item())
@@ -277,15 +283,21 @@ def uneven_target(n: int, k: int, x: float) -> torch.Tensor:
 # 3. Label-consistent training (LCT)
 # ==============================================================================================
 
-def lct_loss(logits: torch.Tensor, labels: torch.Tensor, consistent: bool = True) -> torch.Tensor:
+def lct_loss(logits: torch.Tensor, labels: torch.Tensor, consistent: bool = True,
+             reduction: str = "mean") -> torch.Tensor:
     """Label-consistent training (paper, eq. for L_LCT): every view learns the pseudo-labels of
     every view of the same image,
 
-        L = 1 / (V^2 B) * sum_{a=1..V} sum_{b=1..V} sum_{s=1..B} CE(o_b(s), y_a(s)),
+        L = sum_{a=1..V} sum_{b=1..V} 1 / B sum_{s=1..B} CE(o_b(s), y_a(s)),
 
     o_b(s): the logits of view b of image s, y_a(s): the label of view a.  logits (V, B, k),
-    labels (V, B).  The paper sums over the pairs; the mean keeps the learning rate independent
-    of V.  consistent=False gives plain cross-entropy, each view with its own labels (a == b)."""
+    labels (V, B).  reduction="sum" sums over the V^2 view pairs as the paper writes it;
+    "mean" (default) divides by V^2, which keeps the learning rate independent of V (the two
+    differ only by that factor; ablations.py lct compares them).  consistent=False gives plain
+    cross-entropy, each view with its own labels (a == b), averaged over the V views ("mean") or
+    summed ("sum")."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(f"need logits (V, B, k) and labels (V, B), got {tuple(logits.shape)} "
                          f"and {tuple(labels.shape)}")
@@ -297,11 +309,12 @@ def lct_loss(logits: torch.Tensor, labels: torch.Tensor, consistent: bool = True
                          f"{int(labels.min())} ... {int(labels.max())}")
     logp = F.log_softmax(logits.float(), dim=2)  # (V, B, k)
     if not consistent:
-        return F.nll_loss(logp.reshape(V * B, k), labels.reshape(V * B))
+        loss = F.nll_loss(logp.reshape(V * B, k), labels.reshape(V * B))
+        return loss * V if reduction == "sum" else loss
     # picked[a, b, s] = log p_b(label_a(s)) for image s
     picked = torch.stack([logp.gather(2, labels[a][None, :, None].expand(V, B, 1)).squeeze(2)
                           for a in range(V)])  # (V, V, B)
-    return -picked.mean()
+    return -picked.mean() * (V * V if reduction == "sum" else 1)
 
 
 # ==============================================================================================

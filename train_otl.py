@@ -42,7 +42,7 @@ def get_args_parser():
                    "on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'transfer' / "
                    "'transfer-cpu' (a small set from another run's backbone, with --init), "
                    "'alexnet-cifar' / 'resnet50-cifar' (CIFAR-10/100, SVHN) and their '-cpu' "
-                   "twins; 'auto': the data set's protocol, paper (alexnet-cifar for CIFAR and "
+                   "twins, 'study-cpu' (ablations.py's training studies on 2 cores); 'auto': the data set's protocol, paper (alexnet-cifar for CIFAR and "
                    "SVHN) on CUDA and its CPU twin otherwise. docs/presets.md says what each is")
     g = p.add_argument_group("model (preset values when not given)")
     g.add_argument("--arch", choices=["resnet18", "resnet50", "alexnet"])
@@ -74,6 +74,10 @@ def get_args_parser():
     g.add_argument("--views", type=int, help="augmented views of each image per step")
     g.add_argument("--lct", type=utils.str2bool, help="label-consistent training: every view learns "
                    "the labels of every view (true), or only its own (false)")
+    g.add_argument("--lct-reduction", default="mean", choices=["mean", "sum"], help="mean "
+                   "(default): the loss averaged over the views' label pairs, so the learning "
+                   "rate needs no change with --views; sum: summed over the pairs as the paper "
+                   "writes it (--views^2 times larger with --lct)")
     g.add_argument("--aug", choices=["simple", "strong"], help="strong = RandAugment-style ops + "
                    "Cutout 16, as in the paper")
     g.add_argument("--rot90", type=utils.str2bool, help="random 90-degree rotations in the "
@@ -90,11 +94,12 @@ def get_args_parser():
                    "untouched) or running statistics; docs/label_bn.md has the measurement")
     g.add_argument("--beta", type=float, default=1.5, help="decay rate of the translation step "
                    "(--labeler published); the paper finds any value from 1.5 to 50 works")
-    g.add_argument("--labeler", choices=("exact", "published"), default="exact",
+    g.add_argument("--labeler", choices=("exact", "published", "sinkhorn"), default="exact",
                    help="exact (default, as in otl.translate): counts within 1 of the target in "
                    "every epoch; published: the paper's Algorithm 1 as the authors run it, which "
                    "stops short of balance and is faster on some outputs (docs/labeler.md, 'Which "
-                   "labeler by default', has the measurement)")
+                   "labeler by default', has the measurement); sinkhorn: SeLa's Sinkhorn-Knopp "
+                   "(lam 25), the baseline the paper compares with (even target only)")
     g.add_argument("--label-batch-size", type=int, help="images per forward pass of the label pass "
                    "(BatchNorm's batch with --label-bn batch); default: the larger of --batch-size "
                    "and 256 on the CPU, 1024 on CUDA")
@@ -197,6 +202,15 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
             for s in range(0, n, st.chunk):
                 st.add(o[s:s + st.chunk])
             res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
+        elif args.labeler == "sinkhorn":
+            t0 = time.perf_counter()
+            lab, _, iters = otl.sinkhorn_knopp(o)
+            counts, even = torch.bincount(lab, minlength=k).cpu(), otl.even_target(n, k)
+            res = otl.TranslateResult(   # T: none, Sinkhorn-Knopp scales instead of translating
+                labels=lab, T=torch.zeros(k, dtype=torch.float64), counts=counts, target=even,
+                iterations=iters, seconds=time.perf_counter() - t0,
+                std=(counts.double() - even).pow(2).mean().sqrt().item(),
+                std_max=n * (k - 1) ** 0.5 / k)           # all n rows in one cluster
         else:
             res = otl.translate(o, target=target, beta=args.beta, seed=seed, method=args.labeler)
         labels.append(res.labels)
@@ -260,7 +274,8 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
             else:
                 lab_h = lab[h::args.heads]                             # (label_views, B) of head h
                 lab_h = lab_h.expand(args.views, -1) if lab_h.shape[0] == 1 else lab_h
-                loss = loss + otl.lct_loss(logits[:, :, h], lab_h, consistent=args.lct)
+                loss = loss + otl.lct_loss(logits[:, :, h], lab_h, consistent=args.lct,
+                                            reduction=args.lct_reduction)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -291,8 +306,11 @@ def main(args):
     device = ranks.device
     args = resolve_args(args, device)
     if ranks.world > 1 and args.labeler != "exact" and not args.supervised:
-        raise SystemExit("--labeler published needs every output in one process; across "
+        raise SystemExit(f"--labeler {args.labeler} needs every output in one process; across "
                          "processes use --labeler exact (the default)")
+    if args.labeler == "sinkhorn" and args.target_x:
+        raise SystemExit("--labeler sinkhorn balances to the even target only; drop --target-x "
+                         "or use --labeler exact")
     if args.sync_bn and device.type != "cuda":
         raise SystemExit("--sync-bn needs CUDA (torch's SyncBatchNorm has no CPU kernel)")
     if args.batch_size < ranks.world:

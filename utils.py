@@ -96,6 +96,13 @@ PRESETS = {
                                schedule="cosine", lr_drops=[], lr_values=[], views=1, lct=False,
                                aug="strong", cutout=8, label_every=1, label_views=1,
                                warmup_epochs=0, rot90=False),
+    # "study-cpu": the training studies of ablations.py on 2 CPU cores (each grid at most 2 h):
+    # the cpu preset's network (ResNet-18 at half width, 32 px) with the paper's study settings
+    # (one view without LCT, simple augmentation) and 10 epochs, for CIFAR-10's natural images.
+    "study-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
+                      img_size=32, epochs=10, batch_size=256, lr=0.05, schedule="cosine",
+                      lr_drops=[], lr_values=[], views=1, lct=False, aug="simple", cutout=0,
+                      label_every=1, label_views=1, warmup_epochs=0, rot90=False),
 }
 
 
@@ -406,6 +413,34 @@ def load_prepared(data_dir: str) -> dict:
     d["test_idx"] = torch.tensor(sp["test"], dtype=torch.long)
     d["split_seed"] = sp.get("seed")
     return d
+
+
+def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu", seed: int = 0,
+                        device="cpu", progress: bool = False) -> torch.Tensor:
+    """(N, d) features of the images through a freshly initialised (seeded) network of `preset`,
+    as its heads see them (after the embedding when it has one): the test-time view, BatchNorm
+    on each shuffled batch's statistics as in training's label pass.  With fresh_head_outputs,
+    the labeler's realistic input (bench_labeler.py, ablations.py)."""
+    pre = PRESETS[preset]
+    torch.manual_seed(seed)
+    model = otl.build_model(otl.ModelConfig(
+        arch=pre["arch"], k=pre["k"], small_stem=pre["small_stem"], width=pre["width"],
+        embed=pre["embed"], mean=tuple(manifest["channel_mean"]),
+        std=tuple(manifest["channel_std"]))).to(device)
+    feats = otl.label_pass(model, images, pre["img_size"], 256, device, bn="batch", head=False,
+                           generator=torch.Generator().manual_seed(seed), progress=progress)[0]
+    if model.embedding is not None:
+        with torch.no_grad():
+            feats = model.embedding(feats)
+    return feats
+
+
+def fresh_head_outputs(feats: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
+    """(N, k) outputs of a fresh k-way nn.Linear head (default init, seeded by seed + k)."""
+    import torch.nn as nn
+    torch.manual_seed(seed + k)
+    with torch.no_grad():
+        return nn.Linear(feats.shape[1], k).to(feats.device)(feats)
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:

@@ -1,29 +1,226 @@
-"""ablations.py: each study on a tiny setting, end to end, and its results JSON."""
+"""ablations.py: each study on a tiny grid, end to end (runs, JSON, table, plot), the rule that a
+rerun skips finished runs, and the label-bn experiment."""
 import json
+import os
+import runpy
+import sys
 
 import pytest
+import torch
 
 import ablations
+import otl
 import train_otl
+
+TINY_TRAIN = "--width 8 --img-size 16 --epochs 1 --batch-size 32 --k 16"
+
+
+@pytest.fixture
+def inline(monkeypatch):
+    """The stage scripts run in this process (runpy, as `python script.py ...` would), which
+    saves the 4-7 s of importing torch in each child; test_failed_run_says_where_its_log_is
+    keeps the real child processes."""
+    calls = []
+
+    def run_inline(cmd, log):
+        calls.append(os.path.basename(cmd[1]))
+        argv = sys.argv
+        sys.argv = [cmd[1], *cmd[2:]]
+        try:
+            runpy.run_path(os.path.join(ablations.HERE, cmd[1]), run_name="__main__")
+        finally:
+            sys.argv = argv
+    monkeypatch.setattr(ablations, "run_stage", run_inline)
+    return calls
 
 
 def run(*argv):
     return ablations.main(ablations.get_args_parser().parse_args(list(argv)))
 
 
+def study(name, tmp_path, data, *extra):
+    return run(name, "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--data",
+               str(data), "--device", "cpu", "--no-progress", *extra)
+
+
+def saved(tmp_path, name):
+    stem = tmp_path / "out" / name
+    out = json.loads(stem.with_suffix(".json").read_text())
+    md = stem.with_suffix(".md").read_text()
+    assert stem.with_suffix(".png").stat().st_size > 1000
+    assert out["command"] and out["git_commit"] and out["verdict"] in md
+    return out, md
+
+
+# ------------------------------------------------------------------------------------------------
+# labeler studies
+# ------------------------------------------------------------------------------------------------
+
+def test_beta_study(small_data, tmp_path):
+    study("beta", tmp_path, small_data, "--n", "150", "--k", "16", "--grid", "1.5,5")
+    out, md = saved(tmp_path, "beta")
+    rows = out["rows"]
+    assert {(r["input"], r["beta"]) for r in rows} == {(i, b) for i in ("gaussian", "random_net")
+                                                       for b in (1.5, 5.0)}
+    for r in rows:
+        assert r["method"] == "published" and r["k"] == 16 and r["n"] == 150
+        # the history starts at argmax's std and ends at the final one; the labeler never ends worse
+        assert r["std_history"][0] == pytest.approx(r["std_before"], abs=1e-3)
+        assert r["std"] <= r["std_before"] + 1e-9
+        assert len(r["std_history"]) == r["iterations"] + 1
+    assert "| random_net | 5 |" in md
+
+
+def test_k_labeler_and_sinkhorn_share_measurements(small_data, tmp_path):
+    study("k-labeler", tmp_path, small_data, "--n", "150", "--grid", "10,20")
+    out, _ = saved(tmp_path, "k-labeler")
+    assert {(r["input"], r["k"], r["method"]) for r in out["rows"]} == {
+        (i, k, m) for i in ("gaussian", "random_net") for k in (10, 20) for m in ("published", "exact")}
+    for r in out["rows"]:
+        if r["method"] == "exact":      # ours: as even as the integers allow
+            assert r["max_minus_min"] <= 1
+    store = tmp_path / "runs" / "study" / "labeler" / "measurements.jsonl"
+    before = store.read_text().count("\n")
+    study("sinkhorn", tmp_path, small_data, "--n", "150", "--grid", "10,20")
+    out, _ = saved(tmp_path, "sinkhorn")
+    # only the Sinkhorn-Knopp measurements were new; OTL's came from the store
+    assert store.read_text().count("\n") == before + 4
+    assert {r["method"] for r in out["rows"]} == {"published", "exact", "sinkhorn"}
+    # the same input for every method: one (input, k) gives one std before labelling
+    for i in ("gaussian", "random_net"):
+        assert len({r["std_before"] for r in out["rows"] if r["input"] == i and r["k"] == 10}) == 1
+
+
+def test_labeler_study_rejects_k_above_n(small_data, tmp_path):
+    with pytest.raises(SystemExit, match="k must lie in"):
+        study("k-labeler", tmp_path, small_data, "--n", "100", "--grid", "200")
+
+
+# ------------------------------------------------------------------------------------------------
+# training studies: a grid of train_otl.py + eval runs
+# ------------------------------------------------------------------------------------------------
+
+def test_k_study_and_resume(small_data, tmp_path, inline):
+    out = study("k", tmp_path, small_data, "--grid", "8,16", "--train-args", TINY_TRAIN.replace(" --k 16", ""))
+    assert out["ran"] == ["k8", "k16"]
+    saved_out, md = saved(tmp_path, "k")
+    assert [r["k"] for r in saved_out["rows"]] == [8, 16]
+    for r in saved_out["rows"]:
+        assert 0 <= r["knn10"] <= 100 and 0 <= r["linear"] <= 100 and r["epochs"] == 1
+        assert r["preset"] == "study-cpu"
+    run_dir = tmp_path / "runs" / "study" / "k" / "k16"
+    ck = torch.load(run_dir / "checkpoint.pth", weights_only=False)
+    assert ck["model_cfg"]["k"] == 16 and ck["args"]["aug"] == "simple" and ck["args"]["views"] == 1
+    assert "knn_init10" in saved_out["rows"][0]     # the random-init floor
+    assert inline == ["train_otl.py", "eval_knn.py", "eval_linear.py", "eval_knn.py"] + \
+        ["train_otl.py", "eval_knn.py", "eval_linear.py"]
+    # a rerun trains nothing and gives the same rows
+    del inline[:]
+    again = study("k", tmp_path, small_data, "--grid", "8,16", "--train-args", TINY_TRAIN.replace(" --k 16", ""))
+    assert again["ran"] == [] and again["rows"] == saved_out["rows"] and inline == []
+    # a run whose evaluation is missing is evaluated again, not retrained
+    stamp = os.path.getmtime(run_dir / "results.json")
+    os.remove(run_dir / "knn.json")
+    third = study("k", tmp_path, small_data, "--grid", "8,16", "--train-args", TINY_TRAIN.replace(" --k 16", ""))
+    assert third["ran"] == ["k16"] and (run_dir / "knn.json").is_file()
+    assert inline == ["train_otl.py", "eval_knn.py"]    # train_otl.py finds the run finished
+    assert os.path.getmtime(run_dir / "results.json") == stamp
+    assert third["rows"] == saved_out["rows"]
+
+
+def test_uneven_study(small_data, tmp_path, inline):
+    study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    out, md = saved(tmp_path, "uneven")
+    assert [r["x"] for r in out["rows"]] == [0, 2]
+    ck = torch.load(tmp_path / "runs" / "study" / "uneven" / "x2" / "checkpoint.pth", weights_only=False)
+    assert ck["args"]["target_x"] == 2
+    # the x = 2 run's pseudo-labels follow the uneven target: cluster 0 (i = 0) is empty
+    counts = torch.bincount(ck["pseudo_labels"][0], minlength=16)
+    assert torch.equal(counts.double(), otl.uneven_target(counts.sum().item(), 16, 2))
+    assert "i = 0 .. k-1" in md
+
+
+def test_imbalanced_study(small_data, tmp_path, inline):
+    study("imbalanced", tmp_path, small_data, "--grid", "1", "--train-args", TINY_TRAIN)
+    out, _ = saved(tmp_path, "imbalanced")
+    rows = {r["subset"]: r for r in out["rows"]}
+    # D_1 deletes 0 + 1 + ... + 9 = 45 of the 160 training images; the even subset is as large
+    assert rows["uneven"]["n_train"] == rows["even"]["n_train"] == 160 - 45
+    data = tmp_path / "runs" / "data"
+    import utils
+    d_un = utils.load_prepared(str(data / "data_D1_uneven"))
+    d_ev = utils.load_prepared(str(data / "data_D1_even"))
+    per_un = torch.bincount(d_un["labels"][d_un["train_idx"]], minlength=10)
+    per_ev = torch.bincount(d_ev["labels"][d_ev["train_idx"]], minlength=10)
+    assert per_un.tolist() == [16 - c for c in range(10)]
+    assert int(per_ev.max() - per_ev.min()) <= 1
+    assert torch.equal(d_un["test_idx"], utils.load_prepared(str(small_data))["test_idx"])
+
+
+def test_splits_study(small_data, tmp_path, inline):
+    study("splits", tmp_path, small_data, "--grid", "0,1", "--train-args", TINY_TRAIN)
+    out, md = saved(tmp_path, "splits")
+    assert [r["seed"] for r in out["rows"]] == [0, 1]
+    import utils
+    a = utils.load_prepared(str(tmp_path / "runs" / "data" / "data_split0"))
+    b = utils.load_prepared(str(tmp_path / "runs" / "data" / "data_split1"))
+    assert not torch.equal(a["test_idx"], b["test_idx"])
+    assert len(a["test_idx"]) == len(b["test_idx"]) == 40
+    assert "+-" in out["verdict"]
+
+
+def test_labeler_in_training_study(small_data, tmp_path, inline):
+    study("labeler-in-training", tmp_path, small_data, "--grid", "published,sinkhorn",
+          "--train-args", TINY_TRAIN)
+    out, _ = saved(tmp_path, "labeler-in-training")
+    assert [r["labeler"] for r in out["rows"]] == ["published", "sinkhorn"]
+    log = (tmp_path / "runs" / "study" / "labeler-in-training" / "sinkhorn" / "log.jsonl").read_text()
+    assert json.loads(log.splitlines()[0])["pl_std"] >= 0
+
+
+def test_lct_study(small_data, tmp_path, inline):
+    study("lct", tmp_path, small_data, "--grid", "1-mean,2-sum", "--train-args", TINY_TRAIN)
+    out, _ = saved(tmp_path, "lct")
+    assert [(r["views"], r["reduction"]) for r in out["rows"]] == [(1, "mean"), (2, "sum")]
+    ck = torch.load(tmp_path / "runs" / "study" / "lct" / "views2_sum" / "checkpoint.pth",
+                    weights_only=False)
+    assert ck["args"]["lct_reduction"] == "sum" and ck["args"]["views"] == 2 and ck["args"]["lct"]
+
+
+def test_bad_grid_fails(small_data, tmp_path):
+    with pytest.raises(SystemExit, match="choose from"):
+        study("labeler-in-training", tmp_path, small_data, "--grid", "kmeans")
+    with pytest.raises(SystemExit, match="grid values are like"):
+        study("k", tmp_path, small_data, "--grid", "ten")
+
+
+def test_failed_run_says_where_its_log_is(small_data, tmp_path):
+    with pytest.raises(SystemExit, match="resumes here"):
+        study("k", tmp_path, small_data, "--grid", "8", "--train-args", TINY_TRAIN + " --lr -1")
+
+
+def test_imbalanced_d_too_large(small_data, tmp_path):
+    with pytest.raises(SystemExit, match="use a smaller d"):
+        study("imbalanced", tmp_path, small_data, "--grid", "2", "--train-args", TINY_TRAIN)
+
+
+# ------------------------------------------------------------------------------------------------
+# label-bn
+# ------------------------------------------------------------------------------------------------
+
 def test_label_bn_study(small_data, tmp_path):
     out = run("label-bn", "--data", str(small_data), "--output", str(tmp_path / "bn"), "--k", "16",
               "--width", "8", "--img-size", "16", "--device", "cpu", "--no-progress")
-    saved = json.loads((tmp_path / "bn" / "label_bn.json").read_text())
-    assert saved["results"] == json.loads(json.dumps(out["results"]))
-    assert (saved["n"], saved["k"], saved["width"], saved["img_size"]) == (160, 16, 8, 16)
+    saved_bn = json.loads((tmp_path / "bn" / "label_bn.json").read_text())
+    assert saved_bn["results"] == json.loads(json.dumps(out["results"]))
+    assert (saved_bn["n"], saved_bn["k"], saved_bn["width"], saved_bn["img_size"]) == (160, 16, 8, 16)
     for bn in ("eval", "batch"):
-        r = saved["results"][bn]
+        r = saved_bn["results"][bn]
         assert 1 <= r["clusters_used_before"] <= 16
         # the labelers never end worse than where argmax alone left the counts
         assert r["std_published"] <= r["std_before"] + 1e-9 and r["std_ours"] <= r["std_before"] + 1e-9
         assert r["std_max"] == pytest.approx(160 / 16 * 15 ** 0.5)
-    assert saved["command"] and saved["git_commit"]
+    assert saved_bn["command"] and saved_bn["git_commit"]
 
 
 def test_label_bn_measures_a_trained_network(small_data, tmp_path):

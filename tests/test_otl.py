@@ -302,17 +302,28 @@ def test_translate_bad_target_and_beta():
 
 @pytest.mark.parametrize("n,k", [(5000, 50), (21600, 128), (1001, 7), (10, 10), (11, 2)])
 @pytest.mark.parametrize("x", [0, 0.5, 1, 2, 3.7])
-def test_uneven_target_properties(n, k, x):
-    t = otl.uneven_target(n, k, x)
+@pytest.mark.parametrize("first", [0, 1])
+def test_uneven_target_properties(n, k, x, first):
+    t = otl.uneven_target(n, k, x, first=first)
     assert t.shape == (k,)
     assert t.sum().item() == n
     assert torch.equal(t, t.round())
     assert (t >= 0).all()
     if x > 0:
         assert (t[1:] >= t[:-1]).all()
-    # proportional to i**x up to rounding
-    w = torch.arange(1, k + 1, dtype=torch.float64) ** x
+    # proportional to i**x up to rounding, i = first .. first + k - 1
+    w = torch.arange(first, first + k, dtype=torch.float64) ** x
     assert (t - w / w.sum() * n).abs().max().item() < 1 + 1e-9
+    if first == 0 and x > 0:
+        assert t[0] == 0      # the paper's indexing: i = 0 gets no share
+
+
+def test_uneven_target_default_is_the_papers_indexing():
+    assert torch.equal(otl.uneven_target(5000, 50, 2), otl.uneven_target(5000, 50, 2, first=0))
+    assert not torch.equal(otl.uneven_target(5000, 50, 2), otl.uneven_target(5000, 50, 2, first=1))
+    # by hand for k = 3, x = 1: shares 0, 1/3, 2/3 of N = 300 (i = 0, 1, 2)
+    assert otl.uneven_target(300, 3, 1).tolist() == [0.0, 100.0, 200.0]
+    assert otl.uneven_target(300, 3, 1, first=1).tolist() == [50.0, 100.0, 150.0]
 
 
 def test_uneven_target_is_uneven_and_x0_even():
@@ -322,8 +333,12 @@ def test_uneven_target_is_uneven_and_x0_even():
     assert t.tolist() == [100.0] * 50
     t = otl.uneven_target(5000, 50, 1)
     assert t[-1] > 10 * t[0]
-    t = otl.uneven_target(1000, 7, -1)
+    t = otl.uneven_target(1000, 7, -1, first=1)
     assert (t[1:] <= t[:-1]).all() and t.sum().item() == 1000
+    with pytest.raises(ValueError, match="use first=1"):
+        otl.uneven_target(1000, 7, -1)
+    with pytest.raises(ValueError, match="first must be a non-negative integer"):
+        otl.uneven_target(1000, 7, 1, first=-1)
 
 
 @pytest.mark.parametrize("n,k", [(10, 1), (5, 0), (3, 5)])
@@ -407,6 +422,13 @@ def test_lct_loss_matches_hand_computation(V):
     else:
         # views with different labels: the consistent loss really mixes views
         assert not torch.allclose(got, plain)
+    # the paper's sum over view pairs: V^2 times the mean (V times for plain cross-entropy)
+    summed = otl.lct_loss(logits, labels, reduction="sum")
+    torch.testing.assert_close(summed, hand_lct(logits, labels) * V * V, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(otl.lct_loss(logits, labels, consistent=False, reduction="sum"),
+                               own * V, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="reduction must be"):
+        otl.lct_loss(logits, labels, reduction="none")
 
 
 def test_lct_loss_gradients_flow():

@@ -60,6 +60,22 @@ def test_bad_flags_fail_loudly(small_data, tmp_path):
         train(small_data, tmp_path / "x", "--epochs", "1", "--label-views", "3")
     with pytest.raises(SystemExit, match="fewer than --k"):
         train(small_data, tmp_path / "y", "--epochs", "1", "--k", "500")
+    with pytest.raises(SystemExit, match="even target only"):
+        train(small_data, tmp_path / "z", "--epochs", "1", "--labeler", "sinkhorn", "--target-x", "2")
+
+
+def test_sinkhorn_labeler_and_summed_lct(small_data, tmp_path):
+    """--labeler sinkhorn trains on Sinkhorn-Knopp's labels; --lct-reduction sum multiplies the
+    LCT loss by views^2 (same labels, same first batch: the first epoch's loss is 4x)."""
+    train(small_data, tmp_path / "s", "--epochs", "1", "--labeler", "sinkhorn")
+    row = json.loads((tmp_path / "s" / "log.jsonl").read_text().splitlines()[0])
+    assert row["labeler_iters"] > 0 and 0 <= row["pl_std"] < row["pl_std_max"]
+    ck = utils.load_file(tmp_path / "s" / "checkpoint.pth")
+    assert ck["args"]["labeler"] == "sinkhorn" and ck["pseudo_labels"].shape[1] == 160
+    mean = train(small_data, tmp_path / "m", "--epochs", "1", "--lr", "0")
+    summed = train(small_data, tmp_path / "u", "--epochs", "1", "--lr", "0", "--lct-reduction", "sum")
+    lm, lu = (json.loads((tmp_path / r / "log.jsonl").read_text().splitlines()[0])["loss"] for r in "mu")
+    assert mean and summed and lu == pytest.approx(4 * lm, rel=1e-4)
 
 
 def test_resume_with_another_model_fails_loudly(small_data, tmp_path):
