@@ -195,7 +195,7 @@ def test_auto_preset_follows_the_data_set_and_every_preset_builds():
     for name, p in utils.PRESETS.items():
         assert set(p) == keys, name
         assert p["rot90"] == (name not in ("alexnet-cifar", "alexnet-cifar-cpu", "resnet50-cifar",
-                                           "resnet50-cifar-cpu")), name
+                                           "resnet50-cifar-cpu", "study-cpu")), name
         cfg = otl.ModelConfig(arch=p["arch"], k=p["k"], heads=p["heads"], embed=p["embed"],
                               width=p["width"], small_stem=p["small_stem"])
         model = otl.build_model(cfg).eval()
