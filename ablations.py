@@ -99,6 +99,9 @@ STUDY_FLAGS = {("study", "lct"): ["--epochs", "5"]}
 EVALS = {"k": ("knn", "linear"), "uneven": ("knn",), "imbalanced": ("knn",),
          "splits": ("knn", "linear"), "labeler-in-training": ("knn", "linear"), "lct": ("knn",)}
 DATA = {"splits": "data/eurosat"}     # the rest: data/cifar10
+# Studies whose question is a difference smaller than one seed can tell: their default --seeds
+# at study scale (labeler-in-training: about 45 minutes a seed on 2 CPU cores).
+DEFAULT_SEEDS = {"labeler-in-training": [0, 1]}
 
 
 def get_args_parser():
@@ -129,6 +132,15 @@ def get_args_parser():
         else:
             s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
                            "run, e.g. \"--epochs 4\" (they win over the preset's)")
+            if name != "splits":    # the splits study's grid is its seeds
+                seeds = ",".join(map(str, DEFAULT_SEEDS.get(name, [0])))
+                s.add_argument("--seeds", help="train every grid point once per seed (a comma "
+                               "list, e.g. 0,1,2); the table gives the mean and the standard "
+                               "deviation over them (default: --seed alone; "
+                               f"{seeds} at study scale)" if name in DEFAULT_SEEDS else
+                               "train every grid point once per seed (a comma list, e.g. 0,1,2); "
+                               "the table gives the mean and the standard deviation over them "
+                               "(default: --seed alone)")
     s = sub.add_parser("label-bn", help="BatchNorm statistics in the label pass: eval or batch")
     s.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
     s.add_argument("--output", required=True, help="folder for label_bn.json; a checkpoint.pth "
@@ -363,11 +375,27 @@ def training_points(args):
                                       f"D_{g}: {len(kept)} training images")
                 pts.append((name, {"d": int(g), "subset": "even" if even else "uneven",
                                    "n_train": len(kept)}, folder, []))
-    if study != "splits":
-        for _, point, _, _ in pts:
-            point.setdefault("seed", args.seed)
-    return [(name, point, folder, [*scale, *flags, *([] if study == "splits" else ["--seed", str(args.seed)])])
-            for name, point, folder, flags in pts]
+    if study == "splits":
+        return [(name, point, folder, [*scale, *flags]) for name, point, folder, flags in pts]
+    # one run per seed: seed 0 keeps the point's plain folder name, another seed s adds _seed<s>
+    return [(name if s == 0 else f"{name}_seed{s}", {**point, "point": name, "seed": s}, folder,
+             [*scale, *flags, "--seed", str(s)])
+            for name, point, folder, flags in pts for s in parse_seeds(args)]
+
+
+def parse_seeds(args):
+    """The training seeds of every grid point: --seeds, else the study's default at study scale,
+    else --seed alone."""
+    text = getattr(args, "seeds", None)
+    if text is None:
+        return list(DEFAULT_SEEDS.get(args.study, [args.seed])) if args.preset == "study" else [args.seed]
+    try:
+        seeds = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {text!r}: a comma list of distinct integers, e.g. 0,1,2")
+    return seeds
 
 
 def _base(path):
@@ -385,20 +413,39 @@ def run_stage(cmd, log):
 
 
 def training_study(args):
-    """Train and evaluate every grid point not finished yet; one result row per point."""
+    """Train and evaluate every grid point not finished yet; one result row per run.
+
+    A run folder remembers what it was trained with (study_point.json: the data and the
+    train_otl.py flags), and a rerun that asks for other flags in the same folder stops instead of
+    taking the old run for the new point.  A point whose run folder is gone (another machine, a
+    later session) but whose row is in the study's results JSON with the same data and flags is
+    taken from there: so a study spans sessions through its committed results.  The results are
+    written after every run made, marked partial until the last point is in."""
     pts = training_points(args)
     evals = EVALS[args.study]
     folder = os.path.join(args.runs, args.preset, args.study)
     extra = shlex.split(args.train_args)
-    rows, ran = [], []
+    recorded = recorded_rows(args)
+    rows, ran, carried = [], [], []
     for i, (name, point, data, flags) in enumerate(pts):
         run = os.path.join(folder, name)
         log = os.path.join(folder, f"{name}.log")
-        os.makedirs(folder, exist_ok=True)
-        py = [sys.executable]
+        ident = {"data": utils.rel_path(data), "train_flags": [*flags, *extra]}
         outs = {e: os.path.join(run, f"{e}.json") for e in evals}
         if i == 0:      # the random-init network of the first point: the table's floor
             outs["knn_init"] = os.path.join(run, "knn_init.json")
+        old = recorded.get(name)
+        if (not os.path.isdir(run) and old and old.get("study_point") == ident
+                and all(("linear" if e == "linear" else f"{e}10") in old for e in outs)):
+            print(f"[{args.study}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
+                  f"(trained at commit {str(old.get('git_commit'))[:12]}; its run folder is not here)",
+                  flush=True)
+            rows.append({**point, **old, "study_point": ident})   # older rows lack "point"
+            carried.append(name)
+            continue
+        os.makedirs(folder, exist_ok=True)
+        claim_run(run, ident)
+        py = [sys.executable]
         todo = not os.path.isfile(os.path.join(run, "results.json")) or not all(
             os.path.isfile(p) for p in outs.values())
         if todo:
@@ -413,10 +460,65 @@ def training_study(args):
                 ck = "checkpoint0000.pth" if e == "knn_init" else "checkpoint.pth"
                 run_stage(py + [script, "--checkpoint", os.path.join(run, ck), "--device",
                                 args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
-        rows.append(training_row(run, point, outs))
+        rows.append({**training_row(run, point, outs), "study_point": ident})
+        if todo and i + 1 < len(pts):   # nothing finished is lost if the study stops here
+            write_results(args, rows, study_notes(args), partial=len(pts))
     skipped = [n for n, *_ in pts if n not in ran]
-    print(f"{args.study}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before", flush=True)
+    print(f"{args.study}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before"
+          + (f" ({len(carried)} of them taken from the results JSON)" if carried else ""), flush=True)
     return rows, ran
+
+
+def results_stem(args):
+    return os.path.join(args.out, args.study + ("" if args.preset == "study" else f"_{args.preset}"))
+
+
+def recorded_rows(args):
+    """{run name: row} of the study's results JSON, for the runs whose folders are gone."""
+    path = results_stem(args) + ".json"
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as fh:
+        rows = json.load(fh).get("rows", [])
+    out = {}
+    for r in rows:
+        ident = r.get("study_point") or study_point_of_command(r.get("command"))
+        if r.get("run") and ident:
+            out[os.path.basename(r["run"])] = {**r, "study_point": ident}
+    return out
+
+
+def study_point_of_command(command):
+    """The data and train_otl.py flags of a row recorded before rows kept them (ablations.py before
+    study_point.json), read back from its train command: `python train_otl.py --data D --output R
+    --device X --no-progress FLAGS...`.  None for any other shape."""
+    try:
+        argv = shlex.split(command or "")
+    except ValueError:
+        return None
+    if len(argv) < 9 or os.path.basename(argv[1]) != "train_otl.py" or argv[2:3] != ["--data"] \
+            or argv[4:5] != ["--output"] or argv[6:7] != ["--device"] or argv[8:9] != ["--no-progress"]:
+        return None
+    return {"data": utils.rel_path(argv[3]), "train_flags": argv[9:]}
+
+
+def claim_run(run, ident):
+    """Record what a run folder is for, or stop if it holds a run made with other flags."""
+    path = os.path.join(run, "study_point.json")
+    if os.path.isfile(path):
+        with open(path) as fh:
+            had = json.load(fh)
+        if had != ident:
+            raise SystemExit(
+                f"{run} holds a run of {had['data']} with train_otl.py flags {' '.join(had['train_flags'])}"
+                f", not {ident['data']} with {' '.join(ident['train_flags'])}; delete that folder, "
+                "or keep it and give this grid another --runs")
+        return
+    if os.path.isfile(os.path.join(run, "results.json")) or os.path.isfile(os.path.join(run, "checkpoint.pth")):
+        print(f"  (note: {run} was made before runs recorded their flags; it is taken as this point's run)",
+              flush=True)
+    os.makedirs(run, exist_ok=True)
+    utils.write_json(ident, path)
 
 
 def training_row(run, point, outs):
@@ -500,17 +602,24 @@ def summarise(study, rows, args):
                        f"the published labeler is more even than Sinkhorn-Knopp in {pub_better} of "
                        f"{len(pairs)} cases, ours in {ex_better} of {len(pairs)}")
         return lines, verdict
-    # training studies
-    keys = [k for k in ("k", "x", "d", "subset", "n_train", "seed", "labeler", "views", "reduction")
+    # training studies (rows: one per run, or seed_means' one per grid point)
+    keys = [k for k in ("k", "x", "d", "subset", "n_train", "seed", "seeds", "labeler", "views",
+                        "reduction")
             if any(k in r for r in rows) and not (k == "seed" and args.study != "splits")]
-    metrics = [m for m in ("knn10", "knn50", "knn100", "knn200", "linear") if any(m in r for r in rows)]
+    metrics = [m for m in METRICS if any(m in r for r in rows)]
     head = "| " + " | ".join(keys + metrics + ["final loss", "minutes"]) + " |"
     lines = [head, "|" + "---|" * (len(keys) + len(metrics) + 2)]
+    cell = lambda r, m: (f"{r[m]:.1f} +- {r[m + '_sd']:.1f}" if m + "_sd" in r else f"{r[m]:.1f}") \
+        if m in r else ""
     for r in rows:
-        lines.append("| " + " | ".join([str(r.get(k, "")) for k in keys] +
-                                      [f"{r[m]:.1f}" if m in r else "" for m in metrics] +
+        lines.append("| " + " | ".join([",".join(map(str, r[k])) if k == "seeds" else str(r.get(k, ""))
+                                       for k in keys] +
+                                      [cell(r, m) for m in metrics] +
                                       [f"{r.get('final_loss', float('nan')):.3f}",
                                        f"{r.get('train_minutes') or 0:.1f}"]) + " |")
+    if "seeds" in keys:
+        lines += ["", "Each cell: the mean over the seeds +- their sample standard deviation; "
+                  "minutes and loss are means."]
     init = [r for r in rows if "knn_init10" in r]
     if init:
         lines.append("")
@@ -564,9 +673,22 @@ def training_verdict(study, rows):
         return (f"over {len(rows)} splits: kNN@10 {t.mean():.1f} +- {sd(t):.1f}, linear "
                 f"{lin.mean():.1f} +- {sd(lin):.1f} (the paper's spread was not transcribed)")
     if study == "labeler-in-training":
-        best = max(rows, key=lambda r: r["knn10"])
-        return ("ours, not in the paper: " + ", ".join(f"{r['labeler']} {r['knn10']:.1f}" for r in rows)
-                + f" kNN@10; best: {best['labeler']}")
+        ranked = sorted(rows, key=lambda r: -r["knn10"])
+        txt = ("ours, not in the paper: " + ", ".join(
+            f"{r['labeler']} {r['knn10']:.1f}" + (f" +- {r['knn10_sd']:.1f}" if "knn10_sd" in r else "")
+            for r in rows) + " kNN@10")
+        if len(ranked) < 2:
+            return txt
+        gap = ranked[0]["knn10"] - ranked[1]["knn10"]
+        sds = [r["knn10_sd"] for r in rows if "knn10_sd" in r]
+        if not sds:
+            return txt + (f"; {ranked[0]['labeler']} leads by {gap:.1f} points, from one seed each, "
+                          "which cannot tell so small a gap from seed noise (--seeds 0,1,2 can)")
+        noise = max(sds)
+        return txt + (f"; {ranked[0]['labeler']} leads by {gap:.1f} points, "
+                      + (f"more than the largest seed-to-seed sd ({noise:.1f}): a real lead" if gap > noise
+                         else f"within the largest seed-to-seed sd ({noise:.1f}): no labeler is "
+                              "measurably better"))
     if study == "lct":
         return "ours, not in the paper: " + ", ".join(
             f"{r['views']} view(s) {r['reduction']} {r['knn10']:.1f}" for r in rows) + " kNN@10"
@@ -614,12 +736,15 @@ def plot(study, rows, path):
                     ax.plot([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs], "o-", label=sub)
                 ax.plot(list(PAPER_IMBALANCED), list(PAPER_IMBALANCED.values()), "k:", label="uneven (paper)")
             elif xkey:
-                ax.plot([r[xkey] for r in rows], [r.get(metric, float("nan")) for r in rows], "o-", label="ours")
+                ax.errorbar([r[xkey] for r in rows], [r.get(metric, float("nan")) for r in rows],
+                            yerr=[r.get(metric + "_sd", 0.0) for r in rows], fmt="o-", capsize=3,
+                            label="ours")
                 if study == "k":
                     ax.set_xscale("log", base=2)
             else:
                 names = [r.get("labeler") or f"{r['views']}v {r['reduction']}" for r in rows]
-                ax.bar(names, [r.get(metric, float("nan")) for r in rows])
+                ax.bar(names, [r.get(metric, float("nan")) for r in rows],
+                       yerr=[r.get(metric + "_sd", 0.0) for r in rows], capsize=3)
             ax.set(xlabel=xkey or "", ylabel=f"{metric} top-1 (%)")
             if study == "imbalanced":
                 ax.legend(fontsize=8)
@@ -630,27 +755,69 @@ def plot(study, rows, path):
     return path
 
 
-def write_results(args, rows, extra=None):
+def write_results(args, rows, extra=None, partial=None):
+    """<study>.json, .md and .png.  partial: the number of runs the whole grid has, when rows
+    holds only the runs finished so far."""
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, args.study + ("" if args.preset == "study" else f"_{args.preset}"))
-    lines, verdict = summarise(args.study, rows, args)
+    stem = results_stem(args)
+    means = seed_means(rows) if args.study in TRAINING_STUDIES else None
+    lines, verdict = summarise(args.study, means or rows, args)
     out = {"study": args.study, "preset": args.preset, "paper": PAPER[args.study],
-           "verdict": verdict, "rows": rows, **(extra or {}),
+           "verdict": verdict, "rows": rows, **({"seed_means": means} if means else {}),
+           **({"partial": f"{len(rows)} of {partial} runs"} if partial else {}), **(extra or {}),
            "command": utils.command_line(), "git_commit": utils.git_commit(),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
     utils.write_json(out, stem + ".json")
+    commits = sorted({str(r["git_commit"])[:12] for r in rows if r.get("git_commit")})
+    made = f"Made by `{out['command']}` at commit {out['git_commit'][:12]}."
+    if len(commits) > 1 or (commits and commits[0] != out["git_commit"][:12]):
+        made += f" Its runs were trained at commit(s) {', '.join(commits)} (each row's in the JSON)."
     md = [f"# Ablation `{args.study}` (preset {args.preset})", "",
-          f"Paper: {PAPER[args.study]}.", "", f"Ours: {verdict}.", "", *lines, "",
-          f"Made by `{out['command']}` at commit {out['git_commit'][:12]}."]
+          f"Paper: {PAPER[args.study]}.", "", f"Ours: {verdict}.", "", *lines, "", made]
+    if partial:
+        md[2:2] = [f"**Partial: {len(rows)} of the grid's {partial} runs are in**; the same command "
+                   "continues the study.", ""]
     if extra and extra.get("notes"):
         md[4:4] = [*extra["notes"], ""]
     with open(stem + ".md", "w") as fh:
         fh.write("\n".join(md) + "\n")
     if not args.no_plot:
-        plot(args.study, rows, stem + ".png")
-    print(f"{args.study}: {verdict}\nwrote {stem}.json, .md" + ("" if args.no_plot else ", .png"), flush=True)
+        plot(args.study, means or rows, stem + ".png")
+    print(f"{args.study}: {verdict}\nwrote {stem}.json, .md" + ("" if args.no_plot else ", .png")
+          + (f" (partial: {out['partial']})" if partial else ""), flush=True)
     return out
+
+
+METRICS = ("knn10", "knn50", "knn100", "knn200", "linear")
+
+
+def seed_means(rows):
+    """The runs of each grid point averaged over their seeds (mean, and <metric>_sd the sample
+    standard deviation), in grid order; None when every point has one run."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(r.get("point", r["run"]), []).append(r)
+    if all(len(g) == 1 for g in groups.values()):
+        return None
+    means = []
+    for g in groups.values():
+        m = {k: v for k, v in g[0].items() if k not in ("run", "seed", "git_commit", "command",
+                                                          "study_point")}
+        m["seeds"] = [r.get("seed") for r in g]
+        for key in (*METRICS, "final_loss", "train_minutes"):
+            vals = [r[key] for r in g if r.get(key) is not None]
+            if vals:
+                t = torch.tensor(vals, dtype=torch.float64)
+                m[key] = round(t.mean().item(), 4 if key == "final_loss" else 2)
+                if key in METRICS:
+                    m[f"{key}_sd"] = round(t.std().item(), 2) if len(vals) > 1 else 0.0
+        means.append(m)
+    return means
+
+
+def study_notes(args):
+    return uneven_notes() if args.study == "uneven" else None
 
 
 def uneven_notes(n=50_000, k=128, xs=(0, 2, 4, 6, 8, 10)):
@@ -723,7 +890,7 @@ def main(args):
         rows = labeler_study(args)
         return write_results(args, rows)
     rows, ran = training_study(args)
-    out = write_results(args, rows, uneven_notes() if args.study == "uneven" else None)
+    out = write_results(args, rows, study_notes(args))
     out["ran"] = ran
     return out
 

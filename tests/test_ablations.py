@@ -170,12 +170,104 @@ def test_splits_study(small_data, tmp_path, inline):
 
 
 def test_labeler_in_training_study(small_data, tmp_path, inline):
+    """Its default is two seeds a labeler at study scale: the table gives mean +- sd, and the
+    verdict weighs the gap between the labelers against the seeds' spread."""
     study("labeler-in-training", tmp_path, small_data, "--grid", "published,sinkhorn",
           "--train-args", TINY_TRAIN)
-    out, _ = saved(tmp_path, "labeler-in-training")
-    assert [r["labeler"] for r in out["rows"]] == ["published", "sinkhorn"]
-    log = (tmp_path / "runs" / "study" / "labeler-in-training" / "sinkhorn" / "log.jsonl").read_text()
+    out, md = saved(tmp_path, "labeler-in-training")
+    assert [(r["labeler"], r["seed"]) for r in out["rows"]] == [
+        ("published", 0), ("published", 1), ("sinkhorn", 0), ("sinkhorn", 1)]
+    runs = tmp_path / "runs" / "study" / "labeler-in-training"
+    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == [
+        "published", "published_seed1", "sinkhorn", "sinkhorn_seed1"]
+    log = (runs / "sinkhorn" / "log.jsonl").read_text()
     assert json.loads(log.splitlines()[0])["pl_std"] >= 0
+    ck = torch.load(runs / "published_seed1" / "checkpoint.pth", weights_only=False)
+    assert ck["args"]["seed"] == 1 and ck["args"]["labeler"] == "published"
+    means = out["seed_means"]
+    assert [(m["labeler"], m["seeds"]) for m in means] == [("published", [0, 1]), ("sinkhorn", [0, 1])]
+    for m in means:
+        pair = [r["knn10"] for r in out["rows"] if r["labeler"] == m["labeler"]]
+        assert m["knn10"] == pytest.approx(sum(pair) / 2, abs=0.01)
+        assert m["knn10_sd"] == pytest.approx(abs(pair[0] - pair[1]) / 2 ** 0.5, abs=0.01)
+        assert f"{m['knn10']:.1f} +- {m['knn10_sd']:.1f}" in md
+    assert "seed-to-seed sd" in out["verdict"]
+
+
+def test_seeds_flag(small_data, tmp_path):
+    parse = ablations.get_args_parser().parse_args
+    assert ablations.parse_seeds(parse(["k"])) == [0]
+    assert ablations.parse_seeds(parse(["k", "--seed", "3"])) == [3]
+    assert ablations.parse_seeds(parse(["labeler-in-training"])) == [0, 1]
+    assert ablations.parse_seeds(parse(["labeler-in-training", "--preset", "paper"])) == [0]
+    assert ablations.parse_seeds(parse(["uneven", "--seeds", "2,5"])) == [2, 5]
+    for bad in ("1,1", "a", ""):
+        with pytest.raises(SystemExit, match="distinct integers"):
+            ablations.parse_seeds(parse(["k", "--seeds", bad]))
+    with pytest.raises(SystemExit):     # the splits study's grid is its seeds
+        parse(["splits", "--seeds", "0,1"])
+
+
+def test_a_run_made_with_other_flags_is_not_taken(small_data, tmp_path, inline):
+    study("uneven", tmp_path, small_data, "--grid", "0", "--train-args", TINY_TRAIN)
+    with pytest.raises(SystemExit, match="holds a run of .* --epochs 1 .*delete that folder"):
+        study("uneven", tmp_path, small_data, "--grid", "0", "--train-args", TINY_TRAIN + " --lr 0.1")
+
+
+def test_partial_results_and_resume_from_results_json(small_data, tmp_path, inline, monkeypatch):
+    """A study stopped after its first run has that run in its results (marked partial); a later
+    session without the run folders takes finished runs from the results JSON instead of
+    training them again, and trains only what is missing."""
+    real = ablations.run_stage
+
+    def fail_second_training(cmd, log):
+        if os.path.basename(cmd[1]) == "train_otl.py" and "x2" in cmd[cmd.index("--output") + 1]:
+            raise SystemExit("stopped")
+        real(cmd, log)
+    monkeypatch.setattr(ablations, "run_stage", fail_second_training)
+    with pytest.raises(SystemExit, match="stopped"):
+        study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    out, md = saved(tmp_path, "uneven")
+    assert out["partial"] == "1 of 2 runs" and [r["x"] for r in out["rows"]] == [0]
+    assert "Partial: 1 of the grid's 2 runs" in md
+    first = out["rows"][0]
+
+    # another machine: the runs are gone, the results JSON is there
+    import shutil
+    shutil.rmtree(tmp_path / "runs")
+    monkeypatch.setattr(ablations, "run_stage", real)
+    del inline[:]
+    done = study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    assert done["ran"] == ["x2"] and inline == ["train_otl.py", "eval_knn.py"]
+    assert done["rows"][0] == first and "partial" not in done
+    assert not (tmp_path / "runs" / "study" / "uneven" / "x0").exists()
+    # other flags do not take the recorded row: x0 is trained again
+    del inline[:]
+    again = study("uneven", tmp_path, small_data, "--grid", "0", "--train-args", TINY_TRAIN + " --lr 0.1",
+                  "--out", str(tmp_path / "out"))
+    assert again["ran"] == ["x0"]
+
+
+def test_rows_recorded_before_study_point_are_read_from_their_command(small_data, tmp_path, inline):
+    """Results JSONs written before rows kept their flags (study_point) still carry a study
+    across sessions: the flags are read back from the row's train command, and a row whose
+    command asked for other flags is trained again."""
+    study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    path = tmp_path / "out" / "uneven.json"
+    out = json.loads(path.read_text())
+    for r in out["rows"]:
+        assert ablations.study_point_of_command(r["command"]) == r.pop("study_point")
+        r.pop("point")
+    out["rows"][1]["command"] = out["rows"][1]["command"].replace("--seed 0", "--seed 7")
+    path.write_text(json.dumps(out))
+    import shutil
+    shutil.rmtree(tmp_path / "runs")
+    del inline[:]
+    done = study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    assert done["ran"] == ["x2"]
+    assert done["rows"][0]["knn10"] == out["rows"][0]["knn10"] and done["rows"][0]["point"] == "x0"
+    assert ablations.study_point_of_command("python eval_knn.py --checkpoint c") is None
+    assert ablations.study_point_of_command(None) is None
 
 
 def test_lct_study(small_data, tmp_path, inline):
