@@ -193,7 +193,9 @@ class Ranks:
 
 def git_commit() -> str:
     """The commit of the code being run ("<sha>", "<sha>+dirty" with uncommitted changes to
-    tracked files, or "unknown" outside a repository or before the first commit)."""
+    tracked files, or "unknown" outside a repository or before the first commit).  Changes under
+    results/ do not count: they are what runs write (a study rewrites its results file after
+    every run), not the code that ran."""
     def git(*cmd):
         return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -202,7 +204,7 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     except (OSError, subprocess.SubprocessError):
         dirty = ""
     return sha + ("+dirty" if dirty else "")

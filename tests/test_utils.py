@@ -167,6 +167,29 @@ def test_git_commit_and_command_line():
     assert utils.command_line()
 
 
+def test_git_commit_is_dirty_for_code_not_for_results(tmp_path, monkeypatch):
+    """A study rewrites its tracked results file after every run; the runs after it still ran
+    committed code, so only changes outside results/ make the commit "+dirty"."""
+    import subprocess
+
+    def git(*cmd):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *cmd], cwd=tmp_path,
+                       check=True, capture_output=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "study.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    monkeypatch.setattr(utils, "REPO", str(tmp_path))
+    clean = utils.git_commit()
+    assert re.fullmatch(r"[0-9a-f]{40}", clean)
+    (tmp_path / "results" / "study.json").write_text('{"rows": []}')
+    assert utils.git_commit() == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert utils.git_commit() == clean + "+dirty"
+
+
 def test_str2bool():
     assert [utils.str2bool(v) for v in ("true", "1", "Yes", "off", "0", "FALSE")] == \
         [True, True, True, False, False, False]
