@@ -10,7 +10,7 @@ Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
   random_net      N = --n images of --data (each of the 27,000 EuroSAT images, then each again
-                  mirrored left-right, up to 50,000) through the cpu preset's network
+                  mirrored left-right, up to 50,000) through the --net preset's network (default cpu)
                   (utils.PRESETS), freshly initialised: backbone features computed once by
                   otl.label_pass(head=False) (BatchNorm on each shuffled batch's statistics,
                   running statistics untouched), then for each k in --real-ks a fresh k-way
@@ -24,7 +24,9 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   (64,000) as one array: the published labeler and Sinkhorn hold several N x k
                   float64 copies, and this gives the side-by-side at equal N.
 Measured for every (input, k, method), each in a fresh child process (spawn) that first builds or
-loads its input: wall seconds of the labeling call, its iterations, the std of the cluster sizes
+loads its input: wall seconds of the labeling call (scipy, which the exact labeler's finish
+imports on first use, is imported before it: 0.2 - 0.4 s that a process pays once, which the
+benchmarks before 2026-11-25 counted in ours at every measurement), its iterations, the std of the cluster sizes
 against the even target N/k (std_floor = sqrt(f (1 - f)), f = (N mod k) / k, is the best any
 labeler can do), max - min of the sizes, and the call's peak memory: the child resets its peak RSS
 (writes 5 to /proc/self/clear_refs), runs the labeler, and reports VmHWM minus the RSS just before
@@ -99,6 +101,9 @@ def get_args_parser():
     p.add_argument("--seed", type=int, default=0, help="seeds the gaussian inputs, the network, heads "
                    "and label-pass batches")
     p.add_argument("--data", default="data/eurosat", help="prepared EuroSAT (prepare_data.py --out)")
+    p.add_argument("--net", default="cpu", help="preset (utils.PRESETS) of random_net's network: cpu "
+                   "(half-width ResNet-18, as training's cpu preset), or e.g. alexnet-cifar-cpu with "
+                   "--data data/cifar10 (the inputs of ablations.py's labeler studies)")
     p.add_argument("--checkpoint", default="runs/eurosat/checkpoint.pth", help="trained network")
     return p
 
@@ -116,6 +121,8 @@ def resolve_args(args):
         raise SystemExit(f"--ks must lie in [2, --n={args.n}], got {args.ks}")
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         raise SystemExit(f"--device {args.device}: no CUDA GPU is visible to torch here; use --device cpu")
+    if args.net not in utils.PRESETS:
+        raise SystemExit(f"--net {args.net!r}: not a preset; choose from {', '.join(utils.PRESETS)}")
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     if not args.skip_large and not args.large_k <= args.ref_n <= args.large_n:
@@ -204,6 +211,7 @@ def measure(spec):
     else:
         O = gaussian(spec["n"], spec["k"], spec["seed"])
     n, k = O.shape
+    otl._scipy_csgraph()   # a process imports scipy once, at its first exact finish: not timed
     rss = _start_peak()
     t0 = time.perf_counter()
     labels, iters, reason, call = call_labeler(spec["method"], O)
@@ -216,6 +224,7 @@ def measure_stream(spec):
     counted.  The peak counts everything after the start, one made chunk (8192 x k float32)
     included."""
     n, k, seed = spec["n"], spec["k"], spec["seed"]
+    otl._scipy_csgraph()   # imported once per process: not the labeler's time
     rss = _start_peak()
     st = otl.StreamingTranslator(k, distributed=False)
     seconds = 0.0
@@ -295,7 +304,7 @@ def real_inputs(args, skipped):
         manifest = json.load(fh)
     t0 = time.perf_counter()
     both = torch.cat([images, images.flip(3)])[:n_real]
-    feats = utils.random_net_features(both, manifest, "cpu", args.seed)
+    feats = utils.random_net_features(both, manifest, args.net, args.seed)
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
     for k in args.real_ks:
         yield "random_net", k, utils.fresh_head_outputs(feats, k, args.seed)

@@ -157,7 +157,8 @@ class TranslateResult:
 def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: float = 1e-15,
               patience: int = 10, max_iter: int = 10000, tie_eps=None, seed: int = 0,
               init: str = "median", method: str = "exact", candidates: int = 24,
-              max_candidates: int = 48, full_rows_up_to: int = 128) -> TranslateResult:
+              max_candidates: int = 48, full_rows_up_to: int = 128,
+              full_rows_bytes: int = 1 << 30) -> TranslateResult:
     """One k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters
     as the target asks (even by default, or any counts summing to N).  T only translates O, so
     every difference O[s] - O[t] (and every distance) is unchanged.
@@ -165,7 +166,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     method="exact" (default): counts end within 1 of the target (for an even target
     max - min <= 1, the most even integers allow), without an N x k copy; this is
     `StreamingTranslator` fed O in chunks (part 9).  `candidates`, `max_candidates`,
-    `full_rows_up_to`, `tie_eps` (default 2**-26) and `seed` are its settings.
+    `full_rows_up_to`, `full_rows_bytes`, `tie_eps` (default 2**-26) and `seed` are its settings
+    (N is its rows_hint).
     method="published": Algorithm 1 as the authors' code runs it (`translate_published`), with
     `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6), `seed` and `init`.
     """
@@ -182,7 +184,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     n, k = outputs.shape
     st = StreamingTranslator(k, target=target, seed=seed, candidates=candidates,
                              max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
-                             distributed=False,
+                             distributed=False, rows_hint=n, full_rows_bytes=full_rows_bytes,
                              tie_eps=2.0 ** -26 if tie_eps is None else tie_eps)
     for s in range(0, n, st.chunk):
         st.add(outputs[s:s + st.chunk])
@@ -912,7 +914,9 @@ class StreamingTranslator:
     beyond that only their candidates are kept (below), which is what lets N = 1.28M, k = 3000
     fit in memory.  On outputs whose balancing translation is large compared with the gaps
     between a row's best outputs (real networks far from balance) the candidates can fall
-    short, and those rows are re-read in full (`refetch`).
+    short, and those rows are re-read in full (`refetch`).  So when `rows_hint` (the number of
+    rows this process will add; `translate` gives it) x k x 10 bytes fits in `full_rows_bytes`
+    (1 GiB) and the first rows show such outputs, rows are kept whole (`_whole_rows_pay`).
 
     How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
     `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
@@ -967,7 +971,8 @@ class StreamingTranslator:
     def __init__(self, k: int, target=None, seed: int = 0, candidates: int = 24,
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
                  tie_eps: float = 2.0 ** -26,
-                 distributed: bool = True, chunk: int = 65536, row_offset=None):
+                 distributed: bool = True, chunk: int = 65536, row_offset=None,
+                 rows_hint=None, full_rows_bytes: int = 1 << 30):
         if isinstance(k, bool) or not isinstance(k, numbers.Integral):
             raise ValueError(f"k must be an integer (the number of clusters), got {k!r}")
         if k < 2:
@@ -983,6 +988,9 @@ class StreamingTranslator:
         self.row_offset = int(row_offset) if row_offset is not None else 0
         self.row_offset_given = row_offset is not None or not self.comm.on
         self.all_cols = self.k <= max(2 * self.max_candidates, int(full_rows_up_to))
+        # the rows this process will add, when known: with them whole rows may be kept (_start)
+        self.rows_hint = None if rows_hint is None else int(rows_hint)
+        self.full_rows_bytes = int(full_rows_bytes)
         self.width = self.k if self.all_cols else self.max_candidates
         self.cdtype = torch.int16 if self.k < 32768 else torch.int32
         self.buffer, self.nbuf = [], 0
@@ -1026,14 +1034,17 @@ class StreamingTranslator:
         head = torch.cat(parts) if parts else torch.zeros(0, self.k)
         self.device = head.device
         head = head if head.dtype == torch.float64 else head.to(torch.float32)
-        params = torch.zeros(self.k + 3, dtype=torch.float64, device=self.device)  # T0, eps, window, radius0
+        # T0, eps, window, radius0, and 1 to keep whole rows
+        params = torch.zeros(self.k + 4, dtype=torch.float64, device=self.device)
         if head.shape[0] > 0:
             _check_outputs_finite(head)
             params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
             # the tie-break's scale: a typical row's largest |O| (not the largest of all: one
             # outlier would make the perturbation swamp the real gaps)
             params[self.k] = self.tie_eps * max(head.abs().amax(1).median().item(), 1e-30)
-            if not self.all_cols:   # the window: a typical row's `candidates`-th largest gap
+            whole = self.all_cols or self._whole_rows_pay(head, params[:self.k])
+            params[self.k + 3] = float(whole and not self.all_cols)
+            if not whole:   # the window: a typical row's `candidates`-th largest gap
                 S = head[:2048] - params[:self.k].to(head.dtype)
                 gaps = S.amax(1, keepdim=True) - S
                 params[self.k + 1] = gaps.kthvalue(min(self.candidates, self.k), dim=1).values.median().item()
@@ -1044,6 +1055,8 @@ class StreamingTranslator:
             params = self.comm.broadcast(params.cpu()).to(self.device)
         if self.device.type != "cpu":   # blocks sized for a CPU cache only cost launches there
             self.block = self.chunk
+        if params[self.k + 3].item() > 0:
+            self.all_cols, self.width = True, self.k
         self.T0, self.eps = params[:self.k].clone(), params[self.k].item()
         self.T0f = self.T0.to(torch.float32)     # exact for float32 outputs (medians of them)
         self.T0abs = float(self.T0.abs().max())   # float64 outputs: T0f errs by 2^-24 of this
@@ -1052,6 +1065,35 @@ class StreamingTranslator:
         for p in pieces:
             for s in range(0, p.shape[0], self.chunk):
                 self._extract(p[s:s + self.chunk])
+
+    def _whole_rows_pay(self, head, med):
+        """Whether to keep whole rows rather than candidates: when the rows to come are known to
+        fit in `full_rows_bytes` (rows_hint x k x 10 bytes) and the first rows, at the column
+        medians, are far from the target.
+
+        Why.  Candidates are the columns near each row's best at T0 (the medians), so they hold a
+        row's final cluster only while the balancing translation stays within that window.  On
+        Gaussian outputs it does; on real networks' outputs, where a few clusters take most rows,
+        it is several windows wide, the candidates fall short for most rows and they are re-read
+        whole after a solve that could not finish (random AlexNet on CIFAR-10, N = 50,000,
+        k = 150 ... 1000: 1.4x - 4.6x slower than keeping whole rows from the start; on Gaussian
+        outputs whole rows are 3x - 15x slower, docs/labeler.md).  "Far": the variance of the
+        first rows' counts around the target over its mean, about 1 when the clusters are even up
+        to sampling noise (1.0 - 1.4 on Gaussian outputs), 49 - 270 on random networks' outputs;
+        the cut is 4."""
+        if self.rows_hint is None or self.rows_hint * self.k * 10 > self.full_rows_bytes:
+            return False
+        n = head.shape[0]
+        cnt = torch.bincount((head - med.to(head.dtype)).argmax(1), minlength=self.k).to(torch.float64)
+        target = even_target(n, self.k)
+        if self.target_arg is not None:   # the target's shares, scaled to the head; result() checks it
+            try:
+                t = torch.as_tensor(self.target_arg, dtype=torch.float64).flatten().cpu()
+                if t.numel() == self.k and bool(torch.isfinite(t).all()) and t.sum() > 0:
+                    target = t / t.sum() * n
+            except (TypeError, ValueError, RuntimeError):
+                pass
+        return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / self.k
 
     def _extract(self, X: torch.Tensor):
         X = X.to(self.device)

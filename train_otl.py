@@ -198,7 +198,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
         if args.labeler == "exact":   # otl.translate's exact method, with the head size given
             st = otl.StreamingTranslator(k, target=target, seed=seed,
                                          n_init=args.label_head_rows, distributed=ranks.world > 1,
-                                         row_offset=lo if ranks.world > 1 else None)
+                                         row_offset=lo if ranks.world > 1 else None, rows_hint=n)
             for s in range(0, n, st.chunk):
                 st.add(o[s:s + st.chunk])
             res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])

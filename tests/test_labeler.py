@@ -394,3 +394,55 @@ def test_distributed_equals_single_process(full, tmp_path):
     for p in parts:
         assert torch.equal(p["T"], single.T)
         assert torch.equal(p["counts"], single.counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole rows or candidates (k > full_rows_up_to)
+# ---------------------------------------------------------------------------------------------
+
+def dominant(n, k, seed):
+    """Outputs shaped like a real network's: positive features through a random head, so that a
+    few clusters take most rows at the column medians and the balancing translation is wider
+    than the candidates' window."""
+    g = gen(seed)
+    F = torch.randn(n, 64, generator=g).relu() + 0.5 * torch.randn(1, 64, generator=g).relu()
+    return (F @ (torch.randn(64, k, generator=g) / 8)).float()
+
+
+def _keeps_whole(O, **kw):
+    """Whether a StreamingTranslator keeps O's rows whole, decided once its first rows are in."""
+    st = otl.StreamingTranslator(O.shape[1], distributed=False, **kw)
+    st.add(O)
+    assert st.T0 is not None
+    return st.all_cols
+
+
+def test_real_like_outputs_keep_whole_rows_when_they_fit():
+    """Far from balance at the medians, with the number of rows known (translate knows it) and
+    rows x k x 10 bytes within full_rows_bytes, every column is kept, so nothing is re-read; the
+    result is exact either way."""
+    n, k = 20_000, 300
+    O = dominant(n, k, 5)
+    assert _keeps_whole(O, rows_hint=n)
+    assert not _keeps_whole(O)                                           # rows not known
+    assert not _keeps_whole(O, rows_hint=n, full_rows_bytes=n * k * 10 - 1)   # over the budget
+    r = exact(O)
+    assert r.refetched == 0
+    check_even(r)
+    assert check_translation(O, r) <= 0.01 * n
+    r = exact(O, full_rows_bytes=0)                 # candidates, re-read where they fall short
+    check_even(r)
+    assert check_translation(O, r) <= 0.01 * n
+
+
+def test_gaussian_outputs_keep_candidates():
+    """Even at the medians up to sampling noise: candidates, as before (they are several times
+    faster there); an uneven target is far from the medians' counts, so rows are kept whole."""
+    n, k = 20_000, 300
+    O = torch.randn(n, k, generator=gen(4))
+    assert not _keeps_whole(O, rows_hint=n)
+    target = otl.uneven_target(n, k, 2, first=1)
+    assert _keeps_whole(O, rows_hint=n, target=target)
+    r = exact(O, target=target)
+    assert bool(((r.counts >= target.floor()) & (r.counts <= target.ceil())).all())
+    assert check_translation(O, r) <= 0.01 * n
