@@ -29,9 +29,9 @@ imports on first use, is imported before it: a cost a process pays once, 0.35 s 
 here, which benchmarks before 2026-11-25 counted in ours wherever the finish ran), its
 iterations, the std of the cluster sizes against the even target N/k (std_floor =
 sqrt(f (1 - f)), f = (N mod k) / k, is the best any labeler can do), max - min of the sizes, and
-the call's peak memory: the child resets its peak RSS (writes 5 to /proc/self/clear_refs), runs the labeler, and reports VmHWM
-minus the RSS just before (MiB; the input itself is not counted).  Torch uses every core the
-process may run on.  Linux only.
+the call's peak memory: the child resets its peak RSS (writes 5 to /proc/self/clear_refs), runs
+the labeler, and reports VmHWM minus the RSS just before (MiB; the input itself is not counted).
+Torch uses every core the process may run on.  Linux only.
 With --device cuda every measurement runs in this process on the GPU (see measure_gpu): the
 Gaussian inputs come from a CUDA generator, the large case sits whole in GPU memory, and the
 EuroSAT inputs are left to the CPU run.
