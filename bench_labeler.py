@@ -10,7 +10,7 @@ Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
   random_net      N = --n images of --data (each of the 27,000 EuroSAT images, then each again
-                  mirrored left-right, up to 50,000) through the --net preset's network (default cpu)
+                  mirrored left-right, up to 50,000) through the --net preset's network (cpu)
                   (utils.PRESETS), freshly initialised: backbone features computed once by
                   otl.label_pass(head=False) (BatchNorm on each shuffled batch's statistics,
                   running statistics untouched), then for each k in --real-ks a fresh k-way
