@@ -133,14 +133,11 @@ def get_args_parser():
             s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
                            "run, e.g. \"--epochs 4\" (they win over the preset's)")
             if name != "splits":    # the splits study's grid is its seeds
-                seeds = ",".join(map(str, DEFAULT_SEEDS.get(name, [0])))
+                scale = (f"; {','.join(map(str, DEFAULT_SEEDS[name]))} at study scale"
+                         if name in DEFAULT_SEEDS else "")
                 s.add_argument("--seeds", help="train every grid point once per seed (a comma "
                                "list, e.g. 0,1,2); the table gives the mean and the standard "
-                               "deviation over them (default: --seed alone; "
-                               f"{seeds} at study scale)" if name in DEFAULT_SEEDS else
-                               "train every grid point once per seed (a comma list, e.g. 0,1,2); "
-                               "the table gives the mean and the standard deviation over them "
-                               "(default: --seed alone)")
+                               f"deviation over them (default: --seed alone{scale})")
     s = sub.add_parser("label-bn", help="BatchNorm statistics in the label pass: eval or batch")
     s.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
     s.add_argument("--output", required=True, help="folder for label_bn.json; a checkpoint.pth "
