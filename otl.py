@@ -1075,12 +1075,10 @@ class StreamingTranslator:
         row's final cluster only while the balancing translation stays within that window.  On
         Gaussian outputs it does; on real networks' outputs, where a few clusters take most rows,
         it is several windows wide, the candidates fall short for most rows and they are re-read
-        whole after a solve that could not finish (random AlexNet on CIFAR-10, N = 50,000,
-        k = 150 ... 1000: 1.3x - 4.6x slower than keeping whole rows from the start; on Gaussian
-        outputs whole rows are 3x - 15x slower, docs/labeler.md).  "Far": the variance of the
-        first rows' counts around the target over its mean, about 1 when the clusters are even up
-        to sampling noise (1.0 - 1.4 on Gaussian outputs), 49 - 270 on random AlexNet's outputs;
-        the cut is 4."""
+        whole after a solve that could not finish.  Whole rows are the slower choice on Gaussian
+        outputs (docs/labeler.md has the measurements).  "Far": the variance of the first rows'
+        counts around the target over its mean, about 1 when the clusters are even up to
+        sampling noise; the cut is 4."""
         if self.rows_hint is None or self.rows_hint * self.k * 10 > self.full_rows_bytes:
             return False
         n = head.shape[0]
