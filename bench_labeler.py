@@ -25,8 +25,8 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   float64 copies, and this gives the side-by-side at equal N.
 Measured for every (input, k, method), each in a fresh child process (spawn) that first builds or
 loads its input: wall seconds of the labeling call (scipy, which the exact labeler's finish
-imports on first use, is imported before it: a cost a process pays once, 0.35 s in one profile
-here, which benchmarks before 2026-11-25 counted in ours wherever the finish ran), its
+imports on first use, is imported before it: a cost a process pays once, which benchmarks
+before 2026-11-25 counted in ours wherever the finish ran; docs/labeler.md), its
 iterations, the std of the cluster sizes against the even target N/k (std_floor =
 sqrt(f (1 - f)), f = (N mod k) / k, is the best any labeler can do), max - min of the sizes, and
 the call's peak memory: the child resets its peak RSS (writes 5 to /proc/self/clear_refs), runs
