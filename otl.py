@@ -1284,24 +1284,30 @@ class StreamingTranslator:
             s += vals.shape[0]
 
     def _take(self, rows, prev=None):
-        """vals, cols and theta of the local rows `rows` (ascending), moved out of the store: it
-        keeps only the other rows, piece by piece, so the solver's copy is never held twice.
-        prev: (rows, solver) of an earlier solve on a subset of `rows`; those rows come from that
-        solver, whose candidates are newer (refetched rows), cut back to the store's width if it
-        took whole rows."""
+        """vals, cols, theta, epoch and cuts (see _ExactSolver) of the local rows `rows`
+        (ascending), moved out of the store: it keeps only the other rows, piece by piece, so the
+        solver's copy is never held twice.  prev: (rows, solver) of an earlier solve on a subset
+        of `rows`; those rows come from that solver, whose candidates are newer (refetched rows),
+        cut back to the store's width if it took whole rows."""
         w, dev, n_out = self.width, self.device, rows.numel()
         out = (torch.empty(n_out, w, dtype=torch.float64, device=dev),
                torch.empty(n_out, w, dtype=self.cdtype, device=dev),
                torch.empty(n_out, dtype=torch.float64, device=dev))
+        epoch = torch.zeros(n_out, dtype=torch.int64, device=dev)    # the store's rows: chosen at T0
+        cuts = torch.zeros(1, self.k, dtype=torch.float64, device=dev)
         dst = None                       # where the store's rows go in `out` (None: in order)
         if prev is not None:
             prows, sv = prev
             at = torch.searchsorted(rows, prows)
-            parts = (sv.vals, sv.cols, sv.theta)
+            parts, cuts, ep = (sv.vals, sv.cols, sv.theta), sv.cuts, sv.epoch
             if sv.vals.shape[1] != w:       # whole rows (the fallback): their best w at its T
-                parts = self._cut(sv.vals, sv.dT, sv.cols, sv.theta)
+                bound = sv.theta - (sv.dT[None, :] - sv.cuts).amin(1).index_select(0, sv.epoch)
+                parts = self._cut(sv.vals, sv.dT, sv.cols, bound)
+                cuts = torch.cat([sv.cuts, sv.dT[None, :]])
+                ep = torch.full_like(sv.epoch, cuts.shape[0] - 1)
             for o, p in zip(out, parts):
                 o.index_copy_(0, at, p.to(o.dtype))
+            epoch.index_copy_(0, at, ep)
             new = torch.ones(n_out, dtype=torch.bool, device=dev)
             new[at] = False
             dst = new.nonzero()[:, 0]
@@ -1327,42 +1333,46 @@ class StreamingTranslator:
                 for store, p in zip((self.vals, self.cols, self.theta), parts):
                     store.append(p if hi == lo else p[keep])
             start = end
-        return out
+        return (*out, epoch, cuts)
 
-    def _solve(self, vals, cols, theta, rows, target, lo, hi, dT, refetch, history, max_rounds,
-               rounds, phases, labels=None):
+    def _solve(self, vals, cols, theta, epoch, cuts, rows, target, lo, hi, dT, refetch, history,
+               max_rounds, rounds, phases, labels=None):
         """The exact solver on the rows `rows` (local indices; vals, cols, theta are theirs), with
         refetching of rows whose candidates fall short.  Returns (solver, rows refetched)."""
         comm, k, dev = self.comm, self.k, self.device
         rows_global = rows + self.offset
         solver = _ExactSolver(vals, cols, theta, k, target, lo, hi, comm, self.block, rows_global, dT=dT,
-                              rounds=rounds, phases=phases, labels=labels)
+                              rounds=rounds, phases=phases, labels=labels, epoch=epoch, cuts=cuts)
         history.append(solver._std())
-        refetched, width = 0, vals.shape[1]
-        for attempt in range(8):
-            balanced = solver.run(max_rounds, history, self.radius0)
+        # Rows whose candidates fell short are read again and their candidates chosen at the
+        # current translation (the same memory); that is repeated while it helps.  When no cheap
+        # path reaches an under-full cluster, or re-reading the short rows stops helping, every
+        # row's candidates are chosen again at the current translation, once; only after that
+        # does the solver take whole rows (memory rows x k x 10 bytes).
+        refetched, width, recut_all = 0, vals.shape[1], False
+        for attempt in range(16):
+            balanced = solver.run(max_rounds, history, self.radius0, check_rows=attempt < 6)
             unsafe = solver.unsafe_rows()
             n_unsafe = int(comm.sum(torch.tensor([unsafe.numel()]))[0])
-            if n_unsafe and attempt < 2:
-                if refetch is None:
+            if (balanced and not n_unsafe) or width >= k:
+                break
+            if refetch is None:
+                if n_unsafe:
                     raise RuntimeError(
                         f"{n_unsafe} rows' best candidate could be beaten by a column they "
                         "dropped; pass refetch=fn(rows) -> outputs of those rows, or use more "
                         "candidates")
-                X = refetch(rows_global[unsafe].cpu()) if unsafe.numel() else torch.zeros(0, k)
-                solver.replace_rows(unsafe, *self._full_rows(X.to(dev), rows[unsafe], solver.dT))
-                refetched += unsafe.numel()
-                continue
-            if (balanced and not n_unsafe) or width >= k:
-                break
-            if refetch is None:
                 raise RuntimeError(
-                    f"the candidate lists are too short for these outputs ({n_unsafe} rows' "
-                    "best candidate could be beaten by a column they dropped, or no cheap move "
-                    "reaches an under-full cluster); pass refetch=fn(rows) -> outputs of those "
-                    "rows, or keep whole rows (full_rows_up_to >= k)")
-            # no cheap path reaches a cluster that needs rows: the candidate lists are too short
-            # for these outputs; take every column of these rows (memory rows x k x 10 bytes)
+                    "the candidate lists are too short for these outputs (no cheap move reaches "
+                    "an under-full cluster); pass refetch=fn(rows) -> outputs of those rows, or "
+                    "keep whole rows (full_rows_up_to >= k)")
+            if n_unsafe and attempt < 6:
+                refetched += self._recut(solver, unsafe, rows, refetch)
+                continue
+            if not recut_all:
+                recut_all = True
+                refetched += self._recut(solver, solver.all_rows, rows, refetch)
+                continue
             vals = torch.empty(rows.numel(), k, dtype=torch.float64, device=dev)
             for s in range(0, rows.numel(), self.chunk):
                 r = rows[s:s + self.chunk]
@@ -1376,6 +1386,18 @@ class StreamingTranslator:
                                   rows_global, dT=solver.dT, rounds=solver.rounds, phases=solver.phases)
         solver.strictify()
         return solver, refetched
+
+    def _recut(self, solver, pos, rows, refetch):
+        """The candidates of the solver's rows `pos` chosen again at its current dT, from their
+        outputs read again in pieces of at most 256 MB as float64; returns how many were read.
+        Every rank calls it (the counts are summed over ranks once, at the end)."""
+        step = max(1, min(self.chunk, (1 << 28) // (8 * self.k)))
+        for s in range(0, pos.numel(), step):
+            p = pos[s:s + step]
+            X = refetch(solver.rows_global.index_select(0, p).cpu()).to(self.device)
+            solver.replace_rows(p, *self._full_rows(X, rows.index_select(0, p), solver.dT))
+        solver.recount()
+        return pos.numel()
 
     def _add_jitter(self, offset):
         # stored values are O - T0; add eps * u(global row, col), the same sum in every mode
@@ -1399,14 +1421,15 @@ class StreamingTranslator:
         return self._cut(self._whole_rows(X, rows + self.offset), dT)
 
     def _cut(self, S, dT, cols=None, theta=None):
-        """(vals, cols, theta) of each row's best `width` entries of S at the translation dT, with a
-        bound on the rest: a dropped column j has S_j - dT_j <= tv[w], so S_j <= tv[w] + max dT.
-        cols: the columns of S's entries (None: S holds every column); theta: an earlier bound."""
+        """(vals, cols, theta) of each row's best `width` entries of S at the translation dT, with
+        theta a bound on the rest at dT (an _ExactSolver epoch at dT): a dropped column j has
+        S_j - dT_j <= tv[w].  cols: the columns of S's entries (None: S holds every column);
+        theta: an earlier bound on the columns S lacks, at dT too."""
         w = self.width
         dT_at = dT if cols is None else dT.index_select(0, cols.reshape(-1).long()).view(cols.shape)
         tv, ti = (S - dT_at).topk(w + 1, dim=1)
         ti = ti[:, :w]
-        bound = tv[:, w] + dT.max()
+        bound = tv[:, w]
         return (S.gather(1, ti), (ti if cols is None else cols.gather(1, ti)).to(self.cdtype),
                 bound if theta is None else torch.maximum(theta, bound))
 
@@ -1423,13 +1446,21 @@ def _top2_(S):
 
 class _ExactSolver:
     """The translation solved on candidate lists (see StreamingTranslator): vals (n, w) O - T0
-    of each row's candidates, cols (n, w) their clusters, theta (n,) a bound on the dropped
-    columns, rows_global (n,) the rows' global numbers (ascending); dT (k,) is T - T0 and only
-    grows where the auction and the finish raise it.  All float64."""
+    of each row's candidates, cols (n, w) their clusters, rows_global (n,) the rows' global
+    numbers (ascending); dT (k,) is T - T0 and only grows where the auction and the finish raise
+    it.  All float64.  theta (n,) bounds the dropped columns at the translation the row's
+    candidates were chosen at: cuts[epoch[i]] (a (E, k) table of dT values; row 0 = zeros, the
+    stream's own choice at T0), so that at any dT a dropped column j of row i scores
+    V_ij - dT_j <= theta_i - min(dT - cuts[epoch_i]).  A row chosen again at the current dT
+    (replace_rows) is then safe for as long as T moves less than its lead, not its lead minus
+    everything T moved before."""
 
     def __init__(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, dT=None,
-                 rounds=0, phases=0, labels=None):
+                 rounds=0, phases=0, labels=None, epoch=None, cuts=None):
         self.vals, self.cols, self.theta, self.k = vals, cols, theta, k
+        self.epoch = (torch.zeros(vals.shape[0], dtype=torch.int64, device=vals.device)
+                      if epoch is None else epoch)
+        self.cuts = torch.zeros(1, k, dtype=torch.float64, device=vals.device) if cuts is None else cuts
         self.rows_global = rows_global
         self.target, self.lo, self.hi, self.comm, self.chunk = target, lo, hi, comm, chunk
         self.dev = vals.device
@@ -1452,22 +1483,23 @@ class _ExactSolver:
         return d.index_select(0, cols.reshape(-1).to(torch.int32)).view(cols.shape)
 
     def _blocks(self, rows):
-        """(vals, cols, theta) of `rows` in pieces of at most `chunk`: slices when rows are all rows."""
+        """(vals, cols, bound) of `rows` in pieces of at most `chunk` (slices when rows are all
+        rows); bound: the most a dropped column of the row scores at the current dT."""
+        m = (self.dT[None, :] - self.cuts).amin(1)      # (E,) how far T rose since each cut, at least
         for s in range(0, rows.numel(), self.chunk):
             if rows is self.all_rows:
                 sl = slice(s, s + self.chunk)
-                yield self.vals[sl], self.cols[sl], self.theta[sl]
+                yield self.vals[sl], self.cols[sl], self.theta[sl] - m.index_select(0, self.epoch[sl])
             else:
                 r = rows[s:s + self.chunk]
-                yield self.vals.index_select(0, r), self.cols.index_select(0, r), self.theta.index_select(0, r)
+                yield (self.vals.index_select(0, r), self.cols.index_select(0, r),
+                       self.theta.index_select(0, r) - m.index_select(0, self.epoch.index_select(0, r)))
 
     def _eval(self, rows):
         """best score, its column, the runner-up (or the bound on dropped columns), unsafe."""
         out = [[], [], [], []]
-        tmin = self.dT.min()
-        for vr, cr, th in self._blocks(rows):
+        for vr, cr, thb in self._blocks(rows):
             best, arg, second = _top2_(vr - self._gathered(self.dT, cr))
-            thb = th - tmin
             out[0].append(best)
             out[1].append(cr.gather(1, arg)[:, 0].long())
             out[2].append(torch.maximum(second, thb))
@@ -1483,9 +1515,16 @@ class _ExactSolver:
         return ev[3].nonzero()[:, 0]
 
     def replace_rows(self, rows, vals, cols, theta):
+        """New candidates for `rows`, chosen at the current dT (theta: their bound there); the
+        counts are stale until recount() (on every rank: it sums over ranks)."""
         self._last_eval = None
         self.vals[rows], self.cols[rows], self.theta[rows] = vals, cols, theta
+        if not bool((self.cuts[-1] == self.dT).all()):
+            self.cuts = torch.cat([self.cuts, self.dT[None, :]])
+        self.epoch[rows] = self.cuts.shape[0] - 1
         self.labels[rows] = self._eval(rows)[1]
+
+    def recount(self):
         self.counts = self._count()
 
     # -- 0. far from balance: the published step rule, on the candidates --------------------
@@ -1847,11 +1886,18 @@ class _ExactSolver:
             pairs = tuple(torch.cat([p[keep], q]) for p, q in zip(pairs, new))
         return False
 
-    def run(self, max_rounds, history, tau0):
+    def run(self, max_rounds, history, tau0, check_rows=False):
+        """Balance: True, or False when no cheap move reaches a cluster that needs rows.
+        check_rows: return None before the finish when the candidates of more than 1 % of the
+        rows fell short on the way (the finish on them would be largely wasted: the caller reads
+        those rows again; a few such rows are read again after the finish)."""
+        n = float(self.counts.sum())
         E = float((self.counts - self.hi).clamp(min=0).sum())
-        if E > 0.02 * float(self.counts.sum()):
+        if E > 0.02 * n:
             self._approach(history)
         self._auction(max_rounds, history)
+        if check_rows and int(self.comm.sum(torch.tensor([self.unsafe_rows().numel()]))[0]) > 0.01 * n:
+            return None
         return self._finish(history, tau0)
 
     # -- 3. strict argmax --------------------------------------------------------------------
@@ -1875,7 +1921,7 @@ class _ExactSolver:
         rmin = float(torch.where(near, math.inf, margin).amin()) if margin.numel() else math.inf
         tied = near.nonzero()[:, 0]     # the rest: every other score is more than tol below
         ta, tb = [], []
-        for s, (vr, cr, th) in zip(range(0, tied.numel(), self.chunk), self._blocks(tied)):
+        for s, (vr, cr, thb) in zip(range(0, tied.numel(), self.chunk), self._blocks(tied)):
             cr, lab = cr.long(), self.labels.index_select(0, tied[s:s + self.chunk])
             S = vr - self._gathered(self.dT, cr)
             own = S.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
@@ -1886,8 +1932,7 @@ class _ExactSolver:
             tb.append(cr[tight])
             if R.numel():
                 rmin = min(rmin, float(torch.where(valid & ~tight, R, math.inf).amin()))
-            # dropped columns: score <= theta - min dT
-            thb = th - self.dT.min()
+            # dropped columns: score <= thb
             gap = (own[:, 0] - thb)
             gap = gap[torch.isfinite(gap)]
             if gap.numel():

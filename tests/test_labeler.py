@@ -1,6 +1,7 @@
 """The exact labeler (otl.translate, method="exact"): balance within 1 of the target, labels
 that are argmax(O - T) for one T, streaming = dense, and two gloo ranks = one process."""
 import io
+import math
 import os
 import socket
 import zipfile
@@ -205,12 +206,12 @@ def test_result_holds_each_row_once(monkeypatch, k, shift):
     O = torch.randn(20_000, k, generator=gen(17)) + torch.linspace(0, shift, k)
     seen, solve = [], otl.StreamingTranslator._solve
 
-    def checked(self, vals, cols, theta, rows, *a, **kw):
+    def checked(self, vals, cols, theta, epoch, cuts, rows, *a, **kw):
         seen.append(rows.numel())
         assert sum(v.shape[0] for v in self.vals) + vals.shape[0] == self.n   # each row once
         rest = sorted(set(range(self.n)) - set(rows.tolist()))
         assert torch.equal(self.kept, torch.tensor(rest, dtype=torch.long))
-        return solve(self, vals, cols, theta, rows, *a, **kw)
+        return solve(self, vals, cols, theta, epoch, cuts, rows, *a, **kw)
 
     monkeypatch.setattr(otl.StreamingTranslator, "_solve", checked)
     st = otl.StreamingTranslator(k, distributed=False)
@@ -229,31 +230,62 @@ def test_result_holds_each_row_once(monkeypatch, k, shift):
         st.add(O[:10])
 
 
+def test_recut_bound_holds_wherever_T_moves():
+    """Candidates chosen again at a translation dT (replace_rows) carry their bound on the
+    dropped columns from there: exact at dT, never below a dropped column's score wherever T
+    goes next (up or down), for them and for the rows still chosen at T0."""
+    n, k, w = 400, 60, 8
+    O = torch.randn(n, k, generator=gen(3), dtype=torch.float64)
+
+    def cut(dT):   # each row's best w at dT, and the (w + 1)-th score there
+        tv, ti = (O - dT).topk(w + 1, dim=1)
+        return O.gather(1, ti[:, :w]), ti[:, :w].to(torch.int16), tv[:, w]
+
+    vals, cols, theta = cut(torch.zeros(k, dtype=torch.float64))
+    t = torch.full((k,), n / k, dtype=torch.float64)
+    solver = otl._ExactSolver(vals.clone(), cols.clone(), theta.clone(), k, t, t.floor().long(),
+                              t.ceil().long(), otl._Comm(False), 128, torch.arange(n))
+    dT1 = torch.rand(k, generator=gen(4), dtype=torch.float64) * 3
+    solver.dT = dT1.clone()
+    again = torch.arange(0, n, 2)
+    v2, c2, th2 = cut(dT1)
+    solver.replace_rows(again, v2[again], c2[again], th2[again])
+    bound = torch.cat([b for _, _, b in solver._blocks(solver.all_rows)])
+    assert torch.equal(bound[again], th2[again])              # exact where they were chosen
+    for seed in range(6):
+        solver.dT = dT1 + (torch.rand(k, generator=gen(10 + seed), dtype=torch.float64) - 0.5) * 4
+        bound = torch.cat([b for _, _, b in solver._blocks(solver.all_rows)])
+        kept = torch.zeros(n, k, dtype=torch.bool).scatter_(1, solver.cols.long(), True)
+        dropped = (O - solver.dT).masked_fill(kept, -math.inf).amax(1)
+        assert bool((dropped <= bound + 1e-12).all())
+
+
 def test_widening_after_whole_rows(monkeypatch):
     """A solve that fell back to whole rows, then a wider one: the rows of the first come from
     its solver cut back to their best candidates (with a true bound on the rest), and the
     result is still exact and translation-only."""
     O = torch.randn(20_000, 200, generator=gen(17)) + torch.linspace(0, 2.0, 200)
     run, take, widths = otl._ExactSolver.run, otl.StreamingTranslator._take, []
-    forced = []
+    forced, rows = [], []
 
-    def fail_once(self, *a):    # as if no cheap move reached a needy cluster: whole rows
-        ok = run(self, *a)
+    def fail_twice(self, *a, **kw):    # as if no cheap move reached a needy cluster, also after
+        ok = run(self, *a)              # every row's candidates were chosen again: whole rows
         forced.append(self.vals.shape[1])
-        return ok and len(forced) > 1
+        rows.append(self.vals.shape[0])
+        return ok and len(forced) > 2
 
     def spy(self, rows, prev=None):
         if prev is not None:
             widths.append(prev[1].vals.shape[1])
         return take(self, rows, prev)
 
-    monkeypatch.setattr(otl._ExactSolver, "run", fail_once)
+    monkeypatch.setattr(otl._ExactSolver, "run", fail_twice)
     monkeypatch.setattr(otl.StreamingTranslator, "_take", spy)
     st = otl.StreamingTranslator(200, distributed=False, full_rows_up_to=0)
     st.add(O)
     r = st.result(refetch=lambda rows: O[rows])
-    assert forced[:2] == [48, 200] and 200 in widths    # the cut-back path ran
-    assert r.refetched > 0
+    assert forced[:3] == [48, 48, 200] and 200 in widths    # the cut-back path ran
+    assert r.refetched >= 2 * rows[0]      # every row chosen again once, then taken whole
     check_even(r)
     check_translation(O, r)
 
@@ -433,6 +465,10 @@ def test_real_like_outputs_keep_whole_rows_when_they_fit():
     r = exact(O, full_rows_bytes=0)                 # candidates, re-read where they fall short
     check_even(r)
     assert check_translation(O, r) <= 0.01 * n
+    # only the rows that fell short are read again: their new candidates, chosen at the
+    # translation reached, carry a bound from there (an epoch), not from T0 (then every row
+    # was read again, some several times: 58,232 rows re-read here)
+    assert 0 < r.refetched < 0.1 * n
 
 
 def test_gaussian_outputs_keep_candidates():
