@@ -23,6 +23,15 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   time inside the labeler.  Then all three labelers get the first --ref-n rows
                   (64,000) as one array: the published labeler and Sinkhorn hold several N x k
                   float64 copies, and this gives the side-by-side at equal N.
+  random_net_large  the same sizes with the structure of a real network's outputs: row r is
+                  random_net's feature row r mod 50,000 (an image or its mirror image) moved by
+                  a draw of the augmentation displacement, through a fresh --large-k-way head
+                  (seed --seed + k).  The displacement is a Gaussian fitted to real views: the
+                  mean and covariance, over --aug-images images, of the features of one view
+                  of the --net preset's training augmentation minus the test-time features.  So
+                  each image comes back about 26 times (1.28M rows), each time as if augmented,
+                  with the few dominant clusters, heavy rows and near-ties of real outputs.
+                  Streamed and compared like gaussian_large; needs --data.
 Measured for every (input, k, method), each in a fresh child process (spawn) that first builds or
 loads its input: wall seconds of the labeling call (scipy, which the exact labeler's finish
 imports on first use, is imported before it: a cost a process pays once, which benchmarks
@@ -88,7 +97,12 @@ def get_args_parser():
     p.add_argument("--large-k", type=int, help="clusters of the large case (default 3000; --quick: 300)")
     p.add_argument("--ref-n", type=int, help="rows the published labeler and Sinkhorn get in the large "
                    "case (default 64,000, about 1.5 GB per float64 copy at k = 3000; --quick: 10,000)")
-    p.add_argument("--skip-large", action="store_true", help="leave out the large case")
+    p.add_argument("--skip-large", action="store_true", help="leave out the large cases")
+    p.add_argument("--large-inputs", default="gaussian,random_net", help="the large cases: "
+                   "gaussian (gaussian_large) and/or random_net (random_net_large, needs --data; "
+                   "left out with --skip-real)")
+    p.add_argument("--aug-images", type=int, default=4096, help="images whose augmented views fit "
+                   "random_net_large's displacement (default 4096)")
     p.add_argument("--skip-real", action="store_true", help="leave out random_net and trained_net")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {', '.join(METHODS)}")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test (the flags above "
@@ -126,6 +140,12 @@ def resolve_args(args):
         raise SystemExit(f"--net {args.net!r}: not a preset; choose from {', '.join(utils.PRESETS)}")
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
+    args.large_inputs = [x.strip() for x in args.large_inputs.split(",") if x.strip()]
+    bad = [x for x in args.large_inputs if x not in ("gaussian", "random_net")]
+    if bad:
+        raise SystemExit(f"--large-inputs: unknown {bad}; choose from gaussian, random_net")
+    if args.aug_images < 2:
+        raise SystemExit(f"--aug-images must be >= 2, got {args.aug_images}")
     if not args.skip_large and not args.large_k <= args.ref_n <= args.large_n:
         raise SystemExit(f"need --large-k <= --ref-n <= --large-n, got {args.large_k}, {args.ref_n}, "
                          f"{args.large_n}")
@@ -159,6 +179,68 @@ def gaussian_rows(rows, k, seed):
         sel = (rows // GEN_CHUNK == c).nonzero()[:, 0]
         out[sel] = gaussian_chunk(c, k, seed)[rows[sel] - c * GEN_CHUNK]
     return out
+
+
+class GaussianRows:
+    """The gaussian input as a source of rows: chunk(c) and rows(rows), for the stream."""
+
+    def __init__(self, k, seed):
+        self.k, self.seed = k, seed
+
+    def chunk(self, c):
+        return gaussian_chunk(c, self.k, self.seed)
+
+    def rows(self, rows):
+        return gaussian_rows(rows, self.k, self.seed)
+
+
+def net_large_model(feats, feats_sub, feats_aug, k, seed):
+    """random_net_large's model: the feature rows, the mean and Cholesky factor of the
+    displacement (augmented minus test-time features of the same images, float64 statistics),
+    and the fresh k-way head."""
+    delta = (feats_aug - feats_sub).double()
+    mu = delta.mean(0)
+    cov = torch.cov(delta.T)
+    jitter = 1e-6 * float(cov.diagonal().mean()) + 1e-12
+    L = torch.linalg.cholesky(cov + jitter * torch.eye(cov.shape[0], dtype=torch.float64))
+    head = utils.fresh_head(feats.shape[1], k, seed)
+    return {"feats": feats.float().contiguous(), "mu": mu.float(), "L": L.float(),
+            "weight": head.weight.detach().clone(), "bias": head.bias.detach().clone(),
+            "delta_rms": float(delta.pow(2).mean().sqrt()),
+            "feats_rms": float(feats_sub.double().pow(2).mean().sqrt())}
+
+
+class NetRows:
+    """Rows of random_net_large (see the module docstring): row r = (F[r mod M] + mu + L z_r)
+    W^T + b, z_r standard normal from a generator seeded per chunk of 8192 rows, so any rows can
+    be made again without the rows before them."""
+
+    def __init__(self, model, seed):
+        self.F, self.mu, self.L = model["feats"], model["mu"], model["L"]
+        self.W, self.b, self.seed = model["weight"], model["bias"], seed
+        self.k, self.d = self.W.shape[0], self.F.shape[1]
+
+    def chunk(self, c):
+        """Rows c * 8192 ... (c + 1) * 8192 - 1, always made whole: a matrix product's rounding
+        may depend on how many rows it multiplies, and rows read again must be the same."""
+        z = torch.randn(GEN_CHUNK, self.d, generator=torch.Generator().manual_seed(
+            self.seed * 1_000_003 + 500_009 + c))
+        idx = torch.arange(c * GEN_CHUNK, (c + 1) * GEN_CHUNK) % self.F.shape[0]
+        return torch.addmm(self.b, self.F[idx] + self.mu + z @ self.L.T, self.W.T)
+
+    def rows(self, rows):
+        out = torch.empty(rows.numel(), self.k)
+        for c in rows.div(GEN_CHUNK, rounding_mode="floor").unique().tolist():
+            sel = (rows // GEN_CHUNK == c).nonzero()[:, 0]
+            out[sel] = self.chunk(c)[rows[sel] - c * GEN_CHUNK]
+        return out
+
+    def first(self, n):
+        """The first n rows, (n, k) float32."""
+        out = torch.empty(n, self.k)
+        for c, s in enumerate(range(0, n, GEN_CHUNK)):
+            out[s:s + GEN_CHUNK] = self.chunk(c)[:n - s]
+        return out
 
 
 def _mem_kib():
@@ -220,23 +302,25 @@ def measure(spec):
 
 
 def measure_stream(spec):
-    """Child process: ours fed the gaussian input chunk by chunk, never holding it whole.  The
-    seconds are those spent inside the labeler (add and result); making the chunks is not
-    counted.  The peak counts everything after the start, one made chunk (8192 x k float32)
-    included."""
+    """Child process: ours fed a large input chunk by chunk, never holding it whole (gaussian,
+    or random_net_large when spec["path"] holds its model).  The seconds are those spent inside
+    the labeler (add and result); making the chunks is not counted.  The peak counts
+    everything after the start, one made chunk (8192 x k float32) included, not the model."""
     n, k, seed = spec["n"], spec["k"], spec["seed"]
+    src = (NetRows(torch.load(spec["path"], weights_only=True), seed) if spec["path"]
+           else GaussianRows(k, seed))
     otl._scipy_csgraph()   # imported once per process: not the labeler's time
     rss = _start_peak()
     st = otl.StreamingTranslator(k, distributed=False)
     seconds = 0.0
     for c, s in enumerate(tqdm(range(0, n, GEN_CHUNK), desc="streaming", leave=False)):
-        X = gaussian_chunk(c, k, seed)[:n - s]
+        X = src.chunk(c)[:n - s]
         t0 = time.perf_counter()
         st.add(X)
         seconds += time.perf_counter() - t0
         del X
     t0 = time.perf_counter()
-    res = st.result(refetch=lambda rows: gaussian_rows(rows, k, seed))
+    res = st.result(refetch=src.rows)
     seconds += time.perf_counter() - t0
     rec = _record(res.labels, n, k, seconds, res.iterations, res.stop_reason,
                   "otl.StreamingTranslator(k).add(chunk) per 8192 rows, then .result(refetch=...)", rss)
@@ -288,8 +372,10 @@ def measure_in_child(spec):
             return {"error": f"{type(e).__name__}: {e}"}
 
 
-def real_inputs(args, skipped):
-    """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not."""
+def real_inputs(args, skipped, keep=None):
+    """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not.
+    keep: a dict that gets random_net's features, its images and the manifest (for
+    random_net_large)."""
     try:
         d = utils.load_prepared(args.data)
     except FileNotFoundError as e:
@@ -307,6 +393,8 @@ def real_inputs(args, skipped):
     both = torch.cat([images, images.flip(3)])[:n_real]
     feats = utils.random_net_features(both, manifest, args.net, args.seed)
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
+    if keep is not None:
+        keep.update(feats=feats, images=both, manifest=manifest)
     for k in args.real_ks:
         yield "random_net", k, utils.fresh_head_outputs(feats, k, args.seed)
     if not os.path.isfile(args.checkpoint):
@@ -317,6 +405,21 @@ def real_inputs(args, skipped):
     outs = otl.label_pass(model, both, int(ckpt["args"]["img_size"]), 256, "cpu", bn="batch",
                           generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
     yield "trained_net", model.cfg.k, outs
+
+
+def fit_net_large(args, keep):
+    """random_net_large's model from random_net's features and images: the displacement is
+    fitted on a seeded subset of --aug-images images (one augmented view each)."""
+    feats, images = keep["feats"], keep["images"]
+    m = min(args.aug_images, feats.shape[0])
+    sub = torch.randperm(feats.shape[0], generator=torch.Generator().manual_seed(args.seed + 7))[:m]
+    t0 = time.perf_counter()
+    aug = utils.random_net_features(images[sub], keep["manifest"], args.net, args.seed, augmented=True)
+    model = net_large_model(feats, feats[sub], aug, args.large_k, args.seed)
+    print(f"random_net_large: displacement fitted on {m:,} augmented views in "
+          f"{time.perf_counter() - t0:.1f} s (rms {model['delta_rms']:.3g} against the features' "
+          f"{model['feats_rms']:.3g})", flush=True)
+    return model
 
 
 def machine_info(threads):
@@ -365,6 +468,9 @@ def plot(records, path):
     print(f"plot: {path}", flush=True)
 
 
+INPUT_ORDER = ["gaussian", "random_net", "trained_net", "gaussian_large", "random_net_large"]
+
+
 def summary(path):
     """Markdown tables of a results JSON: per input and k, each method's seconds, max - min and
     std (floor), and how many times faster ours is than the published labeler."""
@@ -379,9 +485,8 @@ def summary(path):
         " | published / ours |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     keys = sorted({(r["input"], r["n"], r["k"]) for r in recs},
-                  key=lambda x: (["gaussian", "random_net", "trained_net", "gaussian_large"].index(x[0])
-                                 if x[0] in ("gaussian", "random_net", "trained_net", "gaussian_large")
-                                 else 9, -x[1] if x[0] == "gaussian_large" else x[1], x[2]))
+                  key=lambda x: (INPUT_ORDER.index(x[0]) if x[0] in INPUT_ORDER else 9,
+                                 -x[1] if x[0].endswith("_large") else x[1], x[2]))
     for inp, n, k in keys:
         by = {r["method"]: r for r in recs if (r["input"], r["n"], r["k"]) == (inp, n, k)}
         cells = [f"{by[m]['seconds']:.2f} ({by[m]['max_minus_min']}, {by[m]['std']:.2f})" if m in by
@@ -421,8 +526,13 @@ def main(args):
                "trained_net": f"label-pass outputs of {args.checkpoint} (its head), same images",
                "gaussian_large": f"torch.randn float32, N = {args.large_n} for exact; the published "
                                  f"labeler and sinkhorn get the first {args.ref_n} rows (their N is "
-                                 "in each record)"},
+                                 "in each record)",
+               "random_net_large": "random_net's feature rows, each repeated with a Gaussian "
+                                   "augmentation displacement fitted to real augmented views, "
+                                   f"through a fresh {args.large_k}-way head; N as gaussian_large "
+                                   "(see the module docstring)"},
            "skipped": {}, "records": []}
+    keep = {}     # random_net's features and images, for random_net_large
     print(f"{'input':<15}{'N':>10}{'k':>6}  {'method':<10}{'seconds':>9}{'iters':>7}{'std':>10}"
           f"{'floor':>7}{'max-min':>8}{'peak MiB':>10}  stop", flush=True)
 
@@ -447,18 +557,35 @@ def main(args):
             "--skip-real" if args.skip_real else f"--device {args.device}: run these on the CPU")
     else:
         with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
-            for name, k, outs in real_inputs(args, out["skipped"]):
+            for name, k, outs in real_inputs(args, out["skipped"], keep):
                 path = os.path.join(tmp, f"{name}_{k}.pt")  # written once, loaded by each child
                 torch.save(outs.contiguous(), path)
                 run(name, outs.shape[0], k, path)
                 os.remove(path)
-    if args.skip_large:
-        out["skipped"]["gaussian_large"] = "--skip-large"
-    else:
-        # ours streamed over all N rows; then all three, ours included, on the first ref_n rows
-        run("gaussian_large", args.large_n, args.large_k, methods=[m for m in args.methods if m == "exact"],
-            stream=args.device == "cpu")
-        run("gaussian_large", args.ref_n, args.large_k)
+    exact_only = [m for m in args.methods if m == "exact"]
+    for inp in ("gaussian", "random_net"):
+        name = f"{inp}_large"
+        if args.skip_large or inp not in args.large_inputs:
+            out["skipped"][name] = "--skip-large" if args.skip_large else "not in --large-inputs"
+            continue
+        if inp == "random_net" and "feats" not in keep:
+            out["skipped"][name] = out["skipped"].get("random_net", "no random_net features")
+            continue
+        if inp == "gaussian":
+            # ours streamed over all N rows; then all three, ours included, on the first ref_n rows
+            run(name, args.large_n, args.large_k, methods=exact_only, stream=args.device == "cpu")
+            run(name, args.ref_n, args.large_k)
+            continue
+        with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
+            model = fit_net_large(args, keep)
+            out["large_model"] = {key: model[key] for key in ("delta_rms", "feats_rms")}
+            out["large_model"].update(aug_images=min(args.aug_images, keep["feats"].shape[0]))
+            path = os.path.join(tmp, "net_large_model.pt")
+            torch.save(model, path)
+            run(name, args.large_n, args.large_k, path, methods=exact_only, stream=True)
+            head_path = os.path.join(tmp, "net_large_head.pt")
+            torch.save(NetRows(model, args.seed).first(args.ref_n), head_path)
+            run(name, args.ref_n, args.large_k, head_path)
     utils.write_json(out, args.out)
     print(f"results: {args.out}", flush=True)
     if args.plot:

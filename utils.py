@@ -418,18 +418,24 @@ def load_prepared(data_dir: str) -> dict:
 
 
 def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu", seed: int = 0,
-                        device="cpu", progress: bool = False) -> torch.Tensor:
+                        device="cpu", progress: bool = False, augmented: bool = False) -> torch.Tensor:
     """(N, d) features of the images through a freshly initialised (seeded) network of `preset`,
-    as its heads see them (after the embedding when it has one): the test-time view, BatchNorm
-    on each shuffled batch's statistics as in training's label pass.  With fresh_head_outputs,
-    the labeler's realistic input (bench_labeler.py, ablations.py)."""
+    as its heads see them (after the embedding when it has one): the test-time view (augmented:
+    one random view of the preset's augmentation per image instead, seeded), BatchNorm on each
+    shuffled batch's statistics as in training's label pass.  With fresh_head_outputs, the
+    labeler's realistic input (bench_labeler.py, ablations.py)."""
     pre = PRESETS[preset]
     torch.manual_seed(seed)
     model = otl.build_model(otl.ModelConfig(
         arch=pre["arch"], k=pre["k"], small_stem=pre["small_stem"], width=pre["width"],
         embed=pre["embed"], mean=tuple(manifest["channel_mean"]),
         std=tuple(manifest["channel_std"]))).to(device)
+    if augmented:   # otl.augment draws from the global generator
+        torch.manual_seed(seed + 1)
+    # label_pass augments only when views > 1: then the second view is made and dropped
     feats = otl.label_pass(model, images, pre["img_size"], 256, device, bn="batch", head=False,
+                           views=2 if augmented else 1, strong=pre["aug"] == "strong",
+                           cutout=pre["cutout"], rot90=pre["rot90"],
                            generator=torch.Generator().manual_seed(seed), progress=progress)[0]
     if model.embedding is not None:
         with torch.no_grad():
@@ -437,12 +443,17 @@ def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu
     return feats
 
 
-def fresh_head_outputs(feats: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
-    """(N, k) outputs of a fresh k-way nn.Linear head (default init, seeded by seed + k)."""
+def fresh_head(d: int, k: int, seed: int = 0):
+    """A fresh k-way nn.Linear head on d features (default init, seeded by seed + k)."""
     import torch.nn as nn
     torch.manual_seed(seed + k)
+    return nn.Linear(d, k)
+
+
+def fresh_head_outputs(feats: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
+    """(N, k) outputs of fresh_head(d, k, seed)."""
     with torch.no_grad():
-        return nn.Linear(feats.shape[1], k).to(feats.device)(feats)
+        return fresh_head(feats.shape[1], k, seed).to(feats.device)(feats)
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:

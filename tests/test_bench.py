@@ -42,6 +42,51 @@ def test_bench_labeler_tiny_run(tmp_path):
     assert "| gaussian | 600 | 30 |" in table.stdout and "streamed" in table.stdout
 
 
+def test_bench_labeler_random_net_large(small_data, tmp_path):
+    """The large case with real outputs' structure: ours streamed over all its rows (read again
+    through the same generator) at exact balance, all methods on its first rows, and the
+    fitted displacement recorded."""
+    out = tmp_path / "lb.json"
+    p = run_bench("--n", "300", "--ks", "10", "--real-ks", "10", "--data", str(small_data),
+                  "--large-inputs", "random_net", "--large-n", "3000", "--large-k", "40",
+                  "--ref-n", "1000", "--aug-images", "64", "--methods", "exact,published",
+                  "--checkpoint", str(tmp_path / "none.pth"), "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    large = sorted((r["n"], r["method"]) for r in res["records"] if r["input"] == "random_net_large")
+    assert large == [(1000, "exact"), (1000, "published"), (3000, "exact")]
+    for r in res["records"]:
+        assert "error" not in r, r
+        if r["method"] == "exact":
+            assert r["max_minus_min"] <= 1
+    streamed = [r for r in res["records"] if r.get("working_set") is not None]
+    assert [(r["input"], r["n"]) for r in streamed] == [("random_net_large", 3000)]
+    assert res["skipped"]["gaussian_large"] == "not in --large-inputs"
+    assert res["large_model"]["aug_images"] == 64 and res["large_model"]["delta_rms"] > 0
+    table = run_bench("--summary", str(out))
+    assert "| random_net_large | 3,000 | 40 |" in table.stdout
+
+
+def test_net_rows_are_made_again_exactly():
+    """random_net_large's rows read again (the refetch) equal the rows first made, in any order
+    and across chunks: the stream and its re-reads see one input."""
+    import bench_labeler as bl
+    g = torch.Generator().manual_seed(0)
+    F, sub = torch.randn(100, 16, generator=g), torch.randn(50, 16, generator=g)
+    aug = sub + 0.3 * torch.randn(50, 16, generator=g) + 0.1
+    model = bl.net_large_model(F, sub, aug, 12, 0)
+    delta = (aug - sub).double()                                 # the fitted displacement:
+    assert torch.allclose(model["mu"].double(), delta.mean(0), atol=1e-6)      # its mean and
+    assert torch.allclose((model["L"] @ model["L"].T).double(), torch.cov(delta.T), atol=1e-5)  # cov
+    rows = bl.NetRows(model, 3)
+    n = bl.GEN_CHUNK + 500
+    full = rows.first(n)
+    assert full.shape == (n, 12) and torch.equal(full[:bl.GEN_CHUNK], rows.chunk(0))
+    idx = torch.tensor([n - 1, 5, bl.GEN_CHUNK, 5, 0])
+    assert torch.equal(rows.rows(idx), full[idx])
+    assert not torch.equal(full[100:200], full[:100])            # an image again, moved afresh
+
+
 def test_bench_labeler_rejects_bad_sizes(tmp_path):
     p = run_bench("--n", "100", "--ks", "200", "--out", str(tmp_path / "x.json"))
     assert p.returncode != 0 and "--ks must lie in" in p.stderr
