@@ -916,7 +916,7 @@ class StreamingTranslator:
     between a row's best outputs (real networks far from balance) the candidates can fall
     short, and those rows are re-read in full (`refetch`).  So when `rows_hint` (the number of
     rows this process will add; `translate` gives it) x k x 10 bytes fits in `full_rows_bytes`
-    (1 GiB) and the first rows show such outputs, rows are kept whole (`_whole_rows_pay`).
+    (1 GiB) and the first rows show such outputs (`_far`), rows are kept whole (`_whole_rows_fit`).
 
     How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
     `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
@@ -928,7 +928,8 @@ class StreamingTranslator:
     while the translation moves no T_j by more than `radius` relative to another, a row that
     leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius`
     are solved with the others' counts fixed, and the radius grows (the solve goes on from where
-    it stopped) until the translation found fits within it:
+    it stopped) until the translation found fits within it (on outputs far from balance, where
+    the translation moves most rows, the first solve takes every row):
 
     0. far from balance, the published step rule (`translation_steps`) on each row's best
        candidates, moving every cluster at once;
@@ -1034,15 +1035,17 @@ class StreamingTranslator:
         head = torch.cat(parts) if parts else torch.zeros(0, self.k)
         self.device = head.device
         head = head if head.dtype == torch.float64 else head.to(torch.float32)
-        # T0, eps, window, radius0, and 1 to keep whole rows
-        params = torch.zeros(self.k + 4, dtype=torch.float64, device=self.device)
+        # T0, eps, window, radius0, 1 to keep whole rows, 1 when far from the target
+        params = torch.zeros(self.k + 5, dtype=torch.float64, device=self.device)
         if head.shape[0] > 0:
             _check_outputs_finite(head)
             params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
             # the tie-break's scale: a typical row's largest |O| (not the largest of all: one
             # outlier would make the perturbation swamp the real gaps)
             params[self.k] = self.tie_eps * max(head.abs().amax(1).median().item(), 1e-30)
-            whole = self.all_cols or self._whole_rows_pay(head, params[:self.k])
+            far = self._far(head, params[:self.k])
+            params[self.k + 4] = float(far)
+            whole = self.all_cols or (far and self._whole_rows_fit())
             params[self.k + 3] = float(whole and not self.all_cols)
             if not whole:   # the window: a typical row's `candidates`-th largest gap
                 S = head[:2048] - params[:self.k].to(head.dtype)
@@ -1062,25 +1065,29 @@ class StreamingTranslator:
         self.T0abs = float(self.T0.abs().max())   # float64 outputs: T0f errs by 2^-24 of this
         self.window = math.inf if self.all_cols else params[self.k + 1].item()
         self.radius0 = max(params[self.k + 2].item(), self.eps)
+        self.far = params[self.k + 4].item() > 0
         for p in pieces:
             for s in range(0, p.shape[0], self.chunk):
                 self._extract(p[s:s + self.chunk])
 
-    def _whole_rows_pay(self, head, med):
-        """Whether to keep whole rows rather than candidates: when the rows to come are known to
-        fit in `full_rows_bytes` (rows_hint x k x 10 bytes) and the first rows, at the column
-        medians, are far from the target.
+    def _whole_rows_fit(self):
+        """Whether the rows to come are known to fit whole in `full_rows_bytes` (rows_hint x k x
+        10 bytes).  Whole rows are kept when they fit and the outputs are far from the target
+        (_far).
 
         Why.  Candidates are the columns near each row's best at T0 (the medians), so they hold a
         row's final cluster only while the balancing translation stays within that window.  On
         Gaussian outputs it does; on real networks' outputs, where a few clusters take most rows,
         it is several windows wide, the candidates fall short for most rows and they are re-read
         whole after a solve that could not finish.  Whole rows are the slower choice on Gaussian
-        outputs (docs/labeler.md has the measurements).  "Far": the variance of the first rows'
-        counts around the target over its mean, about 1 when the clusters are even up to
-        sampling noise; the cut is 4."""
-        if self.rows_hint is None or self.rows_hint * self.k * 10 > self.full_rows_bytes:
-            return False
+        outputs (docs/labeler.md has the measurements)."""
+        return self.rows_hint is not None and self.rows_hint * self.k * 10 <= self.full_rows_bytes
+
+    def _far(self, head, med):
+        """Whether the first rows' counts at the column medians are far from the target: their
+        variance around it over its mean, about 1 when the clusters are even up to sampling
+        noise; the cut is 4.  Far outputs (real networks') also skip result()'s narrow first
+        solve: their translation moves most rows, so that solve was wasted (docs/labeler.md)."""
         n = head.shape[0]
         cnt = torch.bincount((head - med.to(head.dtype)).argmax(1), minlength=self.k).to(torch.float64)
         target = even_target(n, self.k)
@@ -1238,7 +1245,9 @@ class StreamingTranslator:
             best, arg, second = _top2_(vals.clone())
             lab0[s:s + vals.shape[0]] = cols.long().gather(1, arg)[:, 0]
             margin[s:s + vals.shape[0]] = best - torch.maximum(second, theta)
-        radius, dT, history, refetched, rounds, phases = self.radius0, None, [], 0, 0, 0
+        # Outputs far from the target (real networks') move most rows: one solve on all of them.
+        radius = math.inf if self.far else self.radius0
+        dT, history, refetched, rounds, phases = None, [], 0, 0, 0
         solver = None
         while True:
             act = (margin <= radius).nonzero()[:, 0]

@@ -471,6 +471,29 @@ def test_real_like_outputs_keep_whole_rows_when_they_fit():
     assert 0 < r.refetched < 0.1 * n
 
 
+@pytest.mark.parametrize("k", [10, 300])
+def test_far_outputs_are_solved_in_one_pass(k):
+    """Outputs far from balance at the medians (real networks') need a translation that moves
+    most rows, so result() solves every row at once instead of first the rows that lead by
+    little (a solve that was then thrown away); Gaussian outputs still start narrow.  Exact
+    either way, whole rows (k = 10) or candidates (k = 300, rows not known)."""
+    n = 20_000
+    O = dominant(n, k, 6)
+    st = otl.StreamingTranslator(k, distributed=False)
+    st.add(O)
+    r = st.result(refetch=lambda rows: O[rows])
+    assert st.far and r.active == n
+    check_even(r)
+    assert check_translation(O, r) <= 0.01 * n
+    G = torch.randn(n, k, generator=gen(7))
+    st = otl.StreamingTranslator(k, distributed=False)
+    st.add(G)
+    r = st.result()
+    assert not st.far and r.active < n
+    check_even(r)
+    check_translation(G, r)
+
+
 def test_gaussian_outputs_keep_candidates():
     """Even at the medians up to sampling noise: candidates, as before (they are several times
     faster there); an uneven target is far from the medians' counts, so rows are kept whole."""
