@@ -1310,7 +1310,7 @@ class StreamingTranslator:
             at = torch.searchsorted(rows, prows)
             parts, cuts, ep = (sv.vals, sv.cols, sv.theta), sv.cuts, sv.epoch
             if sv.vals.shape[1] != w:       # whole rows (the fallback): their best w at its T
-                bound = sv.theta - (sv.dT[None, :] - sv.cuts).amin(1).index_select(0, sv.epoch)
+                bound = sv.theta - sv._rise().index_select(0, sv.epoch)
                 parts = self._cut(sv.vals, sv.dT, sv.cols, bound)
                 cuts = torch.cat([sv.cuts, sv.dT[None, :]])
                 ep = torch.full_like(sv.epoch, cuts.shape[0] - 1)
@@ -1491,10 +1491,15 @@ class _ExactSolver:
         faster than advanced indexing with int64."""
         return d.index_select(0, cols.reshape(-1).to(torch.int32)).view(cols.shape)
 
+    def _rise(self):
+        """(E,) how far T has risen since each epoch's cut, at least: min(dT - cuts[e]); a row
+        of epoch e bounds its dropped columns by theta - _rise()[e] at the current dT."""
+        return (self.dT[None, :] - self.cuts).amin(1)
+
     def _blocks(self, rows):
         """(vals, cols, bound) of `rows` in pieces of at most `chunk` (slices when rows are all
         rows); bound: the most a dropped column of the row scores at the current dT."""
-        m = (self.dT[None, :] - self.cuts).amin(1)      # (E,) how far T rose since each cut, at least
+        m = self._rise()
         for s in range(0, rows.numel(), self.chunk):
             if rows is self.all_rows:
                 sl = slice(s, s + self.chunk)
@@ -1518,10 +1523,16 @@ class _ExactSolver:
             return e, torch.zeros(0, dtype=torch.int64, device=self.dev), e, e.bool()
         return tuple(torch.cat(o) for o in out)
 
+    def _eval_all(self):
+        """_eval of every row, kept while dT and the rows stay (run(check_rows=True), then
+        _solve's unsafe_rows(), then strictify() all look at the same dT)."""
+        last = self._last_eval
+        if last is None or last[0] is not self.dT:
+            self._last_eval = last = (self.dT, self._eval(self.all_rows))
+        return last[1]
+
     def unsafe_rows(self):
-        ev = self._eval(self.all_rows)
-        self._last_eval = (self.dT, ev)     # strictify() reuses it while dT and the rows stay
-        return ev[3].nonzero()[:, 0]
+        return self._eval_all()[3].nonzero()[:, 0]
 
     def replace_rows(self, rows, vals, cols, theta):
         """New candidates for `rows`, chosen at the current dT (theta: their bound there); the
@@ -1923,8 +1934,7 @@ class _ExactSolver:
             scale = max(scale, float(v.amax()), -float(torch.where(torch.isfinite(v), v, 0.0).amin()))
         scale = float(self.comm.max(torch.tensor([scale], dtype=torch.float64))[0]) or 1.0
         tol = 64 * 2.0 ** -52 * scale
-        last = self._last_eval
-        best, arg, second, _ = last[1] if last is not None and last[0] is self.dT else self._eval(self.all_rows)
+        best, arg, second, _ = self._eval_all()
         margin = best - second          # over the runner-up and the dropped columns' bound
         near = (margin <= tol) | (arg != self.labels)
         rmin = float(torch.where(near, math.inf, margin).amin()) if margin.numel() else math.inf
