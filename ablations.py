@@ -727,7 +727,9 @@ def plot(study, rows, path):
         axes[0].legend(fontsize=7)
     else:
         xkey = {"k": "k", "uneven": "x", "imbalanced": "d", "splits": "seed"}.get(study)
-        for ax, metric in zip(axes, ("knn10", "linear")):
+        # studies without a linear probe show kNN@200 beside kNN@10, not an empty panel
+        second = "linear" if "linear" in EVALS.get(study, ()) else "knn200"
+        for ax, metric in zip(axes, ("knn10", second)):
             if study == "imbalanced":
                 for sub in ("uneven", "even"):
                     rs = [r for r in rows if r["subset"] == sub]

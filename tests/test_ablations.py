@@ -333,3 +333,24 @@ def test_label_bn_measures_a_trained_network(small_data, tmp_path):
 def test_unknown_study_fails():
     with pytest.raises(SystemExit):
         ablations.get_args_parser().parse_args(["nope"])
+
+
+def test_plot_has_no_empty_panel(tmp_path, monkeypatch):
+    """A study without a linear probe (lct, uneven, imbalanced) shows kNN@200 beside kNN@10;
+    one with it shows the linear probe."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    made, real = [], plt.subplots
+
+    def spy(*a, **kw):
+        fig, axes = real(*a, **kw)
+        made.append(axes)
+        return fig, axes
+
+    monkeypatch.setattr(plt, "subplots", spy)
+    ablations.plot("lct", [{"views": 1, "reduction": "mean", "knn10": 30.0, "knn200": 31.0}],
+                   tmp_path / "a.png")
+    assert made[-1][1].get_ylabel() == "knn200 top-1 (%)"
+    assert made[-1][1].patches[0].get_height() == 31.0
+    ablations.plot("splits", [{"seed": 0, "knn10": 30.0, "knn200": 31.0, "linear": 40.0}],
+                   tmp_path / "b.png")
+    assert made[-1][1].get_ylabel() == "linear top-1 (%)"
