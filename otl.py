@@ -100,12 +100,13 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5, a
 
 def translation_steps(assign, range_of, T, labels, counts, target, std_max, history,
                       beta=1.5, alpha0=1e-15, patience=10, max_iter=10000, stop_std=0.0,
-                      speed_up=False):
+                      speed_up=False, stop=None):
     """Algorithm 1's loop with the published step rule (see `translate_published`), for any way of
     labelling: assign(T) -> (labels, counts at O - T) and range_of(T) -> max - min of O - T (or a
     bound on it).  The std after every step tried is appended to `history`.  speed_up: after a
     step that removed less than 30 % of the std (ratio r = new / old), f is multiplied by
     max(1 - r, 0.5), as a linear response would need (the exact labeler's approach uses it).
+    stop: a callable; when it returns True after a step, the loop ends there (reason "stop").
     Returns (T, labels, counts, std, steps tried, stop reason) at the last accepted step."""
     target_d = target.to(T.device)
     std, f, still, it, reason = _std(counts, target), 1.0, 0, 0, "max_iter"
@@ -124,6 +125,9 @@ def translation_steps(assign, range_of, T, labels, counts, target, std_max, hist
         std_new = _std(counts_new, target)
         it += 1
         history.append(std_new)
+        if stop is not None and stop():
+            reason = "stop"
+            break
         if std_new > std:                            # worse: undo, and take smaller steps
             f *= beta
             continue
@@ -1358,11 +1362,19 @@ class StreamingTranslator:
         # path reaches an under-full cluster, or re-reading the short rows stops helping, every
         # row's candidates are chosen again at the current translation, once; only after that
         # does the solver take whole rows (memory rows x k x 10 bytes).
-        refetched, width, recut_all = 0, vals.shape[1], False
-        for attempt in range(16):
-            balanced = solver.run(max_rounds, history, self.radius0, check_rows=attempt < 6)
+        # Far from the target the approach stops wherever the candidates go stale, so re-reading
+        # goes on past 6 times while each solve ends a fifth more even than any before, or with
+        # a fifth fewer short rows than the last.
+        refetched, width, recut_all, rereads = 0, vals.shape[1], False, 0
+        best, last_unsafe, progress = math.inf, math.inf, True
+        for attempt in range(40):
+            balanced = solver.run(max_rounds, history, self.radius0,
+                                  check_rows=rereads < 6 or progress)
             unsafe = solver.unsafe_rows()
             n_unsafe = int(comm.sum(torch.tensor([unsafe.numel()]))[0])
+            progress = solver._std() < 0.8 * best or n_unsafe < 0.8 * last_unsafe
+            best, last_unsafe = min(best, solver._std()), n_unsafe
+            more = rereads < 6 or progress
             if (balanced and not n_unsafe) or width >= k:
                 break
             if refetch is None:
@@ -1375,7 +1387,8 @@ class StreamingTranslator:
                     "the candidate lists are too short for these outputs (no cheap move reaches "
                     "an under-full cluster); pass refetch=fn(rows) -> outputs of those rows, or "
                     "keep whole rows (full_rows_up_to >= k)")
-            if n_unsafe and attempt < 6:
+            if n_unsafe and more:
+                rereads += 1
                 refetched += self._recut(solver, unsafe, rows, refetch)
                 continue
             if not recut_all:
@@ -1427,7 +1440,19 @@ class StreamingTranslator:
     def _full_rows(self, X, rows, dT):
         """Candidates of `rows` (local indices) from their full outputs X, chosen against the
         current translation, so the dropped columns cannot win."""
-        return self._cut(self._whole_rows(X, rows + self.offset), dT)
+        # the best `width` + 1 columns without the tie-break (hashing every column cost most of
+        # a re-read), then the kept columns' exact values; a dropped column scores at most the
+        # (w+1)-th plus eps (the tie-break is below eps), plus the rounding of these sums
+        w = self.width
+        S = X.to(torch.float64) - (self.T0 + dT)
+        tv, ti = S.topk(w + 1, dim=1)
+        del S
+        ti = ti[:, :w]
+        vals = (X.gather(1, ti).to(torch.float64) - self.T0.index_select(0, ti.reshape(-1)).view(ti.shape)
+                + self.eps * _tie_jitter(rows + self.offset, ti, self.seed))
+        b, scale = tv[:, w], float(self.T0.abs().max()) + float(dT.abs().max()) + self.eps
+        theta = torch.where(torch.isfinite(b), b + self.eps + 2.0 ** -50 * (b.abs() + scale), b)
+        return vals, ti.to(self.cdtype), theta
 
     def _cut(self, S, dT, cols=None, theta=None):
         """(vals, cols, theta) of each row's best `width` entries of S at the translation dT, with
@@ -1560,16 +1585,21 @@ class _ExactSolver:
         # on the CPU a fresh (chunk, w) tensor per step costs more in page faults than the work.
         # Only each row's best `top` candidates at a reference translation `ref`, with the next
         # one as a bound on the rest: a step counts the rows whose best of those could lose to
-        # the rest, and past 1 % of all rows (T has moved far from ref) the candidates are
-        # chosen again at the current T.
+        # the rest and the columns the row dropped (theta), and past 1 % of all rows (T has
+        # moved far from ref) the best `top` are chosen again at the current T.  When that
+        # leaves more than 1 % unsure, the rows' stored candidates are stale (T moved beyond
+        # what they hold): the approach stops there, the caller reads those rows again.
         def make_blocks(ref):
             out, moved = [], bool(ref.any())      # at T0 (ref = 0) the scores are vals itself
-            for v, c in zip(self.vals.split(self.chunk), self.cols.split(self.chunk)):
+            rise = (ref[None, :] - self.cuts).amin(1)   # theta's shift at ref, per epoch
+            for v, c, th, ep in zip(self.vals.split(self.chunk), self.cols.split(self.chunk),
+                                    self.theta.split(self.chunk), self.epoch.split(self.chunk)):
                 v = v - self._gathered(ref, c) if moved else v
-                b = None
+                b = th - rise.index_select(0, ep)       # the dropped columns, at ref
                 if v.shape[1] > top + 1:
                     tv, i = v.topk(top + 1, dim=1)
-                    v, c, b = tv[:, :top], c.gather(1, i[:, :top]), tv[:, top].to(torch.float32)
+                    v, c, b = tv[:, :top], c.gather(1, i[:, :top]), torch.maximum(tv[:, top], b)
+                b = b.to(torch.float32) if bool(torch.isfinite(b).any()) else None
                 out.append((v.to(torch.float32), c.to(torch.int32), b))
             return out, ref
 
@@ -1596,12 +1626,15 @@ class _ExactSolver:
             lab = torch.cat(out).long() if out else torch.zeros(0, dtype=torch.int64, device=self.dev)
             return lab, int(self.comm.sum(unsure.reshape(1))[0])
 
+        stale = False
+
         def assign(dT):
-            nonlocal blocks, ref
+            nonlocal blocks, ref, stale
             lab, unsure = labels_at(dT)
             if unsure > 0.01 * n_total:
                 blocks, ref = make_blocks(dT)
-                lab = labels_at(dT)[0]
+                lab, unsure = labels_at(dT)
+                stale = unsure > 0.01 * n_total
             return lab, self.comm.sum(torch.bincount(lab, minlength=self.k))
 
         def range_of(dT):   # a bound on the range of the candidates' scores at dT
@@ -1610,7 +1643,7 @@ class _ExactSolver:
         dT, _, _, _, steps, _ = translation_steps(
             assign, range_of, self.dT, self.labels, self.counts, self.target,
             _std_max(self.target, n_total), history, beta=beta, patience=patience,
-            max_iter=max_iter, stop_std=1.0, speed_up=True)
+            max_iter=max_iter, stop_std=1.0, speed_up=True, stop=lambda: stale)
         self.rounds += steps
         if dT is not self.dT:   # exact labels at the T reached
             self.dT = dT
@@ -1680,8 +1713,8 @@ class _ExactSolver:
         return torch.where(done, a, b), b
 
     def _auction(self, max_rounds, history, stall=6):
-        E_hist = []
-        while self.rounds < max_rounds:
+        E_hist, start = [], self.rounds     # max_rounds of its own, after the approach's steps
+        while self.rounds - start < max_rounds:
             excess = (self.counts - self.hi).clamp(min=0)
             over = excess > 0
             E_hist.append(int(excess.sum()))

@@ -34,8 +34,12 @@ def test_bench_labeler_tiny_run(tmp_path):
         if r["method"] == "exact":   # ours: the integer floor
             assert r["max_minus_min"] <= 1
             assert r["std"] == pytest.approx(r["std_floor"], abs=1e-9)
-    streamed = [r for r in recs if r.get("working_set") is not None]
+    streamed = [r for r in recs if "StreamingTranslator" in r["call"]]
     assert len(streamed) == 1 and streamed[0]["n"] == 3000
+    for r in recs:   # ours says how many rows it solved and read again, streamed or not
+        assert ("working_set" in r and "refetched" in r) == (r["method"] == "exact")
+        if r["method"] == "exact":
+            assert r["working_set"] <= r["n"] and r["refetched"] >= 0
     assert res["skipped"]["random_net"] == "--skip-real"
     table = run_bench("--summary", str(out))
     assert table.returncode == 0, table.stderr
@@ -59,7 +63,7 @@ def test_bench_labeler_random_net_large(small_data, tmp_path):
         assert "error" not in r, r
         if r["method"] == "exact":
             assert r["max_minus_min"] <= 1
-    streamed = [r for r in res["records"] if r.get("working_set") is not None]
+    streamed = [r for r in res["records"] if "StreamingTranslator" in r["call"]]
     assert [(r["input"], r["n"]) for r in streamed] == [("random_net_large", 3000)]
     assert res["skipped"]["gaussian_large"] == "not in --large-inputs"
     assert res["large_model"]["aug_images"] == 64 and res["large_model"]["delta_rms"] > 0
