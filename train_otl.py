@@ -409,7 +409,7 @@ def main(args):
             row.update(label_log)
         row.update(train_one_epoch(net, opt, images, true_labels if args.supervised else labels,
                                    epoch, args, device, gen, ranks, n_total))
-        row["epoch_s"] = round(time.time() - t_epoch, 1)
+        row["epoch_s"] = round(time.time() - t_epoch, 3)
         if args.knn_monitor and (epoch + 1) % args.knn_monitor == 0 and ranks.main:
             row.update(knn_monitor(model, d, args, device))
         st = state(epoch + 1)
@@ -438,7 +438,7 @@ def main(args):
                    "device": str(device),
                    "processes": ranks.world, "checkpoint": utils.rel_path(ckpt_path),
                    "init_from": getattr(args, "init_from", None),
-                   "train_minutes": round(sum(epoch_s) / 60, 2),
+                   "train_minutes": round(sum(epoch_s) / 60, 4),   # tiny runs must not round to 0
                    "command": utils.command_line(), "git_commit": utils.git_commit()}
         utils.write_json(results, results_path)
     ranks.close()
