@@ -735,6 +735,16 @@ def plot(study, rows, path):
                     rs = [r for r in rows if r["subset"] == sub]
                     ax.plot([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs], "o-", label=sub)
                 ax.plot(list(PAPER_IMBALANCED), list(PAPER_IMBALANCED.values()), "k:", label="uneven (paper)")
+            elif study == "splits":   # seeds are not an axis: one point each, the mean and +- sd
+                xs = [r["seed"] for r in rows]
+                ys = [r.get(metric, float("nan")) for r in rows]
+                t = torch.tensor([y for y in ys if not math.isnan(y)], dtype=torch.float64)
+                m, sd = t.mean().item(), (t.std().item() if t.numel() > 1 else 0.0)   # as the table
+                ax.plot(xs, ys, "o", label="ours, one split each")
+                ax.axhline(m, color="k", lw=1, label=f"mean {m:.1f} +- {sd:.1f} (sd)")
+                ax.axhspan(m - sd, m + sd, color="k", alpha=0.1)
+                ax.set_xticks(xs)
+                ax.legend(fontsize=8)
             elif xkey:
                 ax.errorbar([r[xkey] for r in rows], [r.get(metric, float("nan")) for r in rows],
                             yerr=[r.get(metric + "_sd", 0.0) for r in rows], fmt="o-", capsize=3,

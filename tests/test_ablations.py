@@ -351,6 +351,11 @@ def test_plot_has_no_empty_panel(tmp_path, monkeypatch):
                    tmp_path / "a.png")
     assert made[-1][1].get_ylabel() == "knn200 top-1 (%)"
     assert made[-1][1].patches[0].get_height() == 31.0
-    ablations.plot("splits", [{"seed": 0, "knn10": 30.0, "knn200": 31.0, "linear": 40.0}],
+    ablations.plot("splits", [{"seed": 0, "knn10": 30.0, "knn200": 31.0, "linear": 40.0},
+                              {"seed": 3, "knn10": 34.0, "knn200": 33.0, "linear": 42.0}],
                    tmp_path / "b.png")
     assert made[-1][1].get_ylabel() == "linear top-1 (%)"
+    # seeds are not an axis: integer ticks at the seeds, and the mean as a line
+    knn = made[-1][0]
+    assert list(knn.get_xticks()) == [0, 3]
+    assert any(list(line.get_ydata()) == [32.0, 32.0] for line in knn.get_lines())
