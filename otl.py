@@ -1372,8 +1372,9 @@ class StreamingTranslator:
                                   check_rows=rereads < 6 or progress)
             unsafe = solver.unsafe_rows()
             n_unsafe = int(comm.sum(torch.tensor([unsafe.numel()]))[0])
-            progress = solver._std() < 0.8 * best or n_unsafe < 0.8 * last_unsafe
-            best, last_unsafe = min(best, solver._std()), n_unsafe
+            std = solver._std()
+            progress = std < 0.8 * best or n_unsafe < 0.8 * last_unsafe
+            best, last_unsafe = min(best, std), n_unsafe
             more = rereads < 6 or progress
             if (balanced and not n_unsafe) or width >= k:
                 break
@@ -1516,10 +1517,11 @@ class _ExactSolver:
         faster than advanced indexing with int64."""
         return d.index_select(0, cols.reshape(-1).to(torch.int32)).view(cols.shape)
 
-    def _rise(self):
-        """(E,) how far T has risen since each epoch's cut, at least: min(dT - cuts[e]); a row
-        of epoch e bounds its dropped columns by theta - _rise()[e] at the current dT."""
-        return (self.dT[None, :] - self.cuts).amin(1)
+    def _rise(self, d=None):
+        """(E,) how far T has risen since each epoch's cut, at least: min(d - cuts[e]); a row
+        of epoch e bounds its dropped columns by theta - _rise(d)[e] at d (default: the
+        current dT)."""
+        return ((self.dT if d is None else d)[None, :] - self.cuts).amin(1)
 
     def _blocks(self, rows):
         """(vals, cols, bound) of `rows` in pieces of at most `chunk` (slices when rows are all
@@ -1591,7 +1593,7 @@ class _ExactSolver:
         # what they hold): the approach stops there, the caller reads those rows again.
         def make_blocks(ref):
             out, moved = [], bool(ref.any())      # at T0 (ref = 0) the scores are vals itself
-            rise = (ref[None, :] - self.cuts).amin(1)   # theta's shift at ref, per epoch
+            rise = self._rise(ref)                 # theta's shift at ref, per epoch
             for v, c, th, ep in zip(self.vals.split(self.chunk), self.cols.split(self.chunk),
                                     self.theta.split(self.chunk), self.epoch.split(self.chunk)):
                 v = v - self._gathered(ref, c) if moved else v
