@@ -1,6 +1,7 @@
 """Training across processes on the CPU (gloo), as torchrun runs it: the pseudo-labels of two
 processes equal one process's, and a two-process run killed and resumed ends with the weights of
 an uninterrupted one."""
+import glob
 import os
 import shutil
 import signal
@@ -87,6 +88,19 @@ def _torchrun(out, data, epochs, *extra, wait=True):
                             env=env, start_new_session=True)
 
 
+def _descendants(pid):
+    """Every process below `pid`, from /proc (children of each of its threads)."""
+    out = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            kids = [int(c) for c in open(task).read().split()]
+        except OSError:
+            continue
+        for c in kids:
+            out += [c] + _descendants(c)
+    return out
+
+
 def test_two_process_run_resumes_after_a_kill(small_data, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     p = _torchrun(a, small_data, 6)
@@ -99,7 +113,15 @@ def test_two_process_run_resumes_after_a_kill(small_data, tmp_path):
     deadline = time.time() + 300
     while not (b / "checkpoint.pth").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
+    # torchrun may start its workers in sessions of their own: kill every descendant, not only
+    # the group, or a worker lives on and writes beside the resumed run
+    tree = [proc.pid] + _descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     assert (b / "checkpoint.pth").exists() and not (b / "results.json").exists()
     p = _torchrun(b, small_data, 6)
