@@ -100,16 +100,17 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5, a
 
 def translation_steps(assign, range_of, T, labels, counts, target, std_max, history,
                       beta=1.5, alpha0=1e-15, patience=10, max_iter=10000, stop_std=0.0,
-                      speed_up=False, stop=None):
+                      speed_up=False, stop=None, f0=1.0):
     """Algorithm 1's loop with the published step rule (see `translate_published`), for any way of
     labelling: assign(T) -> (labels, counts at O - T) and range_of(T) -> max - min of O - T (or a
     bound on it).  The std after every step tried is appended to `history`.  speed_up: after a
     step that removed less than 30 % of the std (ratio r = new / old), f is multiplied by
     max(1 - r, 0.5), as a linear response would need (the exact labeler's approach uses it).
     stop: a callable; when it returns True after a step, the loop ends there (reason "stop").
+    f0: the first steps are 1 / f0 of the published rule's (f starts at f0, not 1).
     Returns (T, labels, counts, std, steps tried, stop reason) at the last accepted step."""
     target_d = target.to(T.device)
-    std, f, still, it, reason = _std(counts, target), 1.0, 0, 0, "max_iter"
+    std, f, still, it, reason = _std(counts, target), float(f0), 0, 0, "max_iter"
     while it < max_iter:
         if std <= stop_std:
             reason = "balanced"
@@ -162,7 +163,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               patience: int = 10, max_iter: int = 10000, tie_eps=None, seed: int = 0,
               init: str = "median", method: str = "exact", candidates: int = 24,
               max_candidates: int = 48, full_rows_up_to: int = 128,
-              full_rows_bytes: int = 1 << 30) -> TranslateResult:
+              full_rows_bytes: int = 1 << 30, warm_start: bool = True) -> TranslateResult:
     """One k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters
     as the target asks (even by default, or any counts summing to N).  T only translates O, so
     every difference O[s] - O[t] (and every distance) is unchanged.
@@ -170,8 +171,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     method="exact" (default): counts end within 1 of the target (for an even target
     max - min <= 1, the most even integers allow), without an N x k copy; this is
     `StreamingTranslator` fed O in chunks (part 9).  `candidates`, `max_candidates`,
-    `full_rows_up_to`, `full_rows_bytes`, `tie_eps` (default 2**-26) and `seed` are its settings
-    (N is its rows_hint).
+    `full_rows_up_to`, `full_rows_bytes`, `warm_start`, `tie_eps` (default 2**-26) and `seed`
+    are its settings (N is its rows_hint).
     method="published": Algorithm 1 as the authors' code runs it (`translate_published`), with
     `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6), `seed` and `init`.
     """
@@ -189,7 +190,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     st = StreamingTranslator(k, target=target, seed=seed, candidates=candidates,
                              max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
                              distributed=False, rows_hint=n, full_rows_bytes=full_rows_bytes,
-                             tie_eps=2.0 ** -26 if tie_eps is None else tie_eps)
+                             tie_eps=2.0 ** -26 if tie_eps is None else tie_eps,
+                             warm_start=warm_start)
     for s in range(0, n, st.chunk):
         st.add(outputs[s:s + st.chunk])
     return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
@@ -933,12 +935,17 @@ class StreamingTranslator:
     leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius`
     are solved with the others' counts fixed, and the radius grows (the solve goes on from where
     it stopped) until the translation found fits within it (on outputs far from balance, where
-    the translation moves most rows, the first solve takes every row):
+    the translation moves most rows, the first solve takes every row).  With whole rows by k
+    (k <= full_rows_up_to) and N >= 4 x max(4096, 32 k), T0 is first moved to the exact
+    balancing translation of every s-th row (`warm_start`, `_warm_start`), near the whole
+    set's.  The solve:
 
     0. far from balance, the published step rule (`translation_steps`) on each row's best
        candidates, moving every cluster at once;
     1. an ascending auction: every over-full cluster raises its T_j to the middle of the gap
-       that leaves just its excess below (ranks exchange only k-vectors);
+       that leaves just its excess below (ranks exchange only k-vectors); on candidate lists
+       far from balance each round also has a reverse half, in which every under-full cluster
+       falls just far enough to pull in its deficit (`_attract`);
     2. an exact finish: shortest augmenting paths between over- and under-full clusters (a
        Dijkstra on the k clusters over the moves that cost at most tau, edge a -> b the
        cheapest row of a to move to b; when most moves are needed, from a k x k table of those
@@ -977,7 +984,7 @@ class StreamingTranslator:
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
                  tie_eps: float = 2.0 ** -26,
                  distributed: bool = True, chunk: int = 65536, row_offset=None,
-                 rows_hint=None, full_rows_bytes: int = 1 << 30):
+                 rows_hint=None, full_rows_bytes: int = 1 << 30, warm_start: bool = True):
         if isinstance(k, bool) or not isinstance(k, numbers.Integral):
             raise ValueError(f"k must be an integer (the number of clusters), got {k!r}")
         if k < 2:
@@ -993,9 +1000,11 @@ class StreamingTranslator:
         self.row_offset = int(row_offset) if row_offset is not None else 0
         self.row_offset_given = row_offset is not None or not self.comm.on
         self.all_cols = self.k <= max(2 * self.max_candidates, int(full_rows_up_to))
+        self.small_k = self.all_cols    # whole rows by k alone, not by _far (_warm_start)
         # the rows this process will add, when known: with them whole rows may be kept (_start)
         self.rows_hint = None if rows_hint is None else int(rows_hint)
         self.full_rows_bytes = int(full_rows_bytes)
+        self.warm_start, self.f0 = bool(warm_start), 1.0   # see _warm_start
         self.width = self.k if self.all_cols else self.max_candidates
         self.cdtype = torch.int16 if self.k < 32768 else torch.int32
         self.buffer, self.nbuf = [], 0
@@ -1238,6 +1247,8 @@ class StreamingTranslator:
         hi = (target - 1e-9).ceil().long().to(dev)
         self._add_jitter(self.offset)   # now the global row numbers are known
         self._diff = self._mask = None        # the extraction buffers
+        if self.warm_start and self.small_k and n_total >= 4 * self._warm_rows():
+            self._warm_start(n_total, target)
         # Working set.  At T = T0 every row has a best column and a margin over everything else
         # (runner-up or theta).  While the translation found moves no T_j by more than `radius`
         # relative to another (span of dT < radius), rows with a larger margin keep their best
@@ -1287,6 +1298,64 @@ class StreamingTranslator:
                               stop_reason="balanced" if ok else "max_iter", refetched=refetched,
                               ties=solver.ties, active=n_act)
         return res
+
+    def _warm_rows(self):
+        """Rows of the warm start's sample: 32 a cluster, at least 4096."""
+        return max(4096, 32 * self.k)
+
+    def _warm_start(self, n_total, target):
+        """Rows kept whole by k (k <= full_rows_up_to; result() calls this when N >= 4 x
+        _warm_rows()): re-centre the stored rows (T0 and O - T0) at the balancing translation
+        of a sample of them, the global rows 0, s, 2s, ... (s = N // _warm_rows(), so 1/4 of
+        the rows or fewer), solved exactly by a StreamingTranslator of its own on one process
+        (rank 0; the sample's rows are gathered with a sum over ranks, so any split into ranks
+        gives the same sample and the same start, broadcast).  On real networks' outputs the
+        medians T0 are far from balance and the approach's published step rule spends most of
+        the time getting near; the sample's translation is within its sampling error of the
+        whole set's, so the solve starts near balance, and as for outputs near balance it
+        first solves the rows that lead by little (far = False).  The step rule's first step
+        would overshoot from there (it scales steps by the range of the scores), so the
+        approach starts with steps f0 = 16 times smaller.  Not for k > full_rows_up_to, where
+        it was slower on the inputs measured (docs/labeler.md)."""
+        k, comm, dev = self.k, self.comm, self.device
+        stride = n_total // self._warm_rows()
+        n_sub = (n_total - 1) // stride + 1
+        first = (-self.offset) % stride                # this rank's first sampled local row
+        local = torch.arange(first, self.n, stride, device=dev)
+        sub = torch.zeros(n_sub, k, dtype=torch.float64, device=dev)
+        start = 0
+        for vals in self.vals:     # O + eps u of the sampled rows (stored: O - T0 + eps u)
+            end = start + vals.shape[0]
+            lo, hi = torch.searchsorted(local, torch.tensor([start, end], device=dev)).tolist()
+            r = local[lo:hi]
+            sub.index_copy_(0, torch.div(r + self.offset, stride, rounding_mode="floor"),
+                            vals.index_select(0, r - start) + self.T0)
+            start = end
+        params = torch.zeros(k + 1, dtype=torch.float64, device=dev)
+        if comm.on:
+            sub = comm.sum(sub.cpu()).to(dev)
+        if comm.rank == 0:
+            st = StreamingTranslator(k, target=target.to(torch.float64) * (n_sub / n_total),
+                                     seed=self.seed, full_rows_up_to=k, n_init=self.n_init,
+                                     distributed=False, chunk=self.chunk, rows_hint=n_sub,
+                                     warm_start=False)
+            for s in range(0, n_sub, st.chunk):
+                st.add(sub[s:s + st.chunk])
+            res = st.result()
+            params[:k] = res.T.to(dev)
+            # the first radius at the new start, as _start finds it at T0
+            top2 = (sub[:2048] - params[:k]).topk(2, dim=1).values
+            params[k] = (top2[:, 0] - top2[:, 1]).quantile(0.2)
+        del sub
+        if comm.on:
+            params = comm.broadcast(params.cpu()).to(dev)
+        d = params[:k] - self.T0
+        for vals in self.vals:     # whole rows: every column in order
+            vals.sub_(d)
+        self.T0 = params[:k].clone()
+        self.T0f, self.T0abs = self.T0.to(torch.float32), float(self.T0.abs().max())
+        self.radius0 = max(params[k].item(), self.eps)
+        self.far, self.f0 = False, 16.0
 
     def _chunks(self):
         """(first row, vals, cols, theta) of every stored piece of at most `block` rows."""
@@ -1356,6 +1425,11 @@ class StreamingTranslator:
         rows_global = rows + self.offset
         solver = _ExactSolver(vals, cols, theta, k, target, lo, hi, comm, self.block, rows_global, dT=dT,
                               rounds=rounds, phases=phases, labels=labels, epoch=epoch, cuts=cuts)
+        # reverse rounds in the auction: on candidate lists far from balance, unless most
+        # clusters hold no row yet (then they are in few rows' candidates: docs/labeler.md)
+        solver.f0 = self.f0
+        solver.reverse = (self.far and vals.shape[1] < k
+                          and int((solver.counts > 0).sum()) >= 0.5 * k)
         history.append(solver._std())
         # Rows whose candidates fell short are read again and their candidates chosen at the
         # current translation (the same memory); that is repeated while it helps.  When no cheap
@@ -1501,6 +1575,8 @@ class _ExactSolver:
         self.dev = vals.device
         self.dT = torch.zeros(k, dtype=torch.float64, device=self.dev) if dT is None else dT
         self.rounds, self.phases, self.ties, self._last_eval = rounds, phases, 0, None
+        self.f0 = 1.0     # the approach's first step is 1 / f0 of the published rule's
+        self.reverse = False   # reverse auction rounds (_attract) on candidate lists
         self.all_rows = torch.arange(vals.shape[0], device=self.dev)
         # labels: the rows' argmax at dT when the caller has it (the same _top2_ on the same values)
         self.labels = self._eval(self.all_rows)[1] if labels is None else labels
@@ -1559,6 +1635,8 @@ class _ExactSolver:
         return last[1]
 
     def unsafe_rows(self):
+        if self.vals.shape[1] >= self.k:   # whole rows drop no column: none can be unsafe
+            return torch.zeros(0, dtype=torch.int64, device=self.dev)
         return self._eval_all()[3].nonzero()[:, 0]
 
     def replace_rows(self, rows, vals, cols, theta):
@@ -1628,16 +1706,26 @@ class _ExactSolver:
             lab = torch.cat(out).long() if out else torch.zeros(0, dtype=torch.int64, device=self.dev)
             return lab, int(self.comm.sum(unsure.reshape(1))[0])
 
-        stale = False
+        stale, near, h0 = False, False, len(history)
 
         def assign(dT):
-            nonlocal blocks, ref, stale
+            nonlocal blocks, ref, stale, near
             lab, unsure = labels_at(dT)
             if unsure > 0.01 * n_total:
                 blocks, ref = make_blocks(dT)
                 lab, unsure = labels_at(dT)
                 stale = unsure > 0.01 * n_total
-            return lab, self.comm.sum(torch.bincount(lab, minlength=self.k))
+            counts = self.comm.sum(torch.bincount(lab, minlength=self.k))
+            near = float((counts - self.hi).clamp(min=0).sum()) <= 0.02 * n_total
+            return lab, counts
+
+        def crawls():
+            """The last 8 steps bettered the best std before them by less than a tenth (the
+            step rule's slow tail, or steps undone one after another), near the target (what
+            run() hands to the auction) or anywhere when the auction has reverse rounds: the
+            auction and the finish close it in fewer, cheaper rounds."""
+            own = history[h0:]
+            return (near or self.reverse) and len(own) > 8 and min(own[-8:]) > 0.9 * min(own[:-8])
 
         def range_of(dT):   # a bound on the range of the candidates' scores at dT
             return float(vr.sum()) + float(dT.max() - dT.min())
@@ -1645,7 +1733,8 @@ class _ExactSolver:
         dT, _, _, _, steps, _ = translation_steps(
             assign, range_of, self.dT, self.labels, self.counts, self.target,
             _std_max(self.target, n_total), history, beta=beta, patience=patience,
-            max_iter=max_iter, stop_std=1.0, speed_up=True, stop=lambda: stale)
+            max_iter=max_iter, stop_std=1.0, speed_up=True, stop=lambda: stale or crawls(),
+            f0=self.f0)
         self.rounds += steps
         if dT is not self.dT:   # exact labels at the T reached
             self.dT = dT
@@ -1656,11 +1745,12 @@ class _ExactSolver:
     def _shed(self, margin, lab, excess, over):
         """r_j for each over-full cluster j: the midpoint of the excess_j-th and the next smallest
         margin among its members (all ranks), so that exactly excess_j of them lie below it
-        (fewer where those two are equal); twice the largest when all must go.  One process on
-        a GPU sorts the margins; otherwise a bisection on global counts finds the gap and two
-        all-reduced k-vectors its ends, the same numbers (a GPU would wait at every step)."""
+        (fewer where those two are equal); twice the largest when all must go.  One process
+        sorts the margins (on the CPU too: a few percent faster than the bisection there);
+        ranks, which cannot sort their margins together, find the gap by a bisection on global
+        counts and two all-reduced k-vectors its ends, the same numbers."""
         k = self.k
-        if self.dev.type != "cpu" and not self.comm.on and margin.numel():
+        if not self.comm.on and margin.numel():
             order = torch.argsort(margin, stable=True)
             order = order.index_select(0, torch.argsort(lab.index_select(0, order), stable=True))
             ms = margin.index_select(0, order)
@@ -1737,6 +1827,55 @@ class _ExactSolver:
             self.labels[mv] = self._eval(mv)[1]
             self.counts = self._count()
             history.append(self._std())
+            if self.reverse:
+                self._attract()
+                history.append(self._std())
+
+    def _attract(self):
+        """Reverse round: every under-full cluster c pulls in its deficit d_c, other clusters'
+        T fixed: T_c falls to the middle of the gap after the d_c-th smallest loss
+        (best - score in c) among the rows of clusters that are not under-full.  Done as a rise
+        of every other cluster (T only rises: the candidates' bounds stay valid)."""
+        deficit = (self.lo - self.counts).clamp(min=0)
+        under = deficit > 0
+        if not bool(under.any()):
+            return
+        rows = (~under).index_select(0, self.labels).nonzero()[:, 0]
+        gl, gc, gr = [], [], []
+        for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
+            S = vr - self._gathered(self.dT, cr)
+            loss = S.amax(1, keepdim=True) - S       # the row's own score (its label) - S
+            m = under.index_select(0, cr.reshape(-1).long()).view(cr.shape) & torch.isfinite(loss)
+            i, j = m.nonzero(as_tuple=True)
+            gl.append(loss[i, j])
+            gc.append(cr[i, j].long())
+            gr.append(rows[s:s + self.chunk].index_select(0, i))
+        if not gl:      # (every rank has blocks: _blocks yields none only for no rows)
+            gl, gc, gr = [torch.zeros(0, dtype=torch.float64, device=self.dev)], \
+                [torch.zeros(0, dtype=torch.int64, device=self.dev)], \
+                [torch.zeros(0, dtype=torch.int64, device=self.dev)]
+        loss, c, r = torch.cat(gl), torch.cat(gc), torch.cat(gr)
+        # a cluster with fewer such rows than its deficit pulls in all of them (none: stays).
+        # Most of the deficit in clusters that few rows hold as candidates (the candidates
+        # are stale): the round would do little, the forward auction and re-reads go on alone
+        cnt = self.comm.sum(torch.bincount(c, minlength=self.k))
+        want = torch.minimum(deficit, cnt)
+        if int(want.sum()) < 0.5 * int(deficit.sum()):
+            self.reverse = False
+            return
+        d = self._shed(loss, c, want, under & (cnt > 0))   # (k,) how far each T_c falls
+        if not bool((d > 0).any()):      # the same on every rank: the counts are global
+            return
+        self.rounds += 1
+        self.dT = self.dT + (d.max() - d)
+        # the rows that can change: those with a loss below the fall, and every row of an
+        # under-full cluster (another under-full cluster may have fallen further than its own)
+        mine = under.index_select(0, self.labels).nonzero()[:, 0]
+        mv = torch.cat([r[loss < d.index_select(0, c)], mine]).unique()
+        self.labels[mv] = self._eval(mv)[1]
+        self.counts = self._count()
+        if int((self.lo - self.counts).clamp(min=0).sum()) >= int(deficit.sum()):
+            self.reverse = False      # it did not help: the forward auction goes on alone
 
     # -- 2. exact finish: shortest augmenting paths ------------------------------------------
     # Moving row i from its cluster a to b costs r_ib = (V_ia - dT_a) - (V_ib - dT_b) >= 0 of

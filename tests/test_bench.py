@@ -34,8 +34,12 @@ def test_bench_labeler_tiny_run(tmp_path):
         if r["method"] == "exact":   # ours: the integer floor
             assert r["max_minus_min"] <= 1
             assert r["std"] == pytest.approx(r["std_floor"], abs=1e-9)
-    streamed = [r for r in recs if "StreamingTranslator" in r["call"]]
+    streamed = [r for r in recs if r["streamed"]]
     assert len(streamed) == 1 and streamed[0]["n"] == 3000
+    assert all(("StreamingTranslator" in r["call"]) == r["streamed"] for r in recs)
+    for r in recs:   # held whole: the same call again in the same process (an epoch after the first)
+        assert ("seconds_warm" in r) != r["streamed"]
+        assert r.get("seconds_warm", 1) > 0
     for r in recs:   # ours says how many rows it solved and read again, streamed or not
         assert ("working_set" in r and "refetched" in r) == (r["method"] == "exact")
         if r["method"] == "exact":
@@ -44,6 +48,8 @@ def test_bench_labeler_tiny_run(tmp_path):
     table = run_bench("--summary", str(out))
     assert table.returncode == 0, table.stderr
     assert "| gaussian | 600 | 30 |" in table.stdout and "streamed" in table.stdout
+    row = next(x for x in table.stdout.splitlines() if x.startswith("| gaussian | 600 | 30 |"))
+    assert row.count("|") == 9 and row.rstrip(" |").endswith("x")   # second call's ratio
 
 
 def test_bench_labeler_random_net_large(small_data, tmp_path):
@@ -63,7 +69,7 @@ def test_bench_labeler_random_net_large(small_data, tmp_path):
         assert "error" not in r, r
         if r["method"] == "exact":
             assert r["max_minus_min"] <= 1
-    streamed = [r for r in res["records"] if "StreamingTranslator" in r["call"]]
+    streamed = [r for r in res["records"] if r["streamed"]]
     assert [(r["input"], r["n"]) for r in streamed] == [("random_net_large", 3000)]
     assert res["skipped"]["gaussian_large"] == "not in --large-inputs"
     assert res["large_model"]["aug_images"] == 64 and res["large_model"]["delta_rms"] > 0

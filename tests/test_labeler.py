@@ -311,6 +311,58 @@ def test_auction_has_its_own_rounds_after_a_long_approach():
     assert int((solver.counts - solver.hi).clamp(min=0).sum()) < excess
 
 
+def test_reverse_round_pulls_in_deficits_and_keeps_labels_argmax():
+    """_attract, the auction's reverse round: under-full clusters fall (done as a rise of every
+    other cluster: T only rises), they gain rows, and every row's label is still its argmax
+    at the new T (rows of under-full clusters too, whose own cluster fell less than another)."""
+    n, k = 4000, 40
+    O = torch.randn(n, k, generator=gen(24), dtype=torch.float64) - torch.linspace(0, 1.5, k)
+    t = torch.full((k,), n / k, dtype=torch.float64)
+    cols = torch.arange(k, dtype=torch.int16).expand(n, k).contiguous()
+    solver = otl._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
+                              k, t, t.floor().long(), t.ceil().long(), otl._Comm(False), 1024,
+                              torch.arange(n))
+    deficit = (solver.lo - solver.counts).clamp(min=0)
+    assert int((deficit > 0).sum()) > 10                # many under-full clusters at once
+    dT = solver.dT.clone()
+    solver._attract()
+    assert (solver.dT >= dT).all()
+    assert torch.equal(solver.labels, (O - solver.dT).argmax(1))
+    assert torch.equal(solver.counts, torch.bincount(solver.labels, minlength=k))
+    after = (solver.lo - solver.counts).clamp(min=0)
+    assert int(after.sum()) < 0.5 * int(deficit.sum())
+    # the deepest deficit is pulled in (clusters that fell less can lose rows to those that
+    # fell more: a round is a simultaneous step, the next rounds go on from there)
+    j = int(deficit.argmax())
+    assert int(solver.counts[j]) > int(solver.lo[j] - deficit[j])
+
+
+def test_warm_start_from_a_sample(monkeypatch):
+    """With whole rows (k <= 128) and N >= 4 x max(4096, 32 k), result() first balances the
+    rows 0, s, 2s, ... exactly and starts the whole solve there: it starts far nearer the
+    target than at the column medians, and ends exact either way; fewer rows: no warm start."""
+    n, k = 20_000, 10
+    O = dominant(n, k, 8)
+    calls, warm = [], otl.StreamingTranslator._warm_start
+
+    def spy(self, *a):
+        calls.append(self.n)
+        warm(self, *a)
+
+    monkeypatch.setattr(otl.StreamingTranslator, "_warm_start", spy)
+    r = exact(O)
+    assert calls == [n]
+    check_even(r)
+    assert check_translation(O, r) <= 0.01 * n
+    cold = exact(O, warm_start=False)
+    assert calls == [n]
+    check_even(cold)
+    assert r.std_history[0] < 0.25 * cold.std_history[0]
+    small = exact(O[:4 * 4096 - 1])
+    assert calls == [n]                  # too few rows for a sample of 4096
+    check_even(small)
+
+
 def test_far_outputs_stay_on_candidates(monkeypatch):
     """Outputs like a random network's far from balance with candidate lists (rows nearly equal,
     columns of very different spread, so few clusters win at T0): the approach stops where the
@@ -491,12 +543,20 @@ def _rank_main(rank, world, port, O, kw, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("full", [True, False])
-def test_distributed_equals_single_process(full, tmp_path):
+@pytest.mark.parametrize("full,far", [(True, False), (False, False), (False, True)])
+def test_distributed_equals_single_process(full, far, tmp_path):
+    """Whole rows (with the warm start: its sample, every 4th row, spans both ranks' shards),
+    candidates, and candidates on outputs far from balance (the auction's reverse rounds, whose
+    cut ranks find by bisection where one process sorts)."""
     n, k = 20_000, 120   # rank 0 holds the first n_init = 8192 rows, as one process sees them
-    O = torch.randn(n, k, generator=gen(11))
+    assert n >= 4 * otl.StreamingTranslator(k)._warm_rows()
+    O = dominant(n, k, 11) if far else torch.randn(n, k, generator=gen(11))
     kw = {} if full else {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
-    single = exact(O, **kw)
+    st = otl.StreamingTranslator(k, distributed=False, **kw)   # as the ranks: no rows_hint
+    st.add(O)
+    assert st.far == far and st.all_cols == full
+    single = st.result(refetch=lambda rows: O[rows])
+    assert single.refetched > 0 if far else single.refetched == 0
     out = str(tmp_path / "r")
     mp.start_processes(_rank_main, args=(2, _free_port(), O, kw, out), nprocs=2,
                        start_method="spawn")
@@ -558,7 +618,7 @@ def test_far_outputs_are_solved_in_one_pass(k):
     either way, whole rows (k = 10) or candidates (k = 300, rows not known)."""
     n = 20_000
     O = dominant(n, k, 6)
-    st = otl.StreamingTranslator(k, distributed=False)
+    st = otl.StreamingTranslator(k, distributed=False, warm_start=False)   # (it re-centres)
     st.add(O)
     r = st.result(refetch=lambda rows: O[rows])
     assert st.far and r.active == n
