@@ -936,7 +936,8 @@ class StreamingTranslator:
     are solved with the others' counts fixed, and the radius grows (the solve goes on from where
     it stopped) until the translation found fits within it (on outputs far from balance, where
     the translation moves most rows, the first solve takes every row).  With whole rows by k
-    (k <= full_rows_up_to) and N >= 4 x max(4096, 32 k), T0 is first moved to the exact
+    (k <= full_rows_up_to), N >= 4 x max(4096, 32 k) and outputs far from balance at the
+    medians, T0 is first moved to the exact
     balancing translation of every s-th row (`warm_start`, `_warm_start`), near the whole
     set's.  The solve:
 
@@ -1247,7 +1248,7 @@ class StreamingTranslator:
         hi = (target - 1e-9).ceil().long().to(dev)
         self._add_jitter(self.offset)   # now the global row numbers are known
         self._diff = self._mask = None        # the extraction buffers
-        if self.warm_start and self.small_k and n_total >= 4 * self._warm_rows():
+        if self.warm_start and self.small_k and self.far and n_total >= 4 * self._warm_rows():
             self._warm_start(n_total, target)
         # Working set.  At T = T0 every row has a best column and a margin over everything else
         # (runner-up or theta).  While the translation found moves no T_j by more than `radius`
@@ -1305,7 +1306,8 @@ class StreamingTranslator:
 
     def _warm_start(self, n_total, target):
         """Rows kept whole by k (k <= full_rows_up_to; result() calls this when N >= 4 x
-        _warm_rows()): re-centre the stored rows (T0 and O - T0) at the balancing translation
+        _warm_rows() and the outputs are far from balance at the medians, `_far`: on Gaussian
+        outputs, already near, it made k = 50 four times slower): re-centre the stored rows (T0 and O - T0) at the balancing translation
         of a sample of them, the global rows 0, s, 2s, ... (s = N // _warm_rows(), so 1/4 of
         the rows or fewer), solved exactly by a StreamingTranslator of its own on one process
         (rank 0; the sample's rows are gathered with a sum over ranks, so any split into ranks

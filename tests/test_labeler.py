@@ -338,9 +338,10 @@ def test_reverse_round_pulls_in_deficits_and_keeps_labels_argmax():
 
 
 def test_warm_start_from_a_sample(monkeypatch):
-    """With whole rows (k <= 128) and N >= 4 x max(4096, 32 k), result() first balances the
-    rows 0, s, 2s, ... exactly and starts the whole solve there: it starts far nearer the
-    target than at the column medians, and ends exact either way; fewer rows: no warm start."""
+    """With whole rows (k <= 128), N >= 4 x max(4096, 32 k) and outputs far from balance at
+    the column medians, result() first balances the rows 0, s, 2s, ... exactly and starts the
+    whole solve there: far nearer the target than the medians, and exact either way.  Fewer
+    rows, or outputs near balance at the medians (Gaussian): no warm start."""
     n, k = 20_000, 10
     O = dominant(n, k, 8)
     calls, warm = [], otl.StreamingTranslator._warm_start
@@ -361,6 +362,9 @@ def test_warm_start_from_a_sample(monkeypatch):
     small = exact(O[:4 * 4096 - 1])
     assert calls == [n]                  # too few rows for a sample of 4096
     check_even(small)
+    G = torch.randn(n, k, generator=gen(9))
+    check_even(exact(G))
+    assert calls == [n]                  # outputs near balance at the medians start there
 
 
 def test_far_outputs_stay_on_candidates(monkeypatch):
@@ -543,11 +547,12 @@ def _rank_main(rank, world, port, O, kw, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("full,far", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("full,far", [(True, False), (True, True), (False, False), (False, True)])
 def test_distributed_equals_single_process(full, far, tmp_path):
-    """Whole rows (with the warm start: its sample, every 4th row, spans both ranks' shards),
-    candidates, and candidates on outputs far from balance (the auction's reverse rounds, whose
-    cut ranks find by bisection where one process sorts)."""
+    """Whole rows and candidates, on Gaussian outputs and on outputs far from balance: whole
+    rows far from balance take the warm start (its sample, every 4th row, spans both ranks'
+    shards), candidates far from balance the auction's reverse rounds (whose cut ranks find by
+    bisection where one process sorts)."""
     n, k = 20_000, 120   # rank 0 holds the first n_init = 8192 rows, as one process sees them
     assert n >= 4 * otl.StreamingTranslator(k)._warm_rows()
     O = dominant(n, k, 11) if far else torch.randn(n, k, generator=gen(11))
@@ -556,7 +561,8 @@ def test_distributed_equals_single_process(full, far, tmp_path):
     st.add(O)
     assert st.far == far and st.all_cols == full
     single = st.result(refetch=lambda rows: O[rows])
-    assert single.refetched > 0 if far else single.refetched == 0
+    assert single.refetched > 0 if far and not full else single.refetched == 0
+    assert (st.f0 == 16.0) == (full and far)       # the warm start ran (whole rows, far)
     out = str(tmp_path / "r")
     mp.start_processes(_rank_main, args=(2, _free_port(), O, kw, out), nprocs=2,
                        start_method="spawn")
