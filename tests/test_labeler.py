@@ -313,8 +313,9 @@ def test_auction_has_its_own_rounds_after_a_long_approach():
 
 def test_reverse_round_pulls_in_deficits_and_keeps_labels_argmax():
     """_attract, the auction's reverse round: under-full clusters fall (done as a rise of every
-    other cluster: T only rises), they gain rows, and every row's label is still its argmax
-    at the new T (rows of under-full clusters too, whose own cluster fell less than another)."""
+    other cluster: T only rises), the total deficit at least halves, and every row's label is
+    still its argmax at the new T (rows of under-full clusters too, whose own cluster fell less
+    than another's).  Whole rows here for a direct check; the solver uses it on candidates."""
     n, k = 4000, 40
     O = torch.randn(n, k, generator=gen(24), dtype=torch.float64) - torch.linspace(0, 1.5, k)
     t = torch.full((k,), n / k, dtype=torch.float64)
@@ -548,7 +549,7 @@ def _rank_main(rank, world, port, O, kw, out):
 
 
 @pytest.mark.parametrize("full,far", [(True, False), (True, True), (False, False), (False, True)])
-def test_distributed_equals_single_process(full, far, tmp_path):
+def test_distributed_equals_single_process(full, far, tmp_path, monkeypatch):
     """Whole rows and candidates, on Gaussian outputs and on outputs far from balance: whole
     rows far from balance take the warm start (its sample, every 4th row, spans both ranks'
     shards), candidates far from balance the auction's reverse rounds (whose cut ranks find by
@@ -557,10 +558,13 @@ def test_distributed_equals_single_process(full, far, tmp_path):
     assert n >= 4 * otl.StreamingTranslator(k)._warm_rows()
     O = dominant(n, k, 11) if far else torch.randn(n, k, generator=gen(11))
     kw = {} if full else {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
+    rounds, attract = [], otl._ExactSolver._attract
+    monkeypatch.setattr(otl._ExactSolver, "_attract", lambda self: rounds.append(1) or attract(self))
     st = otl.StreamingTranslator(k, distributed=False, **kw)   # as the ranks: no rows_hint
     st.add(O)
     assert st.far == far and st.all_cols == full
     single = st.result(refetch=lambda rows: O[rows])
+    assert bool(rounds) == (far and not full)     # reverse rounds ran (candidates, far)
     assert single.refetched > 0 if far and not full else single.refetched == 0
     assert (st.f0 == 16.0) == (full and far)       # the warm start ran (whole rows, far)
     out = str(tmp_path / "r")
