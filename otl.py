@@ -937,9 +937,8 @@ class StreamingTranslator:
     it stopped) until the translation found fits within it (on outputs far from balance, where
     the translation moves most rows, the first solve takes every row).  With whole rows by k
     (k <= full_rows_up_to), N >= 4 x max(4096, 32 k) and outputs far from balance at the
-    medians, T0 is first moved to the exact
-    balancing translation of every s-th row (`warm_start`, `_warm_start`), near the whole
-    set's.  The solve:
+    medians, T0 is first moved to the exact balancing translation of every s-th row
+    (`warm_start`, `_warm_start`), near the whole set's.  The solve:
 
     0. far from balance, the published step rule (`translation_steps`) on each row's best
        candidates, moving every cluster at once;
@@ -1307,9 +1306,9 @@ class StreamingTranslator:
     def _warm_start(self, n_total, target):
         """Rows kept whole by k (k <= full_rows_up_to; result() calls this when N >= 4 x
         _warm_rows() and the outputs are far from balance at the medians, `_far`: on Gaussian
-        outputs, already near, it made k = 50 four times slower): re-centre the stored rows (T0 and O - T0) at the balancing translation
-        of a sample of them, the global rows 0, s, 2s, ... (s = N // _warm_rows(), so 1/4 of
-        the rows or fewer), solved exactly by a StreamingTranslator of its own on one process
+        outputs, already near, it made k = 50 four times slower): re-centre the stored rows
+        (T0 and O - T0) at the balancing translation of a sample of them, the global rows 0,
+        s, 2s, ... (s = N // _warm_rows(), so 1/4 of the rows or fewer), solved exactly by a StreamingTranslator of its own on one process
         (rank 0; the sample's rows are gathered with a sum over ranks, so any split into ranks
         gives the same sample and the same start, broadcast).  On real networks' outputs the
         medians T0 are far from balance and the approach's published step rule spends most of
