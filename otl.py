@@ -1064,9 +1064,7 @@ class StreamingTranslator:
                 S = head[:2048] - params[:self.k].to(head.dtype)
                 gaps = S.amax(1, keepdim=True) - S
                 params[self.k + 1] = gaps.kthvalue(min(self.candidates, self.k), dim=1).values.median().item()
-            # the first radius: a fifth of the rows have a smaller lead at T0
-            top2 = (head[:2048] - params[:self.k].to(head.dtype)).topk(2, dim=1).values
-            params[self.k + 2] = (top2[:, 0] - top2[:, 1]).to(torch.float64).quantile(0.2).item()
+            params[self.k + 2] = self._first_radius(head, params[:self.k]).item()
         if self.comm.on:   # rank 0's first rows decide, so every rank uses the same T0 and window
             params = self.comm.broadcast(params.cpu()).to(self.device)
         if self.device.type != "cpu":   # blocks sized for a CPU cache only cost launches there
@@ -1082,6 +1080,13 @@ class StreamingTranslator:
         for p in pieces:
             for s in range(0, p.shape[0], self.chunk):
                 self._extract(p[s:s + self.chunk])
+
+    @staticmethod
+    def _first_radius(rows, T):
+        """The first radius: a fifth of the first 2048 rows lead (best minus runner-up) by less
+        at T."""
+        top2 = (rows[:2048] - T.to(rows.dtype)).topk(2, dim=1).values
+        return (top2[:, 0] - top2[:, 1]).to(torch.float64).quantile(0.2)
 
     def _whole_rows_fit(self):
         """Whether the rows to come are known to fit whole in `full_rows_bytes` (rows_hint x k x
@@ -1305,12 +1310,12 @@ class StreamingTranslator:
 
     def _warm_start(self, n_total, target):
         """Rows kept whole by k (k <= full_rows_up_to; result() calls this when N >= 4 x
-        _warm_rows() and the outputs are far from balance at the medians, `_far`: on Gaussian
-        outputs, already near, it made k = 50 four times slower): re-centre the stored rows
-        (T0 and O - T0) at the balancing translation of a sample of them, the global rows 0,
-        s, 2s, ... (s = N // _warm_rows(), so 1/4 of the rows or fewer), solved exactly by a StreamingTranslator of its own on one process
-        (rank 0; the sample's rows are gathered with a sum over ranks, so any split into ranks
-        gives the same sample and the same start, broadcast).  On real networks' outputs the
+        _warm_rows() and the outputs are far from balance at the medians, `_far`; near balance
+        it costs more than it saves): re-centre the stored rows (T0 and O - T0) at the
+        balancing translation of a sample of them, the global rows 0, s, 2s, ... (s = N //
+        _warm_rows(), so 1/4 of the rows or fewer), solved exactly by a StreamingTranslator of
+        its own on one process (rank 0; the sample's rows are gathered with a sum over ranks,
+        so any split into ranks gives the same sample and the same start, broadcast).  On real networks' outputs the
         medians T0 are far from balance and the approach's published step rule spends most of
         the time getting near; the sample's translation is within its sampling error of the
         whole set's, so the solve starts near balance, and as for outputs near balance it
@@ -1333,8 +1338,7 @@ class StreamingTranslator:
                             vals.index_select(0, r - start) + self.T0)
             start = end
         params = torch.zeros(k + 1, dtype=torch.float64, device=dev)
-        if comm.on:
-            sub = comm.sum(sub.cpu()).to(dev)
+        sub = comm.sum(sub)       # (one process: as it is)
         if comm.rank == 0:
             st = StreamingTranslator(k, target=target.to(torch.float64) * (n_sub / n_total),
                                      seed=self.seed, full_rows_up_to=k, n_init=self.n_init,
@@ -1344,12 +1348,9 @@ class StreamingTranslator:
                 st.add(sub[s:s + st.chunk])
             res = st.result()
             params[:k] = res.T.to(dev)
-            # the first radius at the new start, as _start finds it at T0
-            top2 = (sub[:2048] - params[:k]).topk(2, dim=1).values
-            params[k] = (top2[:, 0] - top2[:, 1]).quantile(0.2)
+            params[k] = self._first_radius(sub, params[:k])   # at the new start
         del sub
-        if comm.on:
-            params = comm.broadcast(params.cpu()).to(dev)
+        params = comm.broadcast(params)
         d = params[:k] - self.T0
         for vals in self.vals:     # whole rows: every column in order
             vals.sub_(d)
@@ -1842,7 +1843,8 @@ class _ExactSolver:
         if not bool(under.any()):
             return
         rows = (~under).index_select(0, self.labels).nonzero()[:, 0]
-        gl, gc, gr = [], [], []
+        e = torch.zeros(0, dtype=torch.int64, device=self.dev)    # a rank may hold no such row
+        gl, gc, gr = [e.to(torch.float64)], [e], [e]
         for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
             S = vr - self._gathered(self.dT, cr)
             loss = S.amax(1, keepdim=True) - S       # the row's own score (its label) - S
@@ -1851,10 +1853,6 @@ class _ExactSolver:
             gl.append(loss[i, j])
             gc.append(cr[i, j].long())
             gr.append(rows[s:s + self.chunk].index_select(0, i))
-        if not gl:      # (every rank has blocks: _blocks yields none only for no rows)
-            gl, gc, gr = [torch.zeros(0, dtype=torch.float64, device=self.dev)], \
-                [torch.zeros(0, dtype=torch.int64, device=self.dev)], \
-                [torch.zeros(0, dtype=torch.int64, device=self.dev)]
         loss, c, r = torch.cat(gl), torch.cat(gc), torch.cat(gr)
         # a cluster with fewer such rows than its deficit pulls in all of them (none: stays).
         # Most of the deficit in clusters that few rows hold as candidates (the candidates
