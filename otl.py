@@ -1748,9 +1748,9 @@ class _ExactSolver:
         """r_j for each over-full cluster j: the midpoint of the excess_j-th and the next smallest
         margin among its members (all ranks), so that exactly excess_j of them lie below it
         (fewer where those two are equal); twice the largest when all must go.  One process
-        sorts the margins (on the CPU too: a few percent faster than the bisection there);
-        ranks, which cannot sort their margins together, find the gap by a bisection on global
-        counts and two all-reduced k-vectors its ends, the same numbers."""
+        sorts the margins, on the CPU too (docs/labeler.md); ranks, which cannot sort their
+        margins together, find the gap by a bisection on global counts and two all-reduced
+        k-vectors its ends, the same numbers."""
         k = self.k
         if not self.comm.on and margin.numel():
             order = torch.argsort(margin, stable=True)
