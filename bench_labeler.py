@@ -15,6 +15,8 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   otl.label_pass(head=False) (BatchNorm on each shuffled batch's statistics,
                   running statistics untouched), then for each k in --real-ks a fresh k-way
                   nn.Linear head (default init, seed --seed + k).  Skipped without --data.
+                  --real-split train: the prepared training split's images instead, each once
+                  (N = the split's size: what a training run's label pass hands the labeler).
   trained_net     otl.label_pass outputs of --checkpoint (its own head, k = 128) on the same
                   N images.
   gaussian_large  --large-n x --large-k (1,280,000 x 3000 float32, 15 GB as one array): ours is
@@ -124,6 +126,10 @@ def get_args_parser():
                    "(half-width ResNet-18, as training's cpu preset), or e.g. alexnet-cifar-cpu with "
                    "--data data/cifar10 (the inputs of ablations.py's labeler studies)")
     p.add_argument("--checkpoint", default="runs/eurosat/checkpoint.pth", help="trained network")
+    p.add_argument("--real-split", choices=["all", "train"], default="all", help="the images of "
+                   "random_net and trained_net: all (every image of --data, then each again "
+                   "mirrored, up to --n) or train (the prepared training split, each image once: "
+                   "what a training run's label pass hands the labeler; N = its size, --n ignored)")
     return p
 
 
@@ -399,14 +405,19 @@ def real_inputs(args, skipped, keep=None):
         print(f"skipping the real outputs: {e}", flush=True)
         return
     images = d["images"]
+    if args.real_split == "train":
+        images = images[d["train_idx"]]
     if args.real_images:
         images = images[torch.randperm(len(images), generator=torch.Generator().manual_seed(args.seed))
                         [:args.real_images]]
-    n_real = min(args.n, 2 * len(images))  # N = 50,000 from 27,000 images: each also mirrored
     with open(os.path.join(args.data, "manifest.json")) as fh:
         manifest = json.load(fh)
     t0 = time.perf_counter()
-    both = torch.cat([images, images.flip(3)])[:n_real]
+    if args.real_split == "train":   # each training image once
+        both = images
+    else:                            # N = 50,000 from 27,000 images: each also mirrored
+        both = torch.cat([images, images.flip(3)])[:min(args.n, 2 * len(images))]
+    n_real = len(both)
     feats = utils.random_net_features(both, manifest, args.net, args.seed)
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
     if keep is not None:
@@ -538,11 +549,13 @@ def main(args):
            "translate_signature": str(inspect.signature(otl.translate)),
            "args": vars(args), "inputs": {
                "gaussian": f"torch.randn(N, k) float32, seed {args.seed}, N = {args.n}",
-               "random_net": "EuroSAT images through the freshly initialised cpu-preset network "
-                             "(BatchNorm on batch statistics) and a fresh k-way nn.Linear head; N = "
-                             + (f"{args.real_images} (a seeded subset)" if args.real_images else
-                                "27,000 (every image, train and test split)")
-                             + f", each also mirrored, the first {args.n} of them",
+               "random_net": f"images of {args.data} through the freshly initialised {args.net}-preset "
+                             "network (BatchNorm on batch statistics) and a fresh k-way nn.Linear "
+                             "head; images: "
+                             + ("the training split" if args.real_split == "train" else "every image")
+                             + (f", a seeded subset of {args.real_images}" if args.real_images else "")
+                             + ("" if args.real_split == "train" else
+                                f", each also mirrored, the first {args.n} of them"),
                "trained_net": f"label-pass outputs of {args.checkpoint} (its head), same images",
                "gaussian_large": f"torch.randn float32, N = {args.large_n} for exact; the published "
                                  f"labeler and sinkhorn get the first {args.ref_n} rows (their N is "

@@ -77,6 +77,23 @@ def test_bench_labeler_random_net_large(small_data, tmp_path):
     assert "| random_net_large | 3,000 | 40 |" in table.stdout
 
 
+def test_bench_labeler_training_split(small_data, tmp_path):
+    """--real-split train: the real outputs are the training split's images, each once (N = its
+    size, whatever --n says), as a training run's label pass hands them to the labeler."""
+    out = tmp_path / "lb.json"
+    p = run_bench("--n", "300", "--ks", "10", "--real-ks", "10", "--data", str(small_data),
+                  "--real-split", "train", "--skip-large", "--methods", "exact,published",
+                  "--checkpoint", str(tmp_path / "none.pth"), "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    n_train = len(json.loads((small_data / "split.json").read_text())["train"])
+    real = [r for r in res["records"] if r["input"] == "random_net"]
+    assert sorted(r["method"] for r in real) == ["exact", "published"]
+    assert all(r["n"] == n_train for r in real) and n_train != 300
+    assert next(r for r in real if r["method"] == "exact")["max_minus_min"] <= 1
+    assert "the training split" in res["inputs"]["random_net"]
+
+
 def test_net_rows_are_made_again_exactly():
     """random_net_large's rows read again (the refetch) equal the rows first made, in any order
     and across chunks: the stream and its re-reads see one input."""
