@@ -920,9 +920,11 @@ class StreamingTranslator:
     beyond that only their candidates are kept (below), which is what lets N = 1.28M, k = 3000
     fit in memory.  On outputs whose balancing translation is large compared with the gaps
     between a row's best outputs (real networks far from balance) the candidates can fall
-    short, and those rows are re-read in full (`refetch`).  So when `rows_hint` (the number of
-    rows this process will add; `translate` gives it) x k x 10 bytes fits in `full_rows_bytes`
-    (1 GiB) and the first rows show such outputs (`_far`), rows are kept whole (`_whole_rows_fit`).
+    short, and those rows are re-read in full (`refetch`).  So when k <= 2 x full_rows_up_to
+    (256), `rows_hint` (the number of rows this process will add; `translate` gives it) x k x 10
+    bytes fits in `full_rows_bytes` (1 GiB) and the first rows show such outputs (`_far`), rows
+    are kept whole (`_whole_rows_fit`).  Above k = 256 every pass over whole rows costs more than
+    re-reading the rows whose candidates fall short (docs/labeler.md, v10).
 
     How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
     `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
@@ -999,7 +1001,8 @@ class StreamingTranslator:
         # than max_candidates outputs of a row need it before result(), which checks it
         self.row_offset = int(row_offset) if row_offset is not None else 0
         self.row_offset_given = row_offset is not None or not self.comm.on
-        self.all_cols = self.k <= max(2 * self.max_candidates, int(full_rows_up_to))
+        self.full_rows_up_to = int(full_rows_up_to)
+        self.all_cols = self.k <= max(2 * self.max_candidates, self.full_rows_up_to)
         self.small_k = self.all_cols    # whole rows by k alone, not by _far (_warm_start)
         # the rows this process will add, when known: with them whole rows may be kept (_start)
         self.rows_hint = None if rows_hint is None else int(rows_hint)
@@ -1058,7 +1061,8 @@ class StreamingTranslator:
             params[self.k] = self.tie_eps * max(head.abs().amax(1).median().item(), 1e-30)
             far = self._far(head, params[:self.k])
             params[self.k + 4] = float(far)
-            whole = self.all_cols or (far and self._whole_rows_fit())
+            whole = self.all_cols or (far and self.k <= 2 * self.full_rows_up_to
+                                      and self._whole_rows_fit())
             params[self.k + 3] = float(whole and not self.all_cols)
             if not whole:   # the window: a typical row's `candidates`-th largest gap
                 S = head[:2048] - params[:self.k].to(head.dtype)
@@ -1090,15 +1094,17 @@ class StreamingTranslator:
 
     def _whole_rows_fit(self):
         """Whether the rows to come are known to fit whole in `full_rows_bytes` (rows_hint x k x
-        10 bytes).  Whole rows are kept when they fit and the outputs are far from the target
-        (_far).
+        10 bytes).  Whole rows are kept when they fit, the outputs are far from the target
+        (_far) and k <= 2 x full_rows_up_to.
 
         Why.  Candidates are the columns near each row's best at T0 (the medians), so they hold a
         row's final cluster only while the balancing translation stays within that window.  On
         Gaussian outputs it does; on real networks' outputs, where a few clusters take most rows,
         it is several windows wide, the candidates fall short for most rows and they are re-read
         whole after a solve that could not finish.  Whole rows are the slower choice on Gaussian
-        outputs (docs/labeler.md has the measurements)."""
+        outputs, and on real outputs above k = 256, where every pass over them (the approach's
+        candidate choice, the auction's, the finish's, the strict argmax) costs more than
+        re-reading the rows that fall short (docs/labeler.md has the measurements)."""
         return self.rows_hint is not None and self.rows_hint * self.k * 10 <= self.full_rows_bytes
 
     def _far(self, head, med):

@@ -600,20 +600,26 @@ def _keeps_whole(O, **kw):
 
 def test_real_like_outputs_keep_whole_rows_when_they_fit():
     """Far from balance at the medians, with the number of rows known (translate knows it) and
-    rows x k x 10 bytes within full_rows_bytes, every column is kept, so nothing is re-read; the
-    result is exact either way."""
-    n, k = 20_000, 300
+    rows x k x 10 bytes within full_rows_bytes, every column is kept up to k = 256, so nothing is
+    re-read; above, candidates (re-read where they fall short).  Exact either way."""
+    n, k = 20_000, 200
     O = dominant(n, k, 5)
     assert _keeps_whole(O, rows_hint=n)
     assert not _keeps_whole(O)                                           # rows not known
     assert not _keeps_whole(O, rows_hint=n, full_rows_bytes=n * k * 10 - 1)   # over the budget
+    assert not _keeps_whole(O, rows_hint=n, full_rows_up_to=99)          # k > 2 x full_rows_up_to
+    # above k = 256 candidates, even when whole rows would fit (passes over them cost more)
+    big = dominant(n, 300, 5)
+    st = otl.StreamingTranslator(300, distributed=False, rows_hint=n)
+    st.add(big)
+    assert st.far and not st.all_cols
     r = exact(O)
     assert r.refetched == 0
     check_even(r)
     assert check_translation(O, r) <= 0.01 * n
-    r = exact(O, full_rows_bytes=0)                 # candidates, re-read where they fall short
+    r = exact(big)                    # candidates (k > 256), re-read where they fall short
     check_even(r)
-    assert check_translation(O, r) <= 0.01 * n
+    assert check_translation(big, r) <= 0.01 * n
     # only the rows that fell short are read again: their new candidates, chosen at the
     # translation reached, carry a bound from there (an epoch), not from T0 (then every row
     # was read again, some several times: 58,232 rows re-read here)
