@@ -5,7 +5,8 @@
 
 Features of the saved train/test split are extracted once (utils.checkpoint_features) and cached
 beside the checkpoint.  Each test image takes its max(ks) nearest training images by cosine
-similarity (one exact FAISS search), and each neighbour votes for its class with weight
+similarity (one exact FAISS search; without faiss installed, the same exact search as blocks of
+matrix products on the feature device), and each neighbour votes for its class with weight
 exp(sim / T) (otl.knn_classify); the top-1 accuracy is reported for every k from that one search.
 """
 from __future__ import annotations
@@ -15,6 +16,14 @@ import time
 
 import otl
 import utils
+
+
+def have_faiss() -> bool:
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def faiss_search(train, test, K: int, use_gpu="auto"):
@@ -62,9 +71,13 @@ def main(args):
         raise SystemExit(f"--ks must be positive, got {args.ks}")
     device, feats = utils.eval_features(args)
     use_gpu = "auto" if device.type == "cuda" else False
+    search = lambda tr, te, K: faiss_search(tr, te, K, use_gpu)   # noqa: E731
+    if not have_faiss():
+        print("faiss is not installed: exact search by blocks of matrix products (the same "
+              "neighbours; pip install faiss-cpu for the FAISS index)", flush=True)
+        search = None
     preds = otl.knn_classify(feats["train"], feats["train_labels"], feats["test"], ks=args.ks,
-                             T=args.temperature, num_classes=len(feats["classes"]),
-                             search=lambda tr, te, K: faiss_search(tr, te, K, use_gpu))
+                             T=args.temperature, num_classes=len(feats["classes"]), search=search)
     acc = otl.top1(preds, feats["test_labels"])
     out = args.output or utils.default_output(args.checkpoint, "knn", args.feature)
     res = {"knn_top1": {str(k): a for k, a in acc.items()}, "temperature": args.temperature,

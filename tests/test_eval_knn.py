@@ -1,6 +1,7 @@
 """eval_knn.py: the FAISS search against otl.knn_classify's brute force, and the program on a tiny
 prepared data set (features cached beside the checkpoint, results JSON)."""
 import json
+import sys
 
 import torch
 
@@ -50,3 +51,16 @@ def test_eval_knn_program(tmp_path):
         (n_train, n_test, 64, 0)
     for key in ("checkpoint", "data_dir", "temperature", "command", "git_commit", "seconds"):
         assert key in saved
+
+
+def test_eval_knn_program_without_faiss(tmp_path, monkeypatch, capsys):
+    """Where faiss is not installed (some GPU images lack it) the program falls back to the
+    brute-force search, says so, and gives the FAISS index's accuracies."""
+    ckpt, _, _, _ = untrained_checkpoint(tmp_path)
+    argv = ["--checkpoint", ckpt, "--ks", "3", "5", "--device", "cpu", "--no-progress"]
+    with_faiss = eval_knn.main(eval_knn.get_args_parser().parse_args(argv))
+    monkeypatch.setitem(sys.modules, "faiss", None)        # import faiss -> ImportError
+    assert not eval_knn.have_faiss()
+    without = eval_knn.main(eval_knn.get_args_parser().parse_args(argv))
+    assert "faiss is not installed" in capsys.readouterr().out
+    assert without["knn_top1"] == with_faiss["knn_top1"]
