@@ -50,8 +50,10 @@ bench)
   ;;
 train)
   : "${D:?set D to the seconds this call may use}"
-  cat .gpu/eu_part_aa .gpu/eu_part_ab > /tmp/EuroSAT.zip && sha256sum /tmp/EuroSAT.zip
-  $PY prepare_data.py --dataset eurosat --source /tmp/EuroSAT.zip --out data/eurosat --workers 16 \
+  ZIP=${ZIP:-/tmp/EuroSAT.zip}
+  [ -f "$ZIP" ] || cat .gpu/eu_part_aa .gpu/eu_part_ab > "$ZIP"
+  sha256sum "$ZIP"
+  $PY prepare_data.py --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16 \
       2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
   sha256sum data/eurosat/split.json
   # epochs that fit: 2 x 21,600 training views and 2 x 21,600 label-pass views an epoch at the
