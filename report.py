@@ -59,6 +59,8 @@ def get_args_parser():
     p.add_argument("--feature", default="pool", help="the evaluated layer (eval_knn.py --feature): "
                    "pool reads knn_<checkpoint>.json, another layer knn_<checkpoint>_<layer>.json, "
                    "auto the embedding's where the run has them, else pool's")
+    p.add_argument("--machine", default=None, help="where the runs ran, when the report is made "
+                   "elsewhere (e.g. 'NVIDIA H100 80GB HBM3'); default: this machine")
     p.add_argument("--overview", action="store_true", help="write <out>/tables.md: the paper's "
                    "three tables, every data set a row (--dataset is ignored)")
     p.add_argument("--run-for", nargs="+", default=[], metavar="TABLE:DATASET=RUN", help="with "
@@ -210,7 +212,9 @@ def main(args):
     for key, val in paper.items():
         lines.append(_row(f"{key} (paper)".replace("otl", "OTL"), val, notes.get(key, "")))
     runs_out = {label: run for label, run in runs}
-    lines += ["", f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}."]
+    here = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}"
+    lines += ["", f"Machine: {args.machine} (the report made on {here})." if args.machine
+              else f"Machine: {here}."]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{report_name}.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -218,7 +222,8 @@ def main(args):
         json.dump({"dataset": args.dataset, "otl": otl_run, "supervised": sup_run,
                    "runs": runs_out, "paper": paper,
                    "machine": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                               "platform": platform.platform()}}, fh, indent=1)
+                               "platform": platform.platform(), "runs_ran_on": args.machine}},
+                  fh, indent=1)
     print("\n".join(lines))
 
 

@@ -40,10 +40,15 @@ def test_end_to_end_train_evaluate_report(small_data, tmp_path):
     assert js["otl"]["final"]["knn"] and js["otl"]["random_init"]["linear"] is not None
     # another run folder under another name: its own report, the same numbers
     report.main(report.get_args_parser().parse_args(
-        ["--runs", str(runs), "--out", str(out), "--otl-run", "eurosat", "--name", "eurosat_again"]))
+        ["--runs", str(runs), "--out", str(out), "--otl-run", "eurosat", "--name", "eurosat_again",
+         "--machine", "a GPU elsewhere"]))
     again = json.loads((out / "eurosat_again.json").read_text())
     assert again["otl"]["final"] == js["otl"]["final"]
-    assert (out / "eurosat_again.md").read_text().startswith("# eurosat_again: results")
+    md_again = (out / "eurosat_again.md").read_text()
+    assert md_again.startswith("# eurosat_again: results")
+    # runs made on another machine: the report names it, and where the report was made
+    assert "Machine: a GPU elsewhere (the report made on" in md_again and "Machine: a GPU" not in md
+    assert again["machine"]["runs_ran_on"] == "a GPU elsewhere" and js["machine"]["runs_ran_on"] is None
 
 
 def test_feature_auto_and_the_overview_of_every_table(small_data, tmp_path):

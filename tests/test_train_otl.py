@@ -146,7 +146,8 @@ def test_a_kill_right_after_the_checkpoint_loses_nothing(small_data, tmp_path, m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_trains_labels_and_resumes_on_cuda(small_data, tmp_path):
     # the CUDA path: data resident on the GPU, sync-free augmentation, bf16 autocast, fused SGD
-    cuda = [a if a != "cpu" else "cuda" for a in TINY]
+    i = TINY.index("--device") + 1
+    cuda = [*TINY[:i], "cuda", *TINY[i + 1:]]          # the device only: "--preset cpu" stays
     args = ["--data", str(small_data), "--output", str(tmp_path / "g"), *cuda]
     assert train_otl.main(train_otl.get_args_parser().parse_args([*args, "--epochs", "1"]))
     res = train_otl.main(train_otl.get_args_parser().parse_args([*args, "--epochs", "2"]))
