@@ -1008,6 +1008,7 @@ class StreamingTranslator:
         self.rows_hint = None if rows_hint is None else int(rows_hint)
         self.full_rows_bytes = int(full_rows_bytes)
         self.warm_start, self.f0 = bool(warm_start), 1.0   # see _warm_start
+        self.widen = 1      # 2: candidate lists twice as wide (_collapsed, decided in _start)
         self.width = self.k if self.all_cols else self.max_candidates
         self.cdtype = torch.int16 if self.k < 32768 else torch.int32
         self.buffer, self.nbuf = [], 0
@@ -1051,8 +1052,10 @@ class StreamingTranslator:
         head = torch.cat(parts) if parts else torch.zeros(0, self.k)
         self.device = head.device
         head = head if head.dtype == torch.float64 else head.to(torch.float32)
-        # T0, eps, window, radius0, 1 to keep whole rows, 1 when far from the target
-        params = torch.zeros(self.k + 5, dtype=torch.float64, device=self.device)
+        # T0, eps, window, radius0, 1 to keep whole rows, 1 when far from the target, the
+        # factor by which the candidate lists widen (_collapsed)
+        params = torch.zeros(self.k + 6, dtype=torch.float64, device=self.device)
+        params[self.k + 5] = 1.0
         if head.shape[0] > 0:
             _check_outputs_finite(head)
             params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
@@ -1065,9 +1068,12 @@ class StreamingTranslator:
                                       and self._whole_rows_fit())
             params[self.k + 3] = float(whole and not self.all_cols)
             if not whole:   # the window: a typical row's `candidates`-th largest gap
+                if 4 * self.max_candidates <= self.k and self._collapsed(head, params[:self.k]):
+                    params[self.k + 5] = 2.0
+                wide = int(params[self.k + 5].item()) * self.candidates
                 S = head[:2048] - params[:self.k].to(head.dtype)
                 gaps = S.amax(1, keepdim=True) - S
-                params[self.k + 1] = gaps.kthvalue(min(self.candidates, self.k), dim=1).values.median().item()
+                params[self.k + 1] = gaps.kthvalue(min(wide, self.k), dim=1).values.median().item()
             params[self.k + 2] = self._first_radius(head, params[:self.k]).item()
         if self.comm.on:   # rank 0's first rows decide, so every rank uses the same T0 and window
             params = self.comm.broadcast(params.cpu()).to(self.device)
@@ -1075,6 +1081,11 @@ class StreamingTranslator:
             self.block = self.chunk
         if params[self.k + 3].item() > 0:
             self.all_cols, self.width = True, self.k
+        self.widen = int(params[self.k + 5].item())
+        if self.widen > 1 and not self.all_cols:
+            self.candidates *= self.widen
+            self.max_candidates *= self.widen
+            self.width = self.max_candidates
         self.T0, self.eps = params[:self.k].clone(), params[self.k].item()
         self.T0f = self.T0.to(torch.float32)     # exact for float32 outputs (medians of them)
         self.T0abs = float(self.T0.abs().max())   # float64 outputs: T0f errs by 2^-24 of this
@@ -1114,15 +1125,33 @@ class StreamingTranslator:
         solve: their translation moves most rows, so that solve was wasted (docs/labeler.md)."""
         n = head.shape[0]
         cnt = torch.bincount((head - med.to(head.dtype)).argmax(1), minlength=self.k).to(torch.float64)
-        target = even_target(n, self.k)
-        if self.target_arg is not None:   # the target's shares, scaled to the head; result() checks it
+        target = self._head_target(n)
+        return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / self.k
+
+    def _head_target(self, n):
+        """The target's shares scaled to n rows (the even target without one; result() checks
+        the target itself)."""
+        if self.target_arg is not None:
             try:
                 t = torch.as_tensor(self.target_arg, dtype=torch.float64).flatten().cpu()
                 if t.numel() == self.k and bool(torch.isfinite(t).all()) and t.sum() > 0:
-                    target = t / t.sum() * n
+                    return t / t.sum() * n
             except (TypeError, ValueError, RuntimeError):
                 pass
-        return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / self.k
+        return even_target(n, self.k)
+
+    def _collapsed(self, head, med):
+        """Whether the first rows at the column medians fill under a third of the clusters that
+        rows spread over the target would fill (a network collapsing onto a few clusters, as
+        early in training at large k).  Most rows must then move to clusters deep in their
+        lists, and candidate lists of the usual width fall short again and again (the collapsing
+        k = 3000 network of docs/labeler.md, v11: 20 % of the clusters against 93 % expected;
+        random networks' outputs fill 53 - 99 % of it): the lists are then twice as wide."""
+        n = head.shape[0]
+        used = (torch.bincount((head - med.to(head.dtype)).argmax(1), minlength=self.k) > 0)
+        target = self._head_target(n).to(torch.float64)
+        expected = float((1 - torch.exp(-target)).sum())   # clusters a Poisson sample fills
+        return float(used.sum()) < expected / 3
 
     def _extract(self, X: torch.Tensor):
         X = X.to(self.device)

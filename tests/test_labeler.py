@@ -661,3 +661,37 @@ def test_gaussian_outputs_keep_candidates():
     r = exact(O, target=target)
     assert bool(((r.counts >= target.floor()) & (r.counts <= target.ceil())).all())
     assert check_translation(O, r) <= 0.01 * n
+
+
+def _collapsing(n, k, popular, seed):
+    """Outputs of a network collapsing onto `popular` of its k clusters: each row leads by 8 in
+    one of them (unit noise elsewhere, so almost no row strays), and the column medians do not
+    cancel the collapse."""
+    g = gen(seed)
+    O = torch.randn(n, k, generator=g)
+    O[torch.arange(n), torch.randint(0, popular, (n,), generator=g)] += 8.0
+    return O
+
+
+def test_collapsed_outputs_widen_the_candidate_lists():
+    """At the medians the first rows fill a fifth of the clusters (a third of what an even spread
+    fills is the cut): the lists are twice as wide (candidates 48, at most 96), balance is still
+    exact and the labels translation-only.  Random outputs and 60 % filled keep the usual width."""
+    n, k = 12_000, 400
+    O = _collapsing(n, k, 80, seed=21)
+    st = otl.StreamingTranslator(k, distributed=False, rows_hint=n)
+    st.add(O)
+    assert (st.widen, st.width, st.candidates) == (2, 96, 48) and not st.all_cols
+    r = exact(O)
+    check_even(r)
+    assert check_translation(O, r) <= 0.01 * n
+    for O2 in (torch.randn(n, k, generator=gen(22)), _collapsing(n, k, 240, seed=23)):
+        st = otl.StreamingTranslator(k, distributed=False, rows_hint=n)
+        st.add(O2)
+        assert (st.widen, st.width) == (1, 48)
+    # the expectation follows the target: n_i ~ i^6 leaves many clusters nearly empty, so its
+    # first 8192 rows would fill about 234 of them, and 80 filled is not under a third of that
+    target = otl.uneven_target(n, k, 6, first=1)
+    st = otl.StreamingTranslator(k, target=target, distributed=False, rows_hint=n)
+    st.add(O)
+    assert st.widen == 1
