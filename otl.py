@@ -929,7 +929,8 @@ class StreamingTranslator:
     How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
     `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
     the columns `cols` within `window` of the row's best, about `candidates` of them, at most
-    `max_candidates`) plus `theta`, a bound on every column it dropped.  Memory: about 10 bytes a
+    `max_candidates`; twice as many when the first rows fill under a third of the clusters an
+    even spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.  Memory: about 10 bytes a
     candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it solves out of this store, so
     none is held twice).  The translation is solved on the candidates, and only on the rows
     that can change cluster: every row's lead at T0 (its best minus its runner-up) is known, and
@@ -1145,8 +1146,8 @@ class StreamingTranslator:
         rows spread over the target would fill (a network collapsing onto a few clusters, as
         early in training at large k).  Most rows must then move to clusters deep in their
         lists, and candidate lists of the usual width fall short again and again (the collapsing
-        k = 3000 network of docs/labeler.md, v11: 20 % of the clusters against 93 % expected;
-        random networks' outputs fill 53 - 99 % of it): the lists are then twice as wide."""
+        k = 3000 network of docs/labeler.md, v11: 22 % of the expected clusters; random networks'
+        outputs fill 57 - 99 % of them): the lists are then twice as wide."""
         n = head.shape[0]
         used = (torch.bincount((head - med.to(head.dtype)).argmax(1), minlength=self.k) > 0)
         target = self._head_target(n).to(torch.float64)
