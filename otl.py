@@ -612,25 +612,29 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     return out
 
 
-def _rand_ops(x, U, g, n_ops: int = 2, select: bool | None = None):
-    """Two random photometric ops per image (the geometric ones are folded into the warp).
-    select=True (the CPU's default) applies each op to the images that drew it; False (CUDA's)
-    applies every op to the whole batch and keeps each image's own, which waits on nothing: the
-    GPU never stops to tell the host which images drew what.  Both give the same images."""
+def _rand_ops(x, U, g, n_ops: int = 2):
+    """Two random photometric ops per image (the geometric ones are folded into the warp).  Each
+    round splits the batch at random into six near-equal groups, one per op (op 5: identity), so
+    an image's op is uniform over the six and each op runs on its own group only: the group sizes
+    are known before the draw, so on a GPU nothing waits for the host, and no op is computed for
+    images that did not draw it (the same images on the CPU and on a GPU for the same draws).
+    Batches under 48 images (the tail of a label pass) draw each image's op independently and
+    apply every op to the whole batch, each image keeping its own, so that no op is left out of
+    a small batch."""
     B, dev = x.shape[0], x.device
-    if select is None:
-        select = dev.type == "cpu"
     for _ in range(n_ops):
-        op = torch.randint(0, 6, (B,), device=dev, generator=g)
         m = U(0, 1)
-        y = x.clone() if select else x
-        for i in range(5):                              # op 5: identity
-            if select:
-                sel = op == i
-                if sel.any():
-                    y[sel] = _photometric(i, x[sel], m[sel])
-            else:
+        if B < 48:
+            op = torch.randint(0, 6, (B,), device=dev, generator=g)
+            y = x
+            for i in range(5):
                 y = torch.where((op == i).view(-1, 1, 1, 1), _photometric(i, x, m), y)
+        else:
+            perm = torch.randperm(B, device=dev, generator=g)
+            y = x.clone()
+            for i in range(5):
+                idx = perm[i * B // 6:(i + 1) * B // 6]
+                y.index_copy_(0, idx, _photometric(i, x.index_select(0, idx), m.index_select(0, idx)))
         x = y
     return x
 

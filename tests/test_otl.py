@@ -837,21 +837,36 @@ def test_bad_network_configs_are_refused():
         otl.build_model(otl.ModelConfig(arch="resnet50", width=32))
 
 
-@pytest.mark.parametrize("B, side", [(64, 32), (300, 40)])
-def test_photometric_ops_whole_batch_equal_per_op_selection(B, side):
-    """CUDA's path (every op on the whole batch, each image keeping its own) gives exactly the
-    CPU's images (each op on the images that drew it), for the same draws."""
-    x = torch.rand(B, 3, side, side, generator=torch.Generator().manual_seed(1))
+def _ops_drawn(B, side, seed):
+    """One round of otl._rand_ops on random images at known magnitudes: which op (0 - 4, 5 for
+    identity) each output image is, found by comparing it with every op's result."""
+    x = torch.rand(B, 3, side, side, generator=gen(1))
+    m = torch.rand(B, generator=gen(2))
+    out = otl._rand_ops(x.clone(), lambda lo, hi, *shape: m, gen(seed), n_ops=1)
+    cand = [otl._photometric(i, x, m) for i in range(5)] + [x]
+    drawn = []
+    for b in range(B):
+        hits = [i for i, c in enumerate(cand) if torch.equal(out[b], c[b])]
+        assert len(hits) == 1, (b, hits)      # each output is exactly one op's image
+        drawn.append(hits[0])
+    return torch.tensor(drawn)
 
-    def run(select):
-        g = torch.Generator().manual_seed(7)
 
-        def U(lo, hi, *shape):
-            return torch.rand(*(shape or (B,)), generator=g) * (hi - lo) + lo
-        return otl._rand_ops(x.clone(), U, g, select=select)
-    a, b = run(True), run(False)
-    assert torch.equal(a, b)
-    assert not torch.equal(a, x)                     # the ops did change the images
+@pytest.mark.parametrize("B", [300, 50])
+def test_photometric_ops_split_the_batch_evenly(B):
+    """From 48 images on, each round gives each of the six ops (identity included) a random sixth
+    of the batch, and each image is that op's result on it; another seed, other images."""
+    a = _ops_drawn(B, 24, seed=7)
+    sizes = [(i + 1) * B // 6 - i * B // 6 for i in range(6)]
+    assert torch.bincount(a, minlength=6).tolist() == sizes
+    assert torch.equal(a, _ops_drawn(B, 24, seed=7))
+    assert not torch.equal(a, _ops_drawn(B, 24, seed=8))
+
+
+def test_photometric_ops_of_a_small_batch_are_drawn_per_image():
+    """Under 48 images each image draws its own op, so every op turns up even in tiny batches."""
+    seen = torch.cat([_ops_drawn(3, 16, seed=s) for s in range(12)])
+    assert set(seen.tolist()) == set(range(6))
 
 
 def test_augment_rot90_off_keeps_images_upright():
