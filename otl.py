@@ -1470,8 +1470,11 @@ class StreamingTranslator:
         # reverse rounds in the auction: on candidate lists far from balance, unless most
         # clusters hold no row yet (then they are in few rows' candidates: docs/labeler.md)
         solver.f0 = self.f0
-        solver.reverse = (self.far and vals.shape[1] < k
-                          and int((solver.counts > 0).sum()) >= 0.5 * k)
+        # (a network collapsing onto a few clusters starts with most of them empty; once the
+        # solve has spread its rows over half of them, reverse rounds are turned on: pending)
+        wide_far = self.far and vals.shape[1] < k
+        solver.reverse = wide_far and int((solver.counts > 0).sum()) >= 0.5 * k
+        pending = wide_far and not solver.reverse
         history.append(solver._std())
         # Rows whose candidates fell short are read again and their candidates chosen at the
         # current translation (the same memory); that is repeated while it helps.  When no cheap
@@ -1484,6 +1487,8 @@ class StreamingTranslator:
         refetched, width, recut_all, rereads = 0, vals.shape[1], False, 0
         best, last_unsafe, progress = math.inf, math.inf, True
         for attempt in range(40):
+            if pending and width < k and int((solver.counts > 0).sum()) >= 0.5 * k:
+                solver.reverse, pending = True, False
             balanced = solver.run(max_rounds, history, self.radius0,
                                   check_rows=rereads < 6 or progress)
             unsafe = solver.unsafe_rows()

@@ -695,3 +695,18 @@ def test_collapsed_outputs_widen_the_candidate_lists():
     st = otl.StreamingTranslator(k, target=target, distributed=False, rows_hint=n)
     st.add(O)
     assert st.widen == 1
+
+
+def test_reverse_rounds_start_once_a_collapsed_solve_has_spread(monkeypatch):
+    """A solve that starts with most clusters empty has no reverse auction rounds; once re-reads
+    and the approach have spread the rows over half of the clusters, they are turned on (here
+    with short candidate lists, so that the first solve falls short).  Balance stays exact."""
+    calls = []
+    attract = otl._ExactSolver._attract
+    monkeypatch.setattr(otl._ExactSolver, "_attract",
+                        lambda self: calls.append(1) or attract(self))
+    O = _collapsing(12_000, 400, 80, seed=21)
+    r = exact(O, candidates=6, max_candidates=16)
+    check_even(r)
+    assert check_translation(O, r) <= 0.01 * O.shape[0]
+    assert r.refetched > 0 and len(calls) >= 1
