@@ -2011,21 +2011,50 @@ class _ExactSolver:
                     rid = self.rows_global.index_select(0, r)[:, None].expand_as(key)
                     arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
 
-    def _table_edges(self, W, arg, tau):
+    def _table_edges(self, W, arg, tau, keys=None):
         """The cluster graph at the current dT on the edges that cost at most tau: (a * k + b,
-        b, cost, row id) per edge a -> b, sorted by a, and the csr row pointers; on the CPU."""
+        b, cost, row id) per edge a -> b, sorted by a, and the csr row pointers; on the CPU.
+        keys: the ascending a * k + b of W's finite entries (_table_keys), so that only those
+        are costed instead of all k * k (one process; None: all)."""
         k = self.k
         if self.comm.on:   # ranks agree on the global cheapest move, then on its lowest row id
             Wg = self.comm.min(W.clone())
             ag = self.comm.min(torch.where(W == Wg, arg, torch.iinfo(torch.int64).max))
         else:
             Wg, ag = W, arg
+        if keys is not None and not self.comm.on:   # the same sums on the finite entries only
+            fa, fb = keys // k, keys % k
+            cost = Wg.index_select(0, keys) + self.dT.index_select(0, fb) - self.dT.index_select(0, fa)
+            sel = (cost <= tau).nonzero()[:, 0]
+            e, ea, eb = keys.index_select(0, sel), fa.index_select(0, sel), fb.index_select(0, sel)
+            indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
+            return (e.cpu(), eb.cpu(), cost.index_select(0, sel).clamp(min=0).cpu(),
+                    ag.index_select(0, e).cpu(), indptr.cpu())
         cost = (Wg.view(k, k) + self.dT[None, :] - self.dT[:, None]).view(-1)
         e = (cost <= tau).nonzero()[:, 0]                   # row-major: a csr matrix as it stands
         ea, eb = e // k, e % k
         indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
         return (e.cpu(), eb.cpu(), cost.index_select(0, e).clamp(min=0).cpu(),
                 ag.index_select(0, e).cpu(), indptr.cpu())
+
+    def _table_keys(self, W, keys=None, touched=None):
+        """The ascending a * k + b of W's finite entries: all of them (keys None), or `keys`
+        with the rows of the (k,) mask `touched` taken again from W (the only rows
+        _edge_table changed), merged without a sort."""
+        k = self.k
+        if keys is None:
+            return torch.isfinite(W).nonzero()[:, 0]
+        old = keys[~touched.index_select(0, keys // k)]
+        rows = touched.nonzero()[:, 0]
+        i, b = torch.isfinite(W.view(k, k).index_select(0, rows)).nonzero(as_tuple=True)
+        new = rows.index_select(0, i) * k + b                # ascending, disjoint from old
+        pos = torch.searchsorted(old, new) + torch.arange(new.numel(), device=new.device)
+        out = torch.empty(old.numel() + new.numel(), dtype=torch.int64, device=new.device)
+        rest = torch.ones(out.numel(), dtype=torch.bool, device=new.device)
+        rest[pos] = False
+        out[pos] = new
+        out[rest] = old
+        return out
 
     def _finish(self, history, tau0, max_phases=10000):
         """Rounds of shortest paths on one of two graphs: while the moves that cost at most tau
@@ -2037,7 +2066,7 @@ class _ExactSolver:
         k, dev = self.k, self.dev
         W = torch.full((k * k,), math.inf, dtype=torch.float64, device=dev)
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
-        pairs, tau, dT_built, table = None, float(tau0), None, False
+        pairs, tau, dT_built, table, keys = None, float(tau0), None, False, None
         n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])   # candidate slots, all ranks
         while self.phases < max_phases:
             counts = self.counts.cpu()
@@ -2054,9 +2083,10 @@ class _ExactSolver:
                 if n_pairs > n_moves // 4:      # most moves kept: the table is cheaper per round
                     table, pairs = True, None
                     self._edge_table(W, arg)
+                    keys = None if self.comm.on else self._table_keys(W)
             if table:
                 trust = tau
-                ek, eb, ew, er, indptr = self._table_edges(W, arg, tau)
+                ek, eb, ew, er, indptr = self._table_edges(W, arg, tau, keys)
             else:
                 trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
                 ek, eb, ew, er, indptr = self._list_edges(pairs, W, arg)
@@ -2114,6 +2144,8 @@ class _ExactSolver:
                 touched = torch.zeros(k, dtype=torch.bool, device=dev)
                 touched[torch.tensor([a for _, a, _ in moves] + [b for _, _, b in moves], device=dev)] = True
                 self._edge_table(W, arg, touched)
+                if keys is not None:
+                    keys = self._table_keys(W, keys, touched)
                 continue
             # the moved rows' moves are relative to their new cluster: replace them, kept up to tau
             # (from now on T only rises, so a move left out costs more than trust then too)

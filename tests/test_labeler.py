@@ -710,3 +710,28 @@ def test_reverse_rounds_start_once_a_collapsed_solve_has_spread(monkeypatch):
     check_even(r)
     assert check_translation(O, r) <= 0.01 * O.shape[0]
     assert r.refetched > 0 and len(calls) >= 1
+
+
+def test_table_edges_on_the_finite_entries_equal_the_dense_ones():
+    """The finish's k x k table: the finite entries' keys kept up to date row by row (as rounds
+    touch clusters) equal a fresh scan, and the graph costed on them alone is the dense one."""
+    k, g = 60, gen(31)
+    W = torch.randn(k * k, generator=g, dtype=torch.float64).abs()
+    W[torch.rand(k * k, generator=g) < 0.7] = math.inf
+    arg = torch.randint(0, 10_000, (k * k,), generator=g)
+    s = object.__new__(otl._ExactSolver)
+    s.k, s.comm = k, otl._Comm(False)
+    keys = s._table_keys(W)
+    for step in range(5):
+        touched = torch.rand(k, generator=g) < 0.2
+        rows = W.view(k, k)[touched]
+        rows[:] = torch.where(torch.rand(rows.shape, generator=g) < 0.5, math.inf,
+                              torch.rand(rows.shape, generator=g, dtype=torch.float64))
+        W.view(k, k)[touched] = rows
+        keys = s._table_keys(W, keys, touched)
+        assert torch.equal(keys, torch.isfinite(W).nonzero()[:, 0]), step
+        s.dT = torch.randn(k, generator=g, dtype=torch.float64) * 0.3
+        sparse, dense = s._table_edges(W, arg, 0.8, keys), s._table_edges(W, arg, 0.8)
+        assert sparse[0].numel() > 0
+        for a, b in zip(sparse, dense):
+            assert torch.equal(a, b), step
