@@ -934,9 +934,9 @@ class StreamingTranslator:
     `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
     the columns `cols` within `window` of the row's best, about `candidates` of them, at most
     `max_candidates`; twice as many when the first rows fill under a third of the clusters an
-    even spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.  Memory: about 10 bytes a
-    candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it solves out of this store, so
-    none is held twice).  The translation is solved on the candidates, and only on the rows
+    even spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.
+    Memory: about 10 bytes a candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it
+    solves out of this store, so none is held twice).  The translation is solved on the candidates, and only on the rows
     that can change cluster: every row's lead at T0 (its best minus its runner-up) is known, and
     while the translation moves no T_j by more than `radius` relative to another, a row that
     leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius`
