@@ -2235,9 +2235,11 @@ class _ExactSolver:
 def _shortest_paths(k, ek, eb, ew, indptr, sources):
     """Distances from the nearest source cluster, and predecessors (-1: none), on the graph of
     edges ek // k -> eb with weights ew >= 0 (CPU tensors sorted by ek; indptr: row pointers).
-    scipy's Dijkstra in C when scipy is installed, else a dense Dijkstra in torch (k vector
-    steps): the same distances (between equally short paths the two may pick different ones)."""
-    sp = _scipy_csgraph()
+    scipy's Dijkstra in C when scipy is installed and k > 64, else a dense Dijkstra in torch (k
+    vector steps): the same distances (between equally short paths the two may pick different
+    ones).  Up to k = 64 the torch one is as fast, and a process that never imports scipy saves
+    0.1 - 0.2 s on its first call (docs/labeler.md, v12)."""
+    sp = _scipy_csgraph() if k > 64 else None
     src = sources.nonzero()[:, 0]
     if sp is not None:   # explicit zero weights stay edges in a csr matrix
         import numpy as np

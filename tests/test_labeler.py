@@ -459,7 +459,7 @@ def test_exact_on_cuda_equals_cpu(k, kw):
     check_even(gpu)
 
 
-@pytest.mark.parametrize("k", [20, 300])
+@pytest.mark.parametrize("k", [100, 300])
 def test_exact_without_scipy(monkeypatch, k):
     """otl.py stands alone: without scipy the exact finish runs its torch Dijkstra, with the
     same balance and the same translation-only labels."""
@@ -474,6 +474,24 @@ def test_exact_without_scipy(monkeypatch, k):
     check_even(r)
     check_translation(O, r)
     check_even(with_scipy)
+
+
+def test_small_k_finishes_without_scipy(monkeypatch):
+    """Up to k = 64 the finish takes the torch Dijkstra (as fast there, and no scipy import on a
+    process's first call); above, scipy's."""
+    looked_up = []
+    lookup = otl._scipy_csgraph
+    monkeypatch.setattr(otl, "_scipy_csgraph", lambda: looked_up.append(1) or lookup())
+    calls, paths = [], otl._shortest_paths
+    monkeypatch.setattr(otl, "_shortest_paths", lambda *a: calls.append(a[0]) or paths(*a))
+    for k in (20, 64):
+        O = torch.randn(6000, k, generator=gen(15)) + torch.linspace(0, 1, k)   # needs the finish
+        r = exact(O)
+        check_even(r)
+        check_translation(O, r)
+    assert 20 in calls and max(calls) <= 64 and not looked_up
+    exact(torch.randn(6000, 100, generator=gen(15)) + torch.linspace(0, 1, 100))
+    assert looked_up
 
 
 def test_streaming_bad_batches():
