@@ -643,11 +643,14 @@ def test_augment_float_input():
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_augment_on_cuda(device):
-    x = images().to(device)
-    g = torch.Generator(device=device).manual_seed(0)
-    out = otl.augment(x, 32, strong=True, generator=g)
-    assert out.device.type == "cuda" and out.shape == (4, 3, 32, 32)
+@pytest.mark.parametrize("b", [4, 64])      # per-image ops, and ops on sixths of the batch
+def test_augment_on_cuda(device, b):
+    x = images(b=b).to(device)
+    out = otl.augment(x, 32, strong=True, generator=torch.Generator(device=device).manual_seed(0))
+    assert out.device.type == "cuda" and out.shape == (b, 3, 32, 32)
+    assert 0 <= out.min() and out.max() <= 1
+    again = otl.augment(x, 32, strong=True, generator=torch.Generator(device=device).manual_seed(0))
+    assert torch.equal(out, again)
 
 
 @pytest.mark.parametrize("strong", [False, True])
