@@ -1067,13 +1067,16 @@ class StreamingTranslator:
             # the tie-break's scale: a typical row's largest |O| (not the largest of all: one
             # outlier would make the perturbation swamp the real gaps)
             params[self.k] = self.tie_eps * max(head.abs().amax(1).median().item(), 1e-30)
-            far = self._far(head, params[:self.k])
+            # the first rows' counts at the medians (_far, _collapsed)
+            cnt = torch.bincount((head - params[:self.k].to(head.dtype)).argmax(1),
+                                 minlength=self.k).to(torch.float64)
+            far = self._far(cnt)
             params[self.k + 4] = float(far)
             whole = self.all_cols or (far and self.k <= 2 * self.full_rows_up_to
                                       and self._whole_rows_fit())
             params[self.k + 3] = float(whole and not self.all_cols)
             if not whole:   # the window: a typical row's `candidates`-th largest gap
-                if 4 * self.max_candidates <= self.k and self._collapsed(head, params[:self.k]):
+                if 4 * self.max_candidates <= self.k and self._collapsed(cnt):
                     params[self.k + 5] = 2.0
                 wide = int(params[self.k + 5].item()) * self.candidates
                 S = head[:2048] - params[:self.k].to(head.dtype)
@@ -1123,13 +1126,12 @@ class StreamingTranslator:
         re-reading the rows that fall short (docs/labeler.md has the measurements)."""
         return self.rows_hint is not None and self.rows_hint * self.k * 10 <= self.full_rows_bytes
 
-    def _far(self, head, med):
+    def _far(self, cnt):
         """Whether the first rows' counts at the column medians are far from the target: their
         variance around it over its mean, about 1 when the clusters are even up to sampling
         noise; the cut is 4.  Far outputs (real networks') also skip result()'s narrow first
         solve: their translation moves most rows, so that solve was wasted (docs/labeler.md)."""
-        n = head.shape[0]
-        cnt = torch.bincount((head - med.to(head.dtype)).argmax(1), minlength=self.k).to(torch.float64)
+        n = int(cnt.sum())
         target = self._head_target(n)
         return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / self.k
 
@@ -1145,16 +1147,15 @@ class StreamingTranslator:
                 pass
         return even_target(n, self.k)
 
-    def _collapsed(self, head, med):
+    def _collapsed(self, cnt):
         """Whether the first rows at the column medians fill under a third of the clusters that
         rows spread over the target would fill (a network collapsing onto a few clusters, as
         early in training at large k).  Most rows must then move to clusters deep in their
         lists, and candidate lists of the usual width fall short again and again (the collapsing
         k = 3000 network of docs/labeler.md, v11: 22 % of the expected clusters; random networks'
         outputs fill 57 - 99 % of them): the lists are then twice as wide."""
-        n = head.shape[0]
-        used = (torch.bincount((head - med.to(head.dtype)).argmax(1), minlength=self.k) > 0)
-        target = self._head_target(n).to(torch.float64)
+        used = cnt > 0
+        target = self._head_target(int(cnt.sum())).to(torch.float64)
         expected = float((1 - torch.exp(-target)).sum())   # clusters a Poisson sample fills
         return float(used.sum()) < expected / 3
 
