@@ -44,7 +44,7 @@ bench)
   # 2. the labeler: 1.28M x 3000 and a Gaussian sweep; published and Sinkhorn at 320,000 rows
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 130 $PY bench_labeler.py --device cuda \
       --skip-real --large-inputs gaussian --ks 50,100,200,500,1000 --ref-n 320000 --repeat 3 \
-      --out "$OUT/labeler_bench_gpu_v11.json" --plot "$OUT/labeler_bench_gpu_v11.png" 2>&1 \
+      --out "$OUT/labeler_bench_gpu.json" --plot "$OUT/labeler_bench_gpu.png" 2>&1 \
       | tr '\r' '\n' | grep -v "it/s\]$" | tail -30
   # 3. the CUDA tests (skipped on CPU machines); small_data reads ../shared/data/EuroSAT.zip
   mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip
