@@ -2023,19 +2023,17 @@ class _ExactSolver:
             ag = self.comm.min(torch.where(W == Wg, arg, torch.iinfo(torch.int64).max))
         else:
             Wg, ag = W, arg
-        if keys is not None and not self.comm.on:   # the same sums on the finite entries only
+        if keys is not None:   # the same sums on the finite entries only (_finish: one process)
             fa, fb = keys // k, keys % k
             cost = Wg.index_select(0, keys) + self.dT.index_select(0, fb) - self.dT.index_select(0, fa)
             sel = (cost <= tau).nonzero()[:, 0]
             e, ea, eb = keys.index_select(0, sel), fa.index_select(0, sel), fb.index_select(0, sel)
-            indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
-            return (e.cpu(), eb.cpu(), cost.index_select(0, sel).clamp(min=0).cpu(),
-                    ag.index_select(0, e).cpu(), indptr.cpu())
-        cost = (Wg.view(k, k) + self.dT[None, :] - self.dT[:, None]).view(-1)
-        e = (cost <= tau).nonzero()[:, 0]                   # row-major: a csr matrix as it stands
-        ea, eb = e // k, e % k
+        else:
+            cost = (Wg.view(k, k) + self.dT[None, :] - self.dT[:, None]).view(-1)
+            sel = e = (cost <= tau).nonzero()[:, 0]        # row-major: a csr matrix as it stands
+            ea, eb = e // k, e % k
         indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
-        return (e.cpu(), eb.cpu(), cost.index_select(0, e).clamp(min=0).cpu(),
+        return (e.cpu(), eb.cpu(), cost.index_select(0, sel).clamp(min=0).cpu(),
                 ag.index_select(0, e).cpu(), indptr.cpu())
 
     def _table_keys(self, W, keys=None, touched=None):
