@@ -936,10 +936,10 @@ class StreamingTranslator:
     `max_candidates`; twice as many when the first rows fill under a third of the clusters an
     even spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.
     Memory: about 10 bytes a candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it
-    solves out of this store, so none is held twice).  The translation is solved on the candidates, and only on the rows
-    that can change cluster: every row's lead at T0 (its best minus its runner-up) is known, and
-    while the translation moves no T_j by more than `radius` relative to another, a row that
-    leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius`
+    solves out of this store, so none is held twice).  The translation is solved on the
+    candidates, and only on the rows that can change cluster: every row's lead at T0 (its best
+    minus its runner-up) is known, and while the translation moves no T_j by more than `radius`
+    relative to another, a row that leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius`
     are solved with the others' counts fixed, and the radius grows (the solve goes on from where
     it stopped) until the translation found fits within it (on outputs far from balance, where
     the translation moves most rows, the first solve takes every row).  With whole rows by k
@@ -1151,9 +1151,8 @@ class StreamingTranslator:
         """Whether the first rows at the column medians fill under a third of the clusters that
         rows spread over the target would fill (a network collapsing onto a few clusters, as
         early in training at large k).  Most rows must then move to clusters deep in their
-        lists, and candidate lists of the usual width fall short again and again (the collapsing
-        k = 3000 network of docs/labeler.md, v11: 22 % of the expected clusters; random networks'
-        outputs fill 57 - 99 % of them): the lists are then twice as wide."""
+        lists, and candidate lists of the usual width fall short again and again: the lists are
+        then twice as wide (docs/labeler.md, v11, has the inputs this cut separates)."""
         used = cnt > 0
         target = self._head_target(int(cnt.sum())).to(torch.float64)
         expected = float((1 - torch.exp(-target)).sum())   # clusters a Poisson sample fills
@@ -2236,8 +2235,8 @@ def _shortest_paths(k, ek, eb, ew, indptr, sources):
     edges ek // k -> eb with weights ew >= 0 (CPU tensors sorted by ek; indptr: row pointers).
     scipy's Dijkstra in C when scipy is installed and k > 64, else a dense Dijkstra in torch (k
     vector steps): the same distances (between equally short paths the two may pick different
-    ones).  Up to k = 64 the torch one is as fast, and a process that never imports scipy saves
-    0.1 - 0.2 s on its first call (docs/labeler.md, v12)."""
+    ones).  Up to k = 64 the torch one is as fast, and a process that needs no scipy never
+    imports it (docs/labeler.md, v12, has the timings)."""
     sp = _scipy_csgraph() if k > 64 else None
     src = sources.nonzero()[:, 0]
     if sp is not None:   # explicit zero weights stay edges in a csr matrix
