@@ -933,19 +933,19 @@ class StreamingTranslator:
     How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
     `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
     the columns `cols` within `window` of the row's best, about `candidates` of them, at most
-    `max_candidates`; twice as many when the first rows fill under a third of the clusters an
-    even spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.
-    Memory: about 10 bytes a candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it
-    solves out of this store, so none is held twice).  The translation is solved on the
-    candidates, and only on the rows that can change cluster: every row's lead at T0 (its best
-    minus its runner-up) is known, and while the translation moves no T_j by more than `radius`
-    relative to another, a row that leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius`
-    are solved with the others' counts fixed, and the radius grows (the solve goes on from where
-    it stopped) until the translation found fits within it (on outputs far from balance, where
-    the translation moves most rows, the first solve takes every row).  With whole rows by k
-    (k <= full_rows_up_to), N >= 4 x max(4096, 32 k) and outputs far from balance at the
-    medians, T0 is first moved to the exact balancing translation of every s-th row
-    (`warm_start`, `_warm_start`), near the whole set's.  The solve:
+    `max_candidates`; twice as many when the first rows fill under a third of the clusters an even
+    spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.  Memory: about 10
+    bytes a candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it solves out of this
+    store, so none is held twice).  The translation is solved on the candidates, and only on the
+    rows that can change cluster: every row's lead at T0 (its best minus its runner-up) is known,
+    and while the translation moves no T_j by more than `radius` relative to another, a row that
+    leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius` are
+    solved with the others' counts fixed, and the radius grows (the solve goes on from where it
+    stopped) until the translation found fits within it (on outputs far from balance, where the
+    translation moves most rows, the first solve takes every row).  With whole rows by k (k <=
+    full_rows_up_to), N >= 4 x max(4096, 32 k) and outputs far from balance at the medians, T0 is
+    first moved to the exact balancing translation of every s-th row (`warm_start`, `_warm_start`),
+    near the whole set's.  The solve:
 
     0. far from balance, the published step rule (`translation_steps`) on each row's best
        candidates, moving every cluster at once;
