@@ -19,6 +19,8 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   (N = the split's size: what a training run's label pass hands the labeler).
   trained_net     otl.label_pass outputs of --checkpoint (its own head, k = 128) on the same
                   N images.
+  trained_backbone  the --checkpoint network's backbone features of the same images through a
+                  fresh k-way head for each k in --trained-ks (a trained network at k = 3000).
   gaussian_large  --large-n x --large-k (1,280,000 x 3000 float32, 15 GB as one array): ours is
                   fed it in chunks of 8192 rows made on the fly (StreamingTranslator, with a
                   refetch that makes rows again), so it is never held whole; its seconds are the
@@ -48,8 +50,8 @@ allocator and torch's kernels are warm by then; the first call pays for them, wh
 ours at small k), and the labels must equal the first call's.  `streamed` tells the streamed
 records.  Torch uses every core the process may run on.  Linux only.
 With --device cuda every measurement runs in this process on the GPU (see measure_gpu): the
-Gaussian inputs come from a CUDA generator, the large case sits whole in GPU memory, and the
-EuroSAT inputs are left to the CPU run.
+Gaussian inputs come from a CUDA generator, the large case sits whole in GPU memory, the
+EuroSAT inputs' networks run on the GPU, and random_net_large is left to the CPU run.
 Results go to --out as they come (a killed run keeps what it measured); a failed measurement is
 recorded with its error and makes the script exit non-zero, and no numbers are made up for it.
 """
@@ -115,8 +117,8 @@ def get_args_parser():
                    "that you give still win); real inputs use a seeded subset of 2000 images")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: inputs made on the GPU, each "
                    "measurement in this process after a warm-up call, the median of --repeat calls, "
-                   "GPU peak memory; the large case is held whole on the GPU (not streamed) and the "
-                   "EuroSAT inputs are skipped")
+                   "GPU peak memory; the large case is held whole on the GPU (not streamed); the "
+                   "EuroSAT inputs' networks run on the GPU too (random_net_large is left to the CPU)")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement on a GPU "
                    "(default 3; the CPU takes one)")
     p.add_argument("--seed", type=int, default=0, help="seeds the gaussian inputs, the network, heads "
@@ -126,6 +128,9 @@ def get_args_parser():
                    "(half-width ResNet-18, as training's cpu preset), or e.g. alexnet-cifar-cpu with "
                    "--data data/cifar10 (the inputs of ablations.py's labeler studies)")
     p.add_argument("--checkpoint", default="runs/eurosat/checkpoint.pth", help="trained network")
+    p.add_argument("--trained-ks", type=int_list, default=[], help="also the --checkpoint "
+                   "network's backbone features through fresh k-way heads, for these k "
+                   "(trained_backbone; e.g. 3000: a trained network's outputs at ImageNet's k)")
     p.add_argument("--real-split", choices=["all", "train"], default="all", help="the images of "
                    "random_net and trained_net: all (every image of --data, then each again "
                    "mirrored, up to --n) or train (the prepared training split, each image once: "
@@ -355,7 +360,8 @@ def measure_gpu(spec):
     each); seconds is their median.  Peak: torch.cuda.max_memory_allocated above what was
     allocated before the call (the input is not counted)."""
     dev = torch.device(spec["device"])
-    O = gaussian(spec["n"], spec["k"], spec["seed"], device=dev)
+    O = (torch.load(spec["path"], weights_only=True).to(dev) if spec.get("path") else
+         gaussian(spec["n"], spec["k"], spec["seed"], device=dev))
     n, k = O.shape
     call_labeler(spec["method"], O[:min(n, 65536)])
     times, peaks = [], []
@@ -418,7 +424,7 @@ def real_inputs(args, skipped, keep=None):
     else:                            # N = 50,000 from 27,000 images: each also mirrored
         both = torch.cat([images, images.flip(3)])[:min(args.n, 2 * len(images))]
     n_real = len(both)
-    feats = utils.random_net_features(both, manifest, args.net, args.seed)
+    feats = utils.random_net_features(both, manifest, args.net, args.seed, device=args.device).cpu()
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
     if keep is not None:
         keep.update(feats=feats, images=both, manifest=manifest)
@@ -428,10 +434,19 @@ def real_inputs(args, skipped, keep=None):
         skipped["trained_net"] = f"no checkpoint at {args.checkpoint}"
         print(f"skipping trained_net: no checkpoint at {args.checkpoint}", flush=True)
         return
-    model, ckpt = utils.load_checkpoint(args.checkpoint)
-    outs = otl.label_pass(model, both, int(ckpt["args"]["img_size"]), 256, "cpu", bn="batch",
+    model, ckpt = utils.load_checkpoint(args.checkpoint, args.device)
+    size = int(ckpt["args"]["img_size"])
+    outs = otl.label_pass(model, both, size, 256, args.device, bn="batch",
                           generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
-    yield "trained_net", model.cfg.k, outs
+    yield "trained_net", model.cfg.k, outs.cpu()
+    if args.trained_ks:   # the trained backbone's features through fresh k-way heads
+        feats = otl.label_pass(model, both, size, 256, args.device, bn="batch", head=False,
+                               generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
+        if model.embedding is not None:
+            with torch.no_grad():
+                feats = model.embedding(feats)
+        for k in args.trained_ks:
+            yield "trained_backbone", k, utils.fresh_head_outputs(feats, k, args.seed).cpu()
 
 
 def fit_net_large(args, keep):
@@ -495,7 +510,7 @@ def plot(records, path):
     print(f"plot: {path}", flush=True)
 
 
-INPUT_ORDER = ["gaussian", "random_net", "trained_net", "gaussian_large", "random_net_large"]
+INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_backbone", "gaussian_large", "random_net_large"]
 
 
 def summary(path):
@@ -557,6 +572,8 @@ def main(args):
                              + ("" if args.real_split == "train" else
                                 f", each also mirrored, the first {args.n} of them"),
                "trained_net": f"label-pass outputs of {args.checkpoint} (its head), same images",
+               "trained_backbone": f"{args.checkpoint}'s backbone features of the same images "
+                                   "through a fresh k-way nn.Linear head (seed --seed + k)",
                "gaussian_large": f"torch.randn float32, N = {args.large_n} for exact; the published "
                                  f"labeler and sinkhorn get the first {args.ref_n} rows (their N is "
                                  "in each record)",
@@ -585,9 +602,8 @@ def main(args):
 
     for k in args.ks:
         run("gaussian", args.n, k)
-    if args.skip_real or args.device != "cpu":
-        out["skipped"]["random_net"] = out["skipped"]["trained_net"] = (
-            "--skip-real" if args.skip_real else f"--device {args.device}: run these on the CPU")
+    if args.skip_real:
+        out["skipped"]["random_net"] = out["skipped"]["trained_net"] = "--skip-real"
     else:
         with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
             for name, k, outs in real_inputs(args, out["skipped"], keep):
@@ -600,6 +616,9 @@ def main(args):
         name = f"{inp}_large"
         if args.skip_large or inp not in args.large_inputs:
             out["skipped"][name] = "--skip-large" if args.skip_large else "not in --large-inputs"
+            continue
+        if inp == "random_net" and args.device != "cpu":
+            out["skipped"][name] = f"--device {args.device}: streamed on the CPU only"
             continue
         if inp == "random_net" and "feats" not in keep:
             out["skipped"][name] = out["skipped"].get("random_net", "no random_net features")

@@ -5,15 +5,21 @@
 # stays while the machine is warm, so the first piece waits in /tmp.
 #
 #   bash gpu_session.sh bench        call 1 (carry .gpu/eu_part_aa and .gpu/EuroSAT_small.zip):
-#                                    the first piece to /tmp; CUDA tests, training / label-pass
-#                                    throughput, labeler benchmark and profile
+#                                    the first piece to /tmp; training / label-pass throughput,
+#                                    the CUDA tests, ours at 1.28M x 3000 (ALL=1: the labeler
+#                                    benchmark's Gaussian sweep and the published rules and
+#                                    Sinkhorn too; PROFILE=1: the labeler's profile; COMPILE=1:
+#                                    torch.compile's throughput)
 #   D=<seconds> bash gpu_session.sh train
 #                                    call 2 (carry .gpu/eu_part_ab), at once after call 1 (the
 #                                    machine goes back after 30 s idle): EuroSAT from the two
 #                                    pieces, the fast preset trained for as many epochs (<= E_MAX,
 #                                    default the preset's 100) as D seconds allow at the
-#                                    throughput call 1 measured, kNN + linear, and the supervised
-#                                    twin when it fits too
+#                                    throughput call 1 measured, kNN + linear, the supervised twin
+#                                    when it fits too; then (PAPER=0 leaves these out) the paper
+#                                    preset for 0.4 minutes of epochs, timed, and the labeler on
+#                                    the trained network's outputs (its k = 128 head, and its
+#                                    backbone through a fresh k = 3000 head)
 #
 # .gpu/ (ignored: add /.gpu/ to .git/info/exclude) holds ../shared/data/EuroSAT.zip split by
 # `split -b 60000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` and a 40-per-class
@@ -37,25 +43,32 @@ bench)
     $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
     nproc; git rev-parse HEAD 2>/dev/null; } 2>&1 | tee "$OUT/machine.txt"
   # 1. training and label-pass images/s at 112 (fast) and 224 px (paper), against a plain
-  #    supervised ResNet-18 loop (torch.compile last, in step 5)
+  #    supervised ResNet-18 loop
   timeout 110 $PY bench_train.py --device cuda --sizes 112,224 --steps 20 --warmup 5 \
       --out "$OUT/train_throughput_gpu.json" 2>&1 | tail -4
   cp "$OUT/train_throughput_gpu.json" /tmp/gpu_state/ 2>/dev/null
-  # 2. the labeler: 1.28M x 3000 and a Gaussian sweep; published and Sinkhorn at 320,000 rows
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 130 $PY bench_labeler.py --device cuda \
-      --skip-real --large-inputs gaussian --ks 50,100,200,500,1000 --ref-n 320000 --repeat 3 \
-      --out "$OUT/labeler_bench_gpu.json" --plot "$OUT/labeler_bench_gpu.png" 2>&1 \
-      | tr '\r' '\n' | grep -v "it/s\]$" | tail -30
-  # 3. the CUDA tests (skipped on CPU machines); small_data reads ../shared/data/EuroSAT.zip
+  # 2. the CUDA tests (skipped on CPU machines); small_data reads ../shared/data/EuroSAT.zip
   mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip
   timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_labeler.py \
       tests/test_train_otl.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
-  # 4. where the exact labeler's time goes at 1.28M x 3000
-  timeout 60 $PY profile_labeler.py --device cuda --repeat 3 --out "$OUT/labeler_profile_gpu.txt" \
-      2>&1 | tail -25
-  # 5. torch.compile(model) at 112 px (a minute or so of compiling)
-  timeout 110 $PY bench_train.py --device cuda --sizes 112 --steps 20 --warmup 5 --compile 112 \
-      --out "$OUT/train_throughput_gpu_compiled.json" 2>&1 | tail -3
+  # 3. the labeler at 1.28M x 3000 Gaussian, ours (ALL=1: the published rules and Sinkhorn at
+  #    320,000 rows and the Gaussian sweep as well)
+  if [ "${ALL:-0}" = 1 ]; then LB="--ks 50,100,200,500,1000 --ref-n 320000"
+  else LB="--ks 1000 --ref-n 64000 --methods exact"; fi
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 130 $PY bench_labeler.py --device cuda \
+      --skip-real --large-inputs gaussian $LB --repeat 3 --out "$OUT/labeler_bench_gpu.json" 2>&1 \
+      | tr '\r' '\n' | grep -v "it/s\]$" | tail -10
+  # 4. where the exact labeler's time goes at 1.28M x 3000 (PROFILE=1)
+  if [ "${PROFILE:-0}" = 1 ]; then
+    timeout 60 $PY profile_labeler.py --device cuda --repeat 3 --out "$OUT/labeler_profile_gpu.txt" \
+        2>&1 | tail -25
+  fi
+  # 5. torch.compile(model) at 112 px, a minute or so of compiling (COMPILE=1)
+  if [ "${COMPILE:-0}" = 1 ]; then
+    timeout 110 $PY bench_train.py --device cuda --sizes 112 --steps 20 --warmup 5 --compile 112 \
+        --out "$OUT/train_throughput_gpu_compiled.json" 2>&1 | tail -3
+  fi
+  echo "bench done in $(( $(date +%s) - START )) s"
   ;;
 train)
   : "${D:?set D to the seconds this call may use}"
@@ -65,11 +78,14 @@ train)
   $PY prepare_data.py --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16 \
       2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
   sha256sum data/eurosat/split.json
+  # seconds kept for what follows the fast run: its two evaluations (90), and with PAPER=1 (the
+  # default) the paper preset's timing and the labeler on the trained network's outputs (150)
+  if [ "${PAPER:-1}" = 1 ]; then AFTER=240; else AFTER=90; fi
   # epochs that fit: 2 x 21,600 training views and 2 x 21,600 label-pass views an epoch at the
   # images/s call 1 measured at 112 px, plus 10 % and 0.5 s for the labeler and the rest (the
   # first H100 run: 3.47 s an epoch against 2.99 s from the benchmark's figures); the supervised
   # twin (no label pass) only if it can run as many epochs in what is left
-  read E ESUP MM < <($PY - "$(left)" "${E_MAX:-100}" <<'EOF'
+  read E ESUP MM < <($PY - "$(( $(left) - AFTER ))" "${E_MAX:-100}" <<'EOF'
 import json, sys
 try:
     t = json.load(open("/tmp/gpu_state/train_throughput_gpu.json"))["sizes"]["112"]
@@ -77,7 +93,7 @@ try:
     sup = 1.05 * 43200 / t["otl_train"]["views_per_s"] + 0.2
 except (OSError, KeyError, ValueError):          # no measurement: a guess
     otl, sup = 6.0, 4.0
-budget = float(sys.argv[1]) - 120            # evaluation and margin
+budget = float(sys.argv[1]) - 30             # start-up and margin
 e = max(1, min(int(sys.argv[2]), int(budget / otl)))
 esup = e if budget - e * otl >= e * sup else 0
 print(e, esup, round(max(1.0, e * otl * 1.1) / 60, 2), file=sys.stdout)
@@ -86,18 +102,30 @@ EOF
 )
   echo "fast preset: $E epochs; supervised twin: $ESUP epochs; $(left) s left"
   R=runs/gpu
-  timeout $(( $(left) - 90 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast \
-      --preset fast --epochs "$E" --knn-monitor 10 --no-progress --max-minutes "$MM" \
+  timeout $(( $(left) - AFTER + 20 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast \
+      --preset fast --epochs "$E" --knn-monitor 20 --no-progress --max-minutes "$MM" \
       2>&1 | tee "$OUT/train_fast.log" | tail -12
   for ev in eval_knn eval_linear; do
     timeout 60 $PY $ev.py --checkpoint $R/eurosat_fast/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
   done
-  if [ "$ESUP" -gt 0 ] && [ "$(left)" -gt 100 ]; then
-    timeout $(( $(left) - 50 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
+  if [ "$ESUP" -gt 0 ] && [ "$(left)" -gt $(( AFTER + 60 )) ]; then
+    timeout $(( $(left) - AFTER )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
         --supervised --preset fast --epochs "$ESUP" --no-progress 2>&1 | tee "$OUT/train_fast_supervised.log" | tail -5
     for ev in eval_knn eval_linear; do
       timeout 40 $PY $ev.py --checkpoint $R/eurosat_fast_supervised/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
     done
+  fi
+  if [ "${PAPER:-1}" = 1 ]; then
+    # the paper preset (224 px, 300 epochs) for the epochs that 0.4 minutes hold: its epoch time
+    timeout 80 $PY train_otl.py --data data/eurosat --output $R/eurosat_paper_timing --preset paper \
+        --max-minutes 0.4 --no-progress 2>&1 | tee "$OUT/train_paper_timing.log" | tail -6
+    # the labeler on the trained network's outputs for the training split (what a label pass
+    # hands it): its own k = 128 head, and its backbone through a fresh k = 3000 head; ours, the
+    # published rules and Sinkhorn-Knopp, beside a fresh network's (random_net)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( $(left) - 15 )) $PY bench_labeler.py \
+        --device cuda --data data/eurosat --real-split train --checkpoint $R/eurosat_fast/checkpoint.pth \
+        --ks 128 --real-ks 128,3000 --trained-ks 3000 --skip-large --repeat 2 \
+        --out "$OUT/labeler_bench_gpu_real.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -12
   fi
   tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
   echo "done, $(left) s left"

@@ -94,6 +94,32 @@ def test_bench_labeler_training_split(small_data, tmp_path):
     assert "the training split" in res["inputs"]["random_net"]
 
 
+def test_bench_labeler_trained_backbone(small_data, tmp_path):
+    """--checkpoint with --trained-ks: its own head's outputs (trained_net, k = its k) and its
+    backbone's features through fresh heads at each asked k (trained_backbone), each balanced."""
+    import dataclasses
+    import otl
+    import utils
+    torch.manual_seed(0)
+    cfg = otl.ModelConfig(k=8, width=8)
+    ckpt = str(tmp_path / "checkpoint.pth")
+    utils.save_checkpoint({"model": otl.build_model(cfg).state_dict(),
+                           "model_cfg": dataclasses.asdict(cfg),
+                           "args": {"data": str(small_data), "img_size": 16}, "epoch": 0}, ckpt)
+    out = tmp_path / "lb.json"
+    p = run_bench("--n", "300", "--ks", "10", "--real-ks", "10", "--data", str(small_data),
+                  "--real-split", "train", "--skip-large", "--methods", "exact",
+                  "--checkpoint", ckpt, "--trained-ks", "12,30", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    n_train = len(json.loads((small_data / "split.json").read_text())["train"])
+    got = {(r["input"], r["k"]): r for r in res["records"]}
+    assert {("trained_net", 8), ("trained_backbone", 12), ("trained_backbone", 30)} <= set(got)
+    for key in [("trained_net", 8), ("trained_backbone", 12), ("trained_backbone", 30)]:
+        assert got[key]["n"] == n_train and got[key]["max_minus_min"] <= 1
+    assert "| trained_backbone |" in run_bench("--summary", str(out)).stdout
+
+
 def test_net_rows_are_made_again_exactly():
     """random_net_large's rows read again (the refetch) equal the rows first made, in any order
     and across chunks: the stream and its re-reads see one input."""
