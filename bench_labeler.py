@@ -119,6 +119,10 @@ def get_args_parser():
                    "measurement in this process after a warm-up call, the median of --repeat calls, "
                    "GPU peak memory; the large case is held whole on the GPU (not streamed); the "
                    "EuroSAT inputs' networks run on the GPU too (random_net_large is left to the CPU)")
+    p.add_argument("--cpu-too", action="store_true", help="with --device cuda: each input also "
+                   "copied to the host and labelled there by every core (seconds_cpu, the copy "
+                   "included; median of --repeat calls after a warm-up): which side a training "
+                   "run should label on (train_otl.py --labeler-device)")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement on a GPU "
                    "(default 3; the CPU takes one)")
     p.add_argument("--seed", type=int, default=0, help="seeds the gaussian inputs, the network, heads "
@@ -151,6 +155,8 @@ def resolve_args(args):
         raise SystemExit(f"--ks must lie in [2, --n={args.n}], got {args.ks}")
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         raise SystemExit(f"--device {args.device}: no CUDA GPU is visible to torch here; use --device cpu")
+    if args.cpu_too and args.device == "cpu":
+        raise SystemExit("--cpu-too compares a GPU with the host: give --device cuda too")
     if args.net not in utils.PRESETS:
         raise SystemExit(f"--net {args.net!r}: not a preset; choose from {', '.join(utils.PRESETS)}")
     if args.repeat < 1:
@@ -379,6 +385,18 @@ def measure_gpu(spec):
     rec.update(extra)
     rec.update(seconds_all=[round(t, 4) for t in times], gpu_peak_mib=round(max(peaks), 1),
                device=torch.cuda.get_device_name(dev))
+    if spec.get("cpu_too"):   # the same input labelled on the host: the copy, then the call
+        otl._scipy_csgraph()
+        cpu_times = []
+        for _ in range(spec["repeat"] + 1):          # the first call warms up, untimed
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            lab = call_labeler(spec["method"], O.cpu())[0]
+            cpu_times.append(time.perf_counter() - t0)
+        counts = torch.bincount(lab, minlength=k)
+        rec.update(seconds_cpu=round(sorted(cpu_times[1:])[len(cpu_times[1:]) // 2], 4),
+                   seconds_cpu_all=[round(t, 4) for t in cpu_times[1:]],
+                   max_minus_min_cpu=int(counts.max() - counts.min()))
     del O
     torch.cuda.empty_cache()
     return rec
@@ -523,8 +541,10 @@ def summary(path):
           f"{res['machine']['cpu']} ({res['machine']['torch_threads']} threads")
     on += f"{', ' if '(' in on else ' ('}torch {res['machine']['torch']})"
     lines = [f"`{res['command']}` at commit `{res['git_commit'][:7]}` on {on}", ""]
+    host = any("seconds_cpu" in r for r in recs)     # --cpu-too: the same inputs on the host
     head = "| input | N | k | " + " | ".join(f"{m} s (max-min, std)" for m in METHODS) + \
-        " | published / ours | second call: exact s, published s, published / ours |"
+        " | published / ours | second call: exact s, published s, published / ours |" + \
+        (" on the host (--cpu-too): " + ", ".join(f"{m} s" for m in METHODS) + " |" if host else "")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     keys = sorted({(r["input"], r["n"], r["k"]) for r in recs},
                   key=lambda x: (INPUT_ORDER.index(x[0]) if x[0] in INPUT_ORDER else 9,
@@ -539,7 +559,9 @@ def summary(path):
         second = (", ".join("" if w is None else f"{w:.2f}" for w in warm)
                   + (f", {warm[1] / warm[0]:.1f}x" if None not in warm else ""))
         lines.append(f"| {inp} | {n:,} | {k} | " + " | ".join(cells) + f" | {ratio} | "
-                     + (second if any(w is not None for w in warm) else "") + " |")
+                     + (second if any(w is not None for w in warm) else "") + " |"
+                     + (" " + ", ".join(f"{by[m]['seconds_cpu']:.2f}" if "seconds_cpu" in by.get(m, {})
+                                        else "-" for m in METHODS) + " |" if host else ""))
     for r in recs:   # ours fed chunk by chunk (records before the field: told by their call)
         if r.get("streamed", "StreamingTranslator" in r.get("call", "")):
             lines.append(f"\n{r['input']} N = {r['n']:,}, k = {r['k']}, {r['method']} streamed: "
@@ -590,7 +612,7 @@ def main(args):
         for m in methods:
             spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path, "threads": threads,
                     "stream": stream, "otl_sha256": out["otl_sha256"], "device": args.device,
-                    "repeat": args.repeat}
+                    "repeat": args.repeat, "cpu_too": args.cpu_too}
             rec = {"input": name, "n": n, "k": k, "method": m, **measure_in_child(spec)}
             out["records"].append(rec)
             utils.write_json(out, args.out)

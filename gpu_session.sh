@@ -19,7 +19,9 @@
 #                                    when it fits too; then (PAPER=0 leaves these out) the paper
 #                                    preset for 0.4 minutes of epochs, timed, and the labeler on
 #                                    the trained network's outputs (its k = 128 head, and its
-#                                    backbone through a fresh k = 3000 head)
+#                                    backbone through a fresh k = 3000 head), on the GPU and on
+#                                    the host. FAST_FLAGS: more train_otl.py flags for the fast
+#                                    run (e.g. "--labeler-device cpu")
 #
 # .gpu/ (ignored: add /.gpu/ to .git/info/exclude) holds ../shared/data/EuroSAT.zip split by
 # `split -b 60000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` and a 40-per-class
@@ -50,7 +52,7 @@ bench)
   # 2. the CUDA tests (skipped on CPU machines); small_data reads ../shared/data/EuroSAT.zip
   mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip
   timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_labeler.py \
-      tests/test_train_otl.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
+      tests/test_train_otl.py tests/test_bench.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
   # 3. the labeler at 1.28M x 3000 Gaussian, ours (ALL=1: the published rules and Sinkhorn at
   #    320,000 rows and the Gaussian sweep as well)
   if [ "${ALL:-0}" = 1 ]; then LB="--ks 50,100,200,500,1000 --ref-n 320000"
@@ -103,7 +105,7 @@ EOF
   echo "fast preset: $E epochs; supervised twin: $ESUP epochs; $(left) s left"
   R=runs/gpu
   timeout $(( $(left) - AFTER + 20 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast \
-      --preset fast --epochs "$E" --knn-monitor 20 --no-progress --max-minutes "$MM" \
+      --preset fast --epochs "$E" --knn-monitor 20 --no-progress --max-minutes "$MM" ${FAST_FLAGS:-} \
       2>&1 | tee "$OUT/train_fast.log" | tail -12
   for ev in eval_knn eval_linear; do
     timeout 60 $PY $ev.py --checkpoint $R/eurosat_fast/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
@@ -121,10 +123,11 @@ EOF
         --max-minutes 0.4 --no-progress 2>&1 | tee "$OUT/train_paper_timing.log" | tail -6
     # the labeler on the trained network's outputs for the training split (what a label pass
     # hands it): its own k = 128 head, and its backbone through a fresh k = 3000 head; ours, the
-    # published rules and Sinkhorn-Knopp, beside a fresh network's (random_net)
+    # published rules and Sinkhorn-Knopp, beside a fresh network's (random_net); each on the GPU
+    # and, copied, on the host (--cpu-too)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( $(left) - 15 )) $PY bench_labeler.py \
         --device cuda --data data/eurosat --real-split train --checkpoint $R/eurosat_fast/checkpoint.pth \
-        --ks 128 --real-ks 128,3000 --trained-ks 3000 --skip-large --repeat 2 \
+        --ks 128 --real-ks 128,3000 --trained-ks 3000 --skip-large --repeat 2 --cpu-too \
         --out "$OUT/labeler_bench_gpu_real.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -12
   fi
   tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json

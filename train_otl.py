@@ -100,6 +100,11 @@ def get_args_parser():
                    "stops short of balance and is faster on some outputs (docs/labeler.md, 'Which "
                    "labeler by default', has the measurement); sinkhorn: SeLa's Sinkhorn-Knopp "
                    "(lam 25), the baseline the paper compares with (even target only)")
+    g.add_argument("--labeler-device", choices=("same", "cpu"), default="same", help="where the "
+                   "labeler runs: same (default: where the outputs are) or cpu (the outputs are "
+                   "copied to the host first, the copy counted in the log's labeler_s; one process "
+                   "only). On a GPU the exact labeler's many short steps on a small input can wait "
+                   "on the host more than they compute (results/gpu_h100_s2/README.md)")
     g.add_argument("--label-batch-size", type=int, help="images per forward pass of the label pass "
                    "(BatchNorm's batch with --label-bn batch); default: the larger of --batch-size "
                    "and 256 on the CPU, 1024 on CUDA")
@@ -195,6 +200,10 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
     for v, h in ((v, h) for v in range(outs.shape[0]) for h in range(args.heads)):
         o = outs[v][:, h * k:(h + 1) * k]      # head h's outputs of view v: labels row v * heads + h
         seed = args.seed + v + 1000 * h
+        t_copy = time.perf_counter()
+        if args.labeler_device == "cpu":
+            o = o.cpu()
+        t_copy = time.perf_counter() - t_copy
         if args.labeler == "exact":   # otl.translate's exact method, with the head size given
             st = otl.StreamingTranslator(k, target=target, seed=seed,
                                          n_init=args.label_head_rows, distributed=ranks.world > 1,
@@ -217,7 +226,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
         raw_counts = ranks.sum(torch.bincount(o.argmax(1), minlength=k))
         hi_lo = ranks.gather((o.max().item(), o.min().item()))
         stats.append({"std": res.std, "std_max": res.std_max, "iterations": res.iterations,
-                      "seconds": res.seconds,
+                      "seconds": res.seconds + t_copy,
                       "spread": max(h for h, _ in hi_lo) - min(m for _, m in hi_lo),
                       "std_before": (raw_counts.double() - res.target.to(raw_counts.device)
                                      ).pow(2).mean().sqrt().item(),
@@ -305,6 +314,9 @@ def main(args):
     ranks = utils.Ranks(args.device)      # torchrun's processes, or this one alone
     device = ranks.device
     args = resolve_args(args, device)
+    if ranks.world > 1 and args.labeler_device != "same":
+        raise SystemExit("--labeler-device cpu works in one process; across processes the exact "
+                         "labeler's k-vectors travel on the training device (drop the flag)")
     if ranks.world > 1 and args.labeler != "exact" and not args.supervised:
         raise SystemExit(f"--labeler {args.labeler} needs every output in one process; across "
                          "processes use --labeler exact (the default)")

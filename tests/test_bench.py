@@ -154,3 +154,23 @@ def test_bench_labeler_gpu_flag_without_a_gpu(tmp_path):
     p = run_bench("--device", "cuda", "--quick", "--out", str(tmp_path / "x.json"))
     assert p.returncode != 0 and "no CUDA GPU is visible" in p.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_labeler_cpu_too_needs_a_gpu_run(tmp_path):
+    p = run_bench("--cpu-too", "--quick", "--out", str(tmp_path / "x.json"))
+    assert p.returncode != 0 and "give --device cuda" in p.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_labeler_cpu_too_on_cuda(tmp_path):
+    """--cpu-too: every GPU record also holds the host's seconds, at the same balance."""
+    out = tmp_path / "lb.json"
+    p = run_bench("--device", "cuda", "--cpu-too", "--n", "3000", "--ks", "10,50", "--skip-real",
+                  "--skip-large", "--repeat", "1", "--methods", "exact", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = json.loads(out.read_text())["records"]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["seconds_cpu"] > 0 and r["max_minus_min_cpu"] == r["max_minus_min"] == 0
+    assert "on the host" in run_bench("--summary", str(out)).stdout

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -143,6 +144,8 @@ def test_two_process_run_resumes_after_a_kill(small_data, tmp_path):
     assert utils.load_file(c / "checkpoint.pth")["epoch"] == 7
 
 
-def test_published_labeler_is_refused_across_processes(small_data, tmp_path):
-    p = _torchrun(tmp_path / "p", small_data, 1, "--labeler", "published")
-    assert p.returncode != 0 and "--labeler exact" in p.stderr
+@pytest.mark.parametrize("flags, says", [(("--labeler", "published"), "--labeler exact"),
+                                         (("--labeler-device", "cpu"), "drop the flag")])
+def test_one_process_labeler_flags_are_refused_across_processes(small_data, tmp_path, flags, says):
+    p = _torchrun(tmp_path / "p", small_data, 1, *flags)
+    assert p.returncode != 0 and says in p.stderr

@@ -160,6 +160,31 @@ def test_trains_labels_and_resumes_on_cuda(small_data, tmp_path):
     assert ck["epoch"] == 2 and ck["args"]["amp"] is True
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_labeler_on_the_host_gives_the_labels_of_cuda(small_data, tmp_path, monkeypatch):
+    """--labeler-device cpu: the label pass's outputs on the GPU are labelled on the host, and the
+    labels (back on the GPU) are those the exact labeler gives on the GPU."""
+    i = TINY.index("--device") + 1
+    cuda = [*TINY[:i], "cuda", *TINY[i + 1:]]
+    args = train_otl.get_args_parser().parse_args(
+        ["--data", str(small_data), "--output", str(tmp_path / "h"), *cuda, "--epochs", "1"])
+    train_otl.main(args)                          # a trained network's outputs, fixed once
+    model, _ = utils.load_checkpoint(str(tmp_path / "h" / "checkpoint.pth"), "cuda")
+    d = utils.load_prepared(str(small_data))
+    images = d["images"][d["train_idx"]].cuda()
+    outs = train_otl.otl.label_pass(model, images, 16, device="cuda", views=2, strong=True,
+                                    progress=False)
+    monkeypatch.setattr(train_otl.otl, "label_pass", lambda *a, **kw: outs)
+    got = {}
+    for where in ("same", "cpu"):
+        args.labeler_device = where
+        got[where] = train_otl.make_labels(model, images, args, torch.device("cuda"), None,
+                                           utils.Ranks("cuda"), len(images))
+    assert got["cpu"][0].device.type == "cuda" and got["cpu"][0].shape == (2, len(images))
+    assert torch.equal(got["cpu"][0], got["same"][0])
+    assert got["cpu"][1]["pl_std"] == pytest.approx(got["same"][1]["pl_std"])
+
+
 def test_a_diverging_loss_stops_before_its_checkpoint(small_data, tmp_path):
     with pytest.raises(SystemExit, match="lower --lr"):
         train(small_data, tmp_path / "d", "--epochs", "1", "--lr", "1e30")
