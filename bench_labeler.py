@@ -528,7 +528,8 @@ def plot(records, path):
     print(f"plot: {path}", flush=True)
 
 
-INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_backbone", "gaussian_large", "random_net_large"]
+INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_backbone", "gaussian_large",
+               "random_net_large"]
 
 
 def summary(path):
