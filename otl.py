@@ -1957,10 +1957,10 @@ class _ExactSolver:
         return tuple(torch.cat(o) for o in out)
 
     def _list_edges(self, pairs, W0, arg):
-        """The cluster graph on the kept moves: (a, b, cost at the current dT, row id) per edge
-        a -> b, its cheapest move and, among equal ones, the lowest global row id (the same row on
-        every rank and in every chunking).  W0 and arg are k*k scratch arrays (inf / max), left
-        as they were found."""
+        """The cluster graph on the kept moves, per edge a -> b its cheapest move and, among
+        equal ones, the lowest global row id (the same row on every rank and in every chunking):
+        _graph's five arrays.  W0 and arg are k*k scratch arrays (inf / max), left as they were
+        found."""
         k, BIG = self.k, torch.iinfo(torch.int64).max
         prow, pb, pbase = pairs
         key = self.labels.index_select(0, prow) * k + pb
@@ -1982,10 +1982,18 @@ class _ExactSolver:
             W0[key], arg[key] = math.inf, BIG
         e, order = e.sort()                       # row-major: a csr matrix as it stands
         ew, er = ew.index_select(0, order), er.index_select(0, order)
-        ea, eb = e // k, e % k
-        ew = ew + self.dT.index_select(0, eb) - self.dT.index_select(0, ea)
-        indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
-        return e.cpu(), eb.cpu(), ew.clamp(min=0).cpu(), er.cpu(), indptr.cpu()
+        return self._graph(e, ew + self.dT.index_select(0, e % k) - self.dT.index_select(0, e // k), er)
+
+    def _graph(self, e, cost, er):
+        """The cluster graph for _shortest_paths from its edges a * k + b (ascending), their
+        costs and rows: (e, er) where they are (the finish looks up the few edges on its
+        paths there) and, on the CPU, what the search reads: b (int32), cost (float64, at
+        least 0) and the csr row pointers (int32).  On a GPU only those three are copied to
+        the host each round, about 12 bytes an edge instead of 32."""
+        k = self.k
+        indptr = torch.searchsorted(e // k, torch.arange(k + 1, device=e.device))
+        return (e, er, (e % k).to(torch.int32).cpu(), cost.clamp(min=0).cpu(),
+                indptr.to(torch.int32).cpu())
 
     def _edge_table(self, W, arg, clusters=None):
         """The cheapest base V_ia - V_ib of a move a -> b among this process's rows (W, k*k
@@ -2012,10 +2020,9 @@ class _ExactSolver:
                     arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
 
     def _table_edges(self, W, arg, tau, keys=None):
-        """The cluster graph at the current dT on the edges that cost at most tau: (a * k + b,
-        b, cost, row id) per edge a -> b, sorted by a, and the csr row pointers; on the CPU.
-        keys: the ascending a * k + b of W's finite entries (_table_keys), so that only those
-        are costed instead of all k * k (one process; None: all)."""
+        """The cluster graph at the current dT on the edges that cost at most tau (_graph's
+        five arrays).  keys: the ascending a * k + b of W's finite entries (_table_keys), so
+        that only those are costed instead of all k * k (one process; None: all)."""
         k = self.k
         if self.comm.on:   # ranks agree on the global cheapest move, then on its lowest row id
             Wg = self.comm.min(W.clone())
@@ -2023,17 +2030,14 @@ class _ExactSolver:
         else:
             Wg, ag = W, arg
         if keys is not None:   # the same sums on the finite entries only (_finish: one process)
-            fa, fb = keys // k, keys % k
-            cost = Wg.index_select(0, keys) + self.dT.index_select(0, fb) - self.dT.index_select(0, fa)
+            cost = Wg.index_select(0, keys) + self.dT.index_select(0, keys % k) - \
+                self.dT.index_select(0, keys // k)
             sel = (cost <= tau).nonzero()[:, 0]
-            e, ea, eb = keys.index_select(0, sel), fa.index_select(0, sel), fb.index_select(0, sel)
+            e = keys.index_select(0, sel)
         else:
             cost = (Wg.view(k, k) + self.dT[None, :] - self.dT[:, None]).view(-1)
             sel = e = (cost <= tau).nonzero()[:, 0]        # row-major: a csr matrix as it stands
-            ea, eb = e // k, e % k
-        indptr = torch.searchsorted(ea, torch.arange(k + 1, device=ea.device))
-        return (e.cpu(), eb.cpu(), cost.index_select(0, sel).clamp(min=0).cpu(),
-                ag.index_select(0, e).cpu(), indptr.cpu())
+        return self._graph(e, cost.index_select(0, sel), ag.index_select(0, e))
 
     def _table_keys(self, W, keys=None, touched=None):
         """The ascending a * k + b of W's finite entries: all of them (keys None), or `keys`
@@ -2066,9 +2070,9 @@ class _ExactSolver:
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
         pairs, tau, dT_built, table, keys = None, float(tau0), None, False, None
         n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])   # candidate slots, all ranks
+        lo, hi = self.lo.cpu(), self.hi.cpu()
         while self.phases < max_phases:
             counts = self.counts.cpu()
-            lo, hi = self.lo.cpu(), self.hi.cpu()
             if bool((counts > hi).any()):
                 give, take = (counts - hi).clamp(min=0), (hi - counts).clamp(min=0)
             elif bool((counts < lo).any()):
@@ -2084,13 +2088,16 @@ class _ExactSolver:
                     keys = None if self.comm.on else self._table_keys(W)
             if table:
                 trust = tau
-                ek, eb, ew, er, indptr = self._table_edges(W, arg, tau, keys)
+                ek, er, eb, ew, indptr = self._table_edges(W, arg, tau, keys)
             else:
                 trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
-                ek, eb, ew, er, indptr = self._list_edges(pairs, W, arg)
-            d, pred = _shortest_paths(k, ek, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
-            at = torch.searchsorted(ek, pred * k + torch.arange(k)).clamp(max=max(ek.numel() - 1, 0))
-            row_of = er[at] if ek.numel() else torch.zeros(k, dtype=torch.int64)  # edge pred[x] -> x
+                ek, er, eb, ew, indptr = self._list_edges(pairs, W, arg)
+            d, pred = _shortest_paths(k, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
+            if ek.numel():   # the row of edge pred[x] -> x, looked up where the edges are
+                at = torch.searchsorted(ek, pred.to(dev) * k + torch.arange(k, device=dev))
+                row_of = er.index_select(0, at.clamp(max=ek.numel() - 1)).cpu()
+            else:
+                row_of = torch.zeros(k, dtype=torch.int64)
             # route one row along each path, nearest needy clusters first, no row on two paths
             dl, pl, rl = d.tolist(), pred.tolist(), row_of.tolist()
             gl, tl = give.tolist(), take.tolist()
@@ -2177,9 +2184,10 @@ class _ExactSolver:
         with a tie; only those are looked at column by column, and only they can change."""
         k, dev = self.k, self.dev
         # ties are equal up to float64 rounding of the values involved
-        scale = float(self.dT.abs().max())
+        parts = [self.dT.abs().max()]    # one wait for the device, not two a block
         for v in self.vals.split(self.chunk):
-            scale = max(scale, float(v.amax()), -float(torch.where(torch.isfinite(v), v, 0.0).amin()))
+            parts += [v.amax(), -torch.where(torch.isfinite(v), v, 0.0).amin()]
+        scale = float(torch.stack(parts).max())
         scale = float(self.comm.max(torch.tensor([scale], dtype=torch.float64))[0]) or 1.0
         tol = 64 * 2.0 ** -52 * scale
         best, arg, second, _ = self._eval_all()
@@ -2204,16 +2212,20 @@ class _ExactSolver:
             gap = gap[torch.isfinite(gap)]
             if gap.numel():
                 rmin = min(rmin, float(gap.min()))
-        adj = torch.zeros(k, k, dtype=torch.int64)
-        if ta:
-            a, b = torch.cat(ta).cpu(), torch.cat(tb).cpu()
-            adj.view(-1).index_put_((a * k + b,), torch.ones_like(a), accumulate=True)
-        adj = self.comm.sum(adj.to(dev)).cpu() > 0
+        # the tied pairs a * k + b, ascending, of all ranks (across ranks as a k x k sum; in
+        # one process without any k x k array: a k = 3000 one is 72 MB to copy both ways)
+        key = (torch.cat(ta) * k + torch.cat(tb) if ta else
+               torch.zeros(0, dtype=torch.int64, device=dev))
+        if self.comm.on:
+            adj = torch.zeros(k * k, dtype=torch.int64, device=dev)
+            adj[key] = 1
+            key = (self.comm.sum(adj) > 0).nonzero()[:, 0]
+        key = key.unique().cpu()
         rmin = float(self.comm.min(torch.tensor([rmin], dtype=torch.float64))[0])
-        self.ties = int(adj.sum())
+        self.ties = key.numel()
         if self.ties == 0:
             return
-        a, b = adj.nonzero(as_tuple=True)
+        a, b = key // k, key % k
         pi = torch.zeros(k, dtype=torch.float64)
         for _ in range(k + 1):
             new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
@@ -2230,9 +2242,10 @@ class _ExactSolver:
 
 
 
-def _shortest_paths(k, ek, eb, ew, indptr, sources):
+def _shortest_paths(k, eb, ew, indptr, sources):
     """Distances from the nearest source cluster, and predecessors (-1: none), on the graph of
-    edges ek // k -> eb with weights ew >= 0 (CPU tensors sorted by ek; indptr: row pointers).
+    edges a -> eb[i] with weights ew[i] >= 0, a the row of i in the csr row pointers indptr
+    (CPU tensors).
     scipy's Dijkstra in C when scipy is installed and k > 64, else a dense Dijkstra in torch (k
     vector steps): the same distances (between equally short paths the two may pick different
     ones).  Up to k = 64 the torch one is as fast, and a process that needs no scipy never
@@ -2247,7 +2260,7 @@ def _shortest_paths(k, ek, eb, ew, indptr, sources):
                               return_predecessors=True)
         return torch.from_numpy(d), torch.from_numpy(np.where(pred < 0, -1, pred).astype(np.int64))
     w = torch.full((k, k), math.inf, dtype=torch.float64)
-    w[ek // k, eb] = ew
+    w[torch.arange(k).repeat_interleave(indptr.diff().long()), eb.long()] = ew
     d = torch.full((k,), math.inf, dtype=torch.float64)
     d[src] = 0.0
     pred = torch.full((k,), -1, dtype=torch.int64)
