@@ -314,7 +314,8 @@ def init_backbone(model, path: str) -> dict:
 
 
 # flags that may change when a run is resumed, without a warning
-RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monitor")
+RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monitor", "compile",
+                   "labeler_device")
 
 
 def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args,
