@@ -21,6 +21,10 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   N images.
   trained_backbone  the --checkpoint network's backbone features of the same images through a
                   fresh k-way head for each k in --trained-ks (a trained network at k = 3000).
+                  With --views both are the second of two augmented views (the checkpoint's
+                  training augmentation), and *_from_view0 is ours on it again, started from
+                  the first view's translation (otl.translate(O, start=T)), as train_otl.py's
+                  label pass does by default.
   gaussian_large  --large-n x --large-k (1,280,000 x 3000 float32, 15 GB as one array): ours is
                   fed it in chunks of 8192 rows made on the fly (StreamingTranslator, with a
                   refetch that makes rows again), so it is never held whole; its seconds are the
@@ -135,6 +139,10 @@ def get_args_parser():
     p.add_argument("--trained-ks", type=int_list, default=[], help="also the --checkpoint "
                    "network's backbone features through fresh k-way heads, for these k "
                    "(trained_backbone; e.g. 3000: a trained network's outputs at ImageNet's k)")
+    p.add_argument("--views", action="store_true", help="trained_net and trained_backbone as "
+                   "training's label pass sees them: two augmented views (the checkpoint's "
+                   "augmentation); the second is labelled, and ours also from the first view's "
+                   "translation (*_from_view0: train_otl.py --labeler-start views)")
     p.add_argument("--real-split", choices=["all", "train"], default="all", help="the images of "
                    "random_net and trained_net: all (every image of --data, then each again "
                    "mirrored, up to --n) or train (the prepared training split, each image once: "
@@ -269,16 +277,21 @@ def _mem_kib():
         return {k: int(v) for k, v in re.findall(r"(VmRSS|VmHWM):\s+(\d+) kB", fh.read())}
 
 
-def call_labeler(method, O):
+def call_labeler(method, O, start=None):
     """(labels, iterations, stop_reason, the call as text, extra fields) of one labeler on O;
-    the exact labeler's extra fields say how many rows it read again and solved."""
+    the exact labeler's extra fields say how many rows it read again and solved.  start: the
+    exact labeler's start translation (otl.translate's start=)."""
     if method == "sinkhorn":
         labels, _, iters = otl.sinkhorn_knopp(O, lam=25.0)
         return labels, iters, None, "otl.sinkhorn_knopp(O, lam=25)", {}
-    res = otl.translate(O, method=method)
+    if start is not None:
+        res = otl.translate(O, method=method, start=start.to(O.device))
+        call = f"otl.translate(O, method={method!r}, start=T of the first view)"
+    else:
+        res = otl.translate(O, method=method)
+        call = f"otl.translate(O, method={method!r})"
     extra = ({"refetched": res.refetched, "working_set": res.active} if method == "exact" else {})
-    return (res.labels, res.iterations, res.stop_reason, f"otl.translate(O, method={method!r})",
-            extra)
+    return res.labels, res.iterations, res.stop_reason, call, extra
 
 
 def _start_peak():
@@ -317,16 +330,17 @@ def measure(spec):
         O = torch.load(spec["path"], weights_only=True)
     else:
         O = gaussian(spec["n"], spec["k"], spec["seed"])
+    start = torch.load(spec["start"], weights_only=True) if spec.get("start") else None
     n, k = O.shape
     otl._scipy_csgraph()   # a process imports scipy once, at its first exact finish: not timed
     rss = _start_peak()
     t0 = time.perf_counter()
-    labels, iters, reason, call, extra = call_labeler(spec["method"], O)
+    labels, iters, reason, call, extra = call_labeler(spec["method"], O, start)
     rec = _record(labels, n, k, time.perf_counter() - t0, iters, reason, call, rss)
     rec.update(extra, streamed=False)
     if spec.get("warm", True):   # the same call again: what every epoch after the first costs
         t0 = time.perf_counter()
-        again = call_labeler(spec["method"], O)[0]
+        again = call_labeler(spec["method"], O, start)[0]
         rec["seconds_warm"] = round(time.perf_counter() - t0, 4)
         if not torch.equal(again, labels):
             raise RuntimeError("the second call gave other labels than the first")
@@ -369,6 +383,7 @@ def measure_gpu(spec):
     O = (torch.load(spec["path"], weights_only=True).to(dev) if spec.get("path") else
          gaussian(spec["n"], spec["k"], spec["seed"], device=dev))
     n, k = O.shape
+    start = torch.load(spec["start"], weights_only=True) if spec.get("start") else None
     call_labeler(spec["method"], O[:min(n, 65536)])
     times, peaks = [], []
     for _ in range(spec["repeat"]):
@@ -377,7 +392,7 @@ def measure_gpu(spec):
         torch.cuda.reset_peak_memory_stats(dev)
         rss = _start_peak()
         t0 = time.perf_counter()
-        labels, iters, reason, call, extra = call_labeler(spec["method"], O)
+        labels, iters, reason, call, extra = call_labeler(spec["method"], O, start)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         peaks.append((torch.cuda.max_memory_allocated(dev) - before) / 2 ** 20)
@@ -391,7 +406,7 @@ def measure_gpu(spec):
         for _ in range(spec["repeat"] + 1):          # the first call warms up, untimed
             torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            lab = call_labeler(spec["method"], O.cpu())[0]
+            lab = call_labeler(spec["method"], O.cpu(), start)[0]
             cpu_times.append(time.perf_counter() - t0)
         counts = torch.bincount(lab, minlength=k)
         rec.update(seconds_cpu=round(sorted(cpu_times[1:])[len(cpu_times[1:]) // 2], 4),
@@ -454,17 +469,32 @@ def real_inputs(args, skipped, keep=None):
         return
     model, ckpt = utils.load_checkpoint(args.checkpoint, args.device)
     size = int(ckpt["args"]["img_size"])
-    outs = otl.label_pass(model, both, size, 256, args.device, bn="batch",
-                          generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
-    yield "trained_net", model.cfg.k, outs.cpu()
+    # --views: two augmented views as training's label pass makes them (its augmentation, the
+    # same draws in both passes); the second is labelled, from the medians and from the first's T
+    aug = (dict(views=2, strong=ckpt["args"].get("aug", "strong") == "strong",
+                cutout=int(ckpt["args"].get("cutout", 16)), rot90=bool(ckpt["args"].get("rot90", True)))
+           if args.views else {})
+
+    def label_pass(head):
+        torch.manual_seed(args.seed)
+        return otl.label_pass(model, both, size, 256, args.device, bn="batch", head=head,
+                              generator=torch.Generator().manual_seed(args.seed), progress=False,
+                              **aug)
+
+    def views(outs):    # (V, N, k) -> the input, or (second view, first view's T) with --views
+        if not args.views:
+            return outs[0].cpu()
+        return outs[1].cpu(), otl.translate(outs[0]).T.cpu()
+
+    yield "trained_net", model.cfg.k, views(label_pass(True))
     if args.trained_ks:   # the trained backbone's features through fresh k-way heads
-        feats = otl.label_pass(model, both, size, 256, args.device, bn="batch", head=False,
-                               generator=torch.Generator().manual_seed(args.seed), progress=False)[0]
+        feats = label_pass(False)
         if model.embedding is not None:
             with torch.no_grad():
                 feats = model.embedding(feats)
         for k in args.trained_ks:
-            yield "trained_backbone", k, utils.fresh_head_outputs(feats, k, args.seed).cpu()
+            yield "trained_backbone", k, views(torch.stack([utils.fresh_head_outputs(f, k, args.seed)
+                                                            for f in feats]))
 
 
 def fit_net_large(args, keep):
@@ -528,7 +558,8 @@ def plot(records, path):
     print(f"plot: {path}", flush=True)
 
 
-INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_backbone", "gaussian_large",
+INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_net_from_view0",
+               "trained_backbone", "trained_backbone_from_view0", "gaussian_large",
                "random_net_large"]
 
 
@@ -554,8 +585,12 @@ def summary(path):
         by = {r["method"]: r for r in recs if (r["input"], r["n"], r["k"]) == (inp, n, k)}
         cells = [f"{by[m]['seconds']:.2f} ({by[m]['max_minus_min']}, {by[m]['std']:.2f})" if m in by
                  else "" for m in METHODS]
-        ratio = (f"{by['published']['seconds'] / by['exact']['seconds']:.1f}x"
-                 if "published" in by and "exact" in by else "")
+        if "published" not in by and inp.endswith("_from_view0"):   # the same outputs' published
+            base = [r for r in recs if (r["input"], r["n"], r["k"], r["method"]) ==
+                    (inp[:-len("_from_view0")], n, k, "published")]
+            by = {**by, **({"published_base": base[0]} if base else {})}
+        pub = by.get("published", by.get("published_base"))
+        ratio = (f"{pub['seconds'] / by['exact']['seconds']:.1f}x" if pub and "exact" in by else "")
         warm = [by[m].get("seconds_warm") if m in by else None for m in ("exact", "published")]
         second = (", ".join("" if w is None else f"{w:.2f}" for w in warm)
                   + (f", {warm[1] / warm[0]:.1f}x" if None not in warm else ""))
@@ -596,7 +631,9 @@ def main(args):
                                 f", each also mirrored, the first {args.n} of them"),
                "trained_net": f"label-pass outputs of {args.checkpoint} (its head), same images",
                "trained_backbone": f"{args.checkpoint}'s backbone features of the same images "
-                                   "through a fresh k-way nn.Linear head (seed --seed + k)",
+                                   "through a fresh k-way nn.Linear head (seed --seed + k)"
+                                   + (", the second of two augmented views" if args.views else ""),
+               "*_from_view0": "the same input, ours started from the first view's translation",
                "gaussian_large": f"torch.randn float32, N = {args.large_n} for exact; the published "
                                  f"labeler and sinkhorn get the first {args.ref_n} rows (their N is "
                                  "in each record)",
@@ -609,11 +646,11 @@ def main(args):
     print(f"{'input':<15}{'N':>10}{'k':>6}  {'method':<10}{'seconds':>9}{'iters':>7}{'std':>10}"
           f"{'floor':>7}{'max-min':>8}{'peak MiB':>10}  stop", flush=True)
 
-    def run(name, n, k, path=None, methods=args.methods, stream=False):
+    def run(name, n, k, path=None, methods=args.methods, stream=False, start=None):
         for m in methods:
             spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path, "threads": threads,
                     "stream": stream, "otl_sha256": out["otl_sha256"], "device": args.device,
-                    "repeat": args.repeat, "cpu_too": args.cpu_too}
+                    "repeat": args.repeat, "cpu_too": args.cpu_too, "start": start}
             rec = {"input": name, "n": n, "k": k, "method": m, **measure_in_child(spec)}
             out["records"].append(rec)
             utils.write_json(out, args.out)
@@ -623,6 +660,7 @@ def main(args):
                           f"{rec['std_floor']:>7.3f}{rec['max_minus_min']:>8}{rec['peak_mib']:>10.1f}"
                           f"  {rec['stop_reason'] or ''}"), flush=True)
 
+    exact_only = [m for m in args.methods if m == "exact"]
     for k in args.ks:
         run("gaussian", args.n, k)
     if args.skip_real:
@@ -630,11 +668,16 @@ def main(args):
     else:
         with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
             for name, k, outs in real_inputs(args, out["skipped"], keep):
+                outs, T0 = outs if isinstance(outs, tuple) else (outs, None)
                 path = os.path.join(tmp, f"{name}_{k}.pt")  # written once, loaded by each child
                 torch.save(outs.contiguous(), path)
                 run(name, outs.shape[0], k, path)
+                if T0 is not None:   # --views: ours again, from the first view's translation
+                    start = os.path.join(tmp, f"{name}_{k}_start.pt")
+                    torch.save(T0, start)
+                    run(f"{name}_from_view0", outs.shape[0], k, path, methods=exact_only, start=start)
+                    os.remove(start)
                 os.remove(path)
-    exact_only = [m for m in args.methods if m == "exact"]
     for inp in ("gaussian", "random_net"):
         name = f"{inp}_large"
         if args.skip_large or inp not in args.large_inputs:

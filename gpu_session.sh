@@ -127,7 +127,7 @@ EOF
     # and, copied, on the host (--cpu-too)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( $(left) - 15 )) $PY bench_labeler.py \
         --device cuda --data data/eurosat --real-split train --checkpoint $R/eurosat_fast/checkpoint.pth \
-        --ks 128 --real-ks 128,3000 --trained-ks 3000 --skip-large --repeat 2 --cpu-too \
+        --ks 128 --real-ks 128,3000 --trained-ks 3000 --views --skip-large --repeat 2 --cpu-too \
         --out "$OUT/labeler_bench_gpu_real.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -12
   fi
   tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json

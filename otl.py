@@ -163,7 +163,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               patience: int = 10, max_iter: int = 10000, tie_eps=None, seed: int = 0,
               init: str = "median", method: str = "exact", candidates: int = 24,
               max_candidates: int = 48, full_rows_up_to: int = 128,
-              full_rows_bytes: int = 1 << 30, warm_start: bool = True) -> TranslateResult:
+              full_rows_bytes: int = 1 << 30, warm_start: bool = True,
+              start=None) -> TranslateResult:
     """One k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters
     as the target asks (even by default, or any counts summing to N).  T only translates O, so
     every difference O[s] - O[t] (and every distance) is unchanged.
@@ -171,12 +172,16 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     method="exact" (default): counts end within 1 of the target (for an even target
     max - min <= 1, the most even integers allow), without an N x k copy; this is
     `StreamingTranslator` fed O in chunks (part 9).  `candidates`, `max_candidates`,
-    `full_rows_up_to`, `full_rows_bytes`, `warm_start`, `tie_eps` (default 2**-26) and `seed`
-    are its settings (N is its rows_hint).
+    `full_rows_up_to`, `full_rows_bytes`, `warm_start`, `tie_eps` (default 2**-26), `seed` and
+    `start` (a k-vector T to start from instead of the column medians, such as the T of a
+    similar call: the other augmented view, the last epoch) are its settings (N is its
+    rows_hint).
     method="published": Algorithm 1 as the authors' code runs it (`translate_published`), with
     `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6), `seed` and `init`.
     """
     if method == "published":
+        if start is not None:
+            raise ValueError("start= is the exact labeler's; the published rules start at 0")
         return translate_published(outputs, target=target, beta=beta, alpha0=alpha0,
                                    patience=patience, max_iter=max_iter,
                                    tie_eps=1e-6 if tie_eps is None else tie_eps, seed=seed,
@@ -191,7 +196,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
                              max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
                              distributed=False, rows_hint=n, full_rows_bytes=full_rows_bytes,
                              tie_eps=2.0 ** -26 if tie_eps is None else tie_eps,
-                             warm_start=warm_start)
+                             warm_start=warm_start, start=start)
     for s in range(0, n, st.chunk):
         st.add(outputs[s:s + st.chunk])
     return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
@@ -930,8 +935,9 @@ class StreamingTranslator:
     are kept whole (`_whole_rows_fit`).  Above k = 256 every pass over whole rows costs more than
     re-reading the rows whose candidates fall short (docs/labeler.md, v10).
 
-    How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians), a
-    `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
+    How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians, or
+    `start` when given: a translation near the answer, such as that of the other augmented view
+    or of the last epoch), a `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
     the columns `cols` within `window` of the row's best, about `candidates` of them, at most
     `max_candidates`; twice as many when the first rows fill under a third of the clusters an even
     spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.  Memory: about 10
@@ -991,7 +997,8 @@ class StreamingTranslator:
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
                  tie_eps: float = 2.0 ** -26,
                  distributed: bool = True, chunk: int = 65536, row_offset=None,
-                 rows_hint=None, full_rows_bytes: int = 1 << 30, warm_start: bool = True):
+                 rows_hint=None, full_rows_bytes: int = 1 << 30, warm_start: bool = True,
+                 start=None):
         if isinstance(k, bool) or not isinstance(k, numbers.Integral):
             raise ValueError(f"k must be an integer (the number of clusters), got {k!r}")
         if k < 2:
@@ -1013,6 +1020,13 @@ class StreamingTranslator:
         self.rows_hint = None if rows_hint is None else int(rows_hint)
         self.full_rows_bytes = int(full_rows_bytes)
         self.warm_start, self.f0 = bool(warm_start), 1.0   # see _warm_start
+        # a start translation instead of the first rows' column medians (rank 0's counts)
+        self.start = None
+        if start is not None:
+            self.start = torch.as_tensor(start).detach().to(torch.float64).flatten().cpu()
+            if self.start.numel() != self.k or not bool(torch.isfinite(self.start).all()):
+                raise ValueError(f"start must be k = {self.k} finite numbers (a translation T, "
+                                 f"e.g. an earlier result's .T), got shape {tuple(torch.as_tensor(start).shape)}")
         self.widen = 1      # 2: candidate lists twice as wide (_collapsed, decided in _start)
         self.width = self.k if self.all_cols else self.max_candidates
         self.cdtype = torch.int16 if self.k < 32768 else torch.int32
@@ -1063,7 +1077,8 @@ class StreamingTranslator:
         params[self.k + 5] = 1.0
         if head.shape[0] > 0:
             _check_outputs_finite(head)
-            params[:self.k] = head.median(dim=0).values.to(torch.float64)   # values of O
+            params[:self.k] = (head.median(dim=0).values.to(torch.float64) if self.start is None
+                               else self.start.to(self.device))             # values of O
             # the tie-break's scale: a typical row's largest |O| (not the largest of all: one
             # outlier would make the perturbation swamp the real gaps)
             params[self.k] = self.tie_eps * max(head.abs().amax(1).median().item(), 1e-30)
@@ -1292,7 +1307,8 @@ class StreamingTranslator:
         hi = (target - 1e-9).ceil().long().to(dev)
         self._add_jitter(self.offset)   # now the global row numbers are known
         self._diff = self._mask = None        # the extraction buffers
-        if self.warm_start and self.small_k and self.far and n_total >= 4 * self._warm_rows():
+        if (self.warm_start and self.start is None and self.small_k and self.far
+                and n_total >= 4 * self._warm_rows()):
             self._warm_start(n_total, target)
         # Working set.  At T = T0 every row has a best column and a margin over everything else
         # (runner-up or theta).  While the translation found moves no T_j by more than `radius`
@@ -1305,8 +1321,9 @@ class StreamingTranslator:
             best, arg, second = _top2_(vals.clone())
             lab0[s:s + vals.shape[0]] = cols.long().gather(1, arg)[:, 0]
             margin[s:s + vals.shape[0]] = best - torch.maximum(second, theta)
-        # Outputs far from the target (real networks') move most rows: one solve on all of them.
-        radius = math.inf if self.far else self.radius0
+        # Outputs far from the target (real networks') move most rows: one solve on all of them;
+        # from a given start (near the answer) a narrow first solve, however far the counts are
+        radius = math.inf if self.far and self.start is None else self.radius0
         dT, history, refetched, rounds, phases = None, [], 0, 0, 0
         solver = None
         while True:

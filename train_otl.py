@@ -100,6 +100,13 @@ def get_args_parser():
                    "stops short of balance and is faster on some outputs (docs/labeler.md, 'Which "
                    "labeler by default', has the measurement); sinkhorn: SeLa's Sinkhorn-Knopp "
                    "(lam 25), the baseline the paper compares with (even target only)")
+    g.add_argument("--labeler-start", choices=("medians", "views", "epochs"), default="views",
+                   help="where the exact labeler starts: medians (each call from its outputs' "
+                   "column medians), views (default: every other view from the first view's "
+                   "translation, the same network's outputs) or epochs (the first view too, from "
+                   "the last label pass's; kept in the checkpoint). The labels are exactly "
+                   "balanced either way; a start near the answer saves most of the work at large "
+                   "k (docs/labeler.md, 'A start from the other view')")
     g.add_argument("--labeler-device", choices=("same", "cpu"), default="same", help="where the "
                    "labeler runs: same (default: where the outputs are) or cpu (the outputs are "
                    "copied to the host first, the copy counted in the log's labeler_s; one process "
@@ -184,10 +191,12 @@ def lr_at(args, epoch_float):
     return lr
 
 
-def make_labels(model, images, args, device, gen, ranks, n_total):
-    """Label pass + translation of this rank's images: pseudo-labels (label_views, n_rank) and
-    statistics of all ranks for the log.  Across ranks the exact labeler runs on every rank's
-    outputs at once (otl.StreamingTranslator: only k-vectors and k x k matrices travel)."""
+def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
+    """Label pass + translation of this rank's images: pseudo-labels (label_views, n_rank),
+    statistics of all ranks for the log, and each head's translation of the first view (the
+    exact labeler's start next time with --labeler-start epochs; `starts` holds the last ones).
+    Across ranks the exact labeler runs on every rank's outputs at once
+    (otl.StreamingTranslator: only k-vectors and k x k matrices travel)."""
     t0 = time.time()
     batches, bs = None, args.label_batch_size
     if ranks.world > 1:   # the same number of forward passes on every rank (SyncBatchNorm)
@@ -201,7 +210,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
     n, k = outs.shape[1], outs.shape[2] // args.heads
     lo = ranks.shard(n_total)[0]
     target = otl.uneven_target(n_total, k, args.target_x) if args.target_x else None
-    labels, stats = [], []
+    labels, stats, first = [], [], {}
     for v, h in ((v, h) for v in range(outs.shape[0]) for h in range(args.heads)):
         o = outs[v][:, h * k:(h + 1) * k]      # head h's outputs of view v: labels row v * heads + h
         seed = args.seed + v + 1000 * h
@@ -210,12 +219,17 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
             o = o.cpu()
         t_copy = time.perf_counter() - t_copy
         if args.labeler == "exact":   # otl.translate's exact method, with the head size given
+            start = (first.get(h) if v > 0 and args.labeler_start != "medians" else
+                     (starts or {}).get(h) if args.labeler_start == "epochs" else None)
             st = otl.StreamingTranslator(k, target=target, seed=seed,
                                          n_init=args.label_head_rows, distributed=ranks.world > 1,
-                                         row_offset=lo if ranks.world > 1 else None, rows_hint=n)
+                                         row_offset=lo if ranks.world > 1 else None, rows_hint=n,
+                                         start=start)
             for s in range(0, n, st.chunk):
                 st.add(o[s:s + st.chunk])
             res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
+            if v == 0:
+                first[h] = res.T.cpu()
         elif args.labeler == "sinkhorn":
             t0 = time.perf_counter()
             lab, _, iters = otl.sinkhorn_knopp(o)
@@ -247,7 +261,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total):
     if outs.shape[0] > 1:     # head 0's labels of view 0 against those of view 1
         same = ranks.sum(torch.tensor([float((labels[0] == labels[args.heads]).sum())], device=device))
         log["view_agreement"] = same.item() / n_total
-    return torch.stack(labels).to(device), log
+    return torch.stack(labels).to(device), log, first
 
 
 def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, n_total):
@@ -377,8 +391,10 @@ def main(args):
 
     # ---- resume from the run folder's checkpoint, if any
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
+    extras = {"labeler_starts": None}    # the exact labeler's last translations (per head)
     start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
-                                                        utils.model_state(cfg), args, ranks)
+                                                        utils.model_state(cfg), args, ranks, extras)
+    starts = extras["labeler_starts"]
     if labels is not None:
         labels = labels[:, lo:hi]                           # this process's rows
     if start_epoch > args.epochs:
@@ -405,6 +421,7 @@ def main(args):
                 "optimizer": opt.state_dict(), "epoch": epoch, "args": vars(args),
                 "pseudo_labels": torch.cat([p[1] for p in parts], 1) if labels is not None else None,
                 "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
+                "labeler_starts": starts,
                 "git_commit": utils.git_commit(), "data_identity": data_identity}
 
     if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
@@ -424,7 +441,8 @@ def main(args):
         t_epoch = time.time()
         row = {"epoch": epoch + 1}
         if not args.supervised and (labels is None or epoch % args.label_every == 0):
-            labels, label_log = make_labels(model, images, args, device, gen, ranks, n_total)
+            labels, label_log, starts = make_labels(model, images, args, device, gen, ranks,
+                                                    n_total, starts)
             row.update(label_log)
         row.update(train_one_epoch(net, opt, images, true_labels if args.supervised else labels,
                                    epoch, args, device, gen, ranks, n_total))

@@ -319,10 +319,11 @@ RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monito
 
 
 def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args,
-                            ranks=None):
+                            ranks=None, extras=None):
     """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
     the pseudo-labels.  Returns (epoch reached, pseudo-labels or None); (0, None) with no
-    checkpoint.  A damaged checkpoint (a write cut short) gives way to the newest intact snapshot
+    checkpoint.  extras: a dict whose keys get the checkpoint's values of the same names (None
+    where it has none).  A damaged checkpoint (a write cut short) gives way to the newest intact snapshot
     beside it; half-written temporary files are removed.  A checkpoint of another model is
     refused; other changed flags are warned about."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -376,6 +377,8 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
               "(batch order, augmentation) start afresh from --seed, so the run will not repeat an "
               f"uninterrupted {saved_world}-process run exactly", flush=True)
     labels = ck.get("pseudo_labels")
+    if extras is not None:
+        extras.update({key: ck.get(key) for key in extras})
     if rank == 0:
         print(f"resumed from {path} at epoch {ck['epoch']}", flush=True)
     return ck["epoch"], labels.to(device) if labels is not None else None

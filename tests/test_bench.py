@@ -94,9 +94,12 @@ def test_bench_labeler_training_split(small_data, tmp_path):
     assert "the training split" in res["inputs"]["random_net"]
 
 
-def test_bench_labeler_trained_backbone(small_data, tmp_path):
+@pytest.mark.parametrize("views", [False, True])
+def test_bench_labeler_trained_backbone(small_data, tmp_path, views):
     """--checkpoint with --trained-ks: its own head's outputs (trained_net, k = its k) and its
-    backbone's features through fresh heads at each asked k (trained_backbone), each balanced."""
+    backbone's features through fresh heads at each asked k (trained_backbone), each balanced;
+    with --views, the second of two augmented views, and ours on it again from the first
+    view's translation (*_from_view0), as balanced."""
     import dataclasses
     import otl
     import utils
@@ -105,19 +108,28 @@ def test_bench_labeler_trained_backbone(small_data, tmp_path):
     ckpt = str(tmp_path / "checkpoint.pth")
     utils.save_checkpoint({"model": otl.build_model(cfg).state_dict(),
                            "model_cfg": dataclasses.asdict(cfg),
-                           "args": {"data": str(small_data), "img_size": 16}, "epoch": 0}, ckpt)
+                           "args": {"data": str(small_data), "img_size": 16, "cutout": 4},
+                           "epoch": 0}, ckpt)
     out = tmp_path / "lb.json"
     p = run_bench("--n", "300", "--ks", "10", "--real-ks", "10", "--data", str(small_data),
-                  "--real-split", "train", "--skip-large", "--methods", "exact",
-                  "--checkpoint", ckpt, "--trained-ks", "12,30", "--out", str(out))
+                  "--real-split", "train", "--skip-large", "--methods", "exact,published",
+                  "--checkpoint", ckpt, "--trained-ks", "12,30", "--out", str(out),
+                  *(["--views"] if views else []))
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
     n_train = len(json.loads((small_data / "split.json").read_text())["train"])
-    got = {(r["input"], r["k"]): r for r in res["records"]}
-    assert {("trained_net", 8), ("trained_backbone", 12), ("trained_backbone", 30)} <= set(got)
-    for key in [("trained_net", 8), ("trained_backbone", 12), ("trained_backbone", 30)]:
-        assert got[key]["n"] == n_train and got[key]["max_minus_min"] <= 1
-    assert "| trained_backbone |" in run_bench("--summary", str(out)).stdout
+    got = {(r["input"], r["k"], r["method"]): r for r in res["records"]}
+    want = [("trained_net", 8), ("trained_backbone", 12), ("trained_backbone", 30)]
+    if views:
+        want += [(f"{name}_from_view0", k) for name, k in want]
+    assert {(name, k, "exact") for name, k in want} <= set(got)
+    assert ("trained_net_from_view0", 8, "published") not in got      # ours only
+    for name, k in want:
+        assert got[name, k, "exact"]["n"] == n_train and got[name, k, "exact"]["max_minus_min"] <= 1
+    if views:
+        assert "start=T of the first view" in got["trained_backbone_from_view0", 30, "exact"]["call"]
+    table = run_bench("--summary", str(out)).stdout
+    assert "| trained_backbone |" in table and ("| trained_net_from_view0 |" in table) == views
 
 
 def test_net_rows_are_made_again_exactly():

@@ -43,9 +43,15 @@ def _labels_of(data, ckpt, args, ranks):
     lo, hi = ranks.shard(n)
     model = utils.load_checkpoint(ckpt)[0]
     gen = torch.Generator().manual_seed(ranks.rank)
-    labels, log = train_otl.make_labels(model, d["images"][d["train_idx"][lo:hi]], args,
-                                        torch.device("cpu"), gen, ranks, n)
-    return labels, log
+    images = d["images"][d["train_idx"][lo:hi]]
+    labels, log, first = train_otl.make_labels(model, images, args, torch.device("cpu"), gen, ranks, n)
+    # again from a start near that translation (--labeler-start epochs): the same on every rank
+    near = {0: first[0] + 0.05 * torch.randn(first[0].shape, dtype=torch.float64,
+                                             generator=torch.Generator().manual_seed(1))}
+    args.labeler_start = "epochs"
+    again = train_otl.make_labels(model, images, args, torch.device("cpu"), gen, ranks, n, near)[0]
+    args.labeler_start = "views"
+    return labels, log, again
 
 
 def _rank_main(rank, world, port, data, ckpt, out):
@@ -53,8 +59,8 @@ def _rank_main(rank, world, port, data, ckpt, out):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     ranks = utils.Ranks("cpu")
-    labels, log = _labels_of(data, ckpt, _label_args(data, out), ranks)
-    torch.save({"labels": labels, "log": log}, f"{out}/labels_{rank}.pt")
+    labels, log, again = _labels_of(data, ckpt, _label_args(data, out), ranks)
+    torch.save({"labels": labels, "log": log, "again": again}, f"{out}/labels_{rank}.pt")
     ranks.close()
 
 
@@ -64,7 +70,8 @@ def test_two_processes_label_like_one(small_data, tmp_path):
     ckpt = str(tmp_path / "net.pth")
     utils.save_checkpoint({"model": otl.build_model(cfg).state_dict(),
                            "model_cfg": utils.model_state(cfg), "args": {}, "epoch": 0}, ckpt)
-    single, slog = _labels_of(small_data, ckpt, _label_args(small_data, tmp_path), utils.Ranks("cpu"))
+    single, slog, single_again = _labels_of(small_data, ckpt, _label_args(small_data, tmp_path),
+                                            utils.Ranks("cpu"))
     mp.start_processes(_rank_main, args=(2, _free_port(), str(small_data), ckpt, str(tmp_path)),
                        nprocs=2, start_method="spawn")
     parts = [torch.load(tmp_path / f"labels_{r}.pt") for r in range(2)]
@@ -73,6 +80,10 @@ def test_two_processes_label_like_one(small_data, tmp_path):
     assert torch.equal(both, single)
     counts = torch.bincount(both[0], minlength=16)
     assert int(counts.max() - counts.min()) <= 1                     # balanced over both shards
+    again = torch.cat([p["again"] for p in parts], 1)               # from a given start too
+    assert torch.equal(again, single_again)
+    counts = torch.bincount(again[0], minlength=16)
+    assert int(counts.max() - counts.min()) <= 1
     for p in parts:                                                   # the log speaks for all rows
         assert p["log"]["pl_std"] == slog["pl_std"]
         assert p["log"]["clusters_used_before"] == slog["clusters_used_before"]

@@ -753,3 +753,47 @@ def test_table_edges_on_the_finite_entries_equal_the_dense_ones():
         assert sparse[0].numel() > 0
         for a, b in zip(sparse, dense):
             assert torch.equal(a, b), step
+
+
+# ---------------------------------------------------------------------------------------------
+# a given start translation
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [40, 300])
+def test_start_near_the_answer_balances(k):
+    """start=T of a similar input (another view of the same images, here the same outputs moved
+    a little): exact balance and translation-only labels as from the medians; streamed in
+    batches it gives the dense call's labels and T.  (How much time it saves is measured by
+    bench_labeler.py --views, not here.)"""
+    g = gen(41)
+    O = torch.randn(12000, k, generator=g) + torch.linspace(0, 2, k)     # far from balance
+    other = O + 0.1 * torch.randn(O.shape, generator=g)
+    cold = exact(O)
+    warm = exact(O, start=exact(other).T)
+    for r in (cold, warm):
+        check_even(r)
+        check_translation(O, r)
+    st = otl.StreamingTranslator(k, distributed=False, start=exact(other).T)
+    for s in range(0, 12000, 2500):
+        st.add(O[s:s + 2500])
+    streamed = st.result(refetch=lambda rows: O[rows])
+    assert torch.equal(streamed.labels, warm.labels) and torch.equal(streamed.T, warm.T)
+
+
+def test_start_far_from_the_answer_still_balances():
+    """A poor start (far off, as the last epoch's translation early in training can be) costs
+    time, never balance."""
+    O = torch.randn(8000, 200, generator=gen(42))
+    r = exact(O, start=torch.linspace(-3, 3, 200))
+    check_even(r)
+    check_translation(O, r)
+
+
+def test_start_bad_values():
+    O = torch.randn(500, 10, generator=gen(43))
+    with pytest.raises(ValueError, match="k = 10 finite numbers"):
+        exact(O, start=torch.zeros(9))
+    with pytest.raises(ValueError, match="k = 10 finite numbers"):
+        exact(O, start=torch.tensor([math.nan] + [0.0] * 9))
+    with pytest.raises(ValueError, match="published rules start at 0"):
+        otl.translate(O, method="published", start=torch.zeros(10))

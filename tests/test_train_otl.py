@@ -23,12 +23,17 @@ def _weights(path):
     return utils.load_file(path)["model"]
 
 
-def test_resume_equals_uninterrupted_run(small_data, tmp_path):
-    train(small_data, tmp_path / "a", "--epochs", "2")
+@pytest.mark.parametrize("start", ["views", "epochs"])
+def test_resume_equals_uninterrupted_run(small_data, tmp_path, start):
+    # --labeler-start epochs: the second epoch's labeler starts from the first's translation,
+    # which the checkpoint keeps
+    flags = ["--labeler-start", start]
+    train(small_data, tmp_path / "a", "--epochs", "2", *flags)
     # the same run stopped after its first epoch (as a crash would), then the same command again
-    assert train(small_data, tmp_path / "b", "--epochs", "2", "--max-minutes", "1e-9") is None
-    assert utils.load_file(tmp_path / "b" / "checkpoint.pth")["epoch"] == 1
-    train(small_data, tmp_path / "b", "--epochs", "2", "--max-minutes", "1e-9")
+    assert train(small_data, tmp_path / "b", "--epochs", "2", "--max-minutes", "1e-9", *flags) is None
+    ck = utils.load_file(tmp_path / "b" / "checkpoint.pth")
+    assert ck["epoch"] == 1 and ck["labeler_starts"][0].shape == (16,)
+    train(small_data, tmp_path / "b", "--epochs", "2", "--max-minutes", "1e-9", *flags)
     wa, wb = _weights(tmp_path / "a" / "checkpoint.pth"), _weights(tmp_path / "b" / "checkpoint.pth")
     assert wa.keys() == wb.keys()
     for k in wa:
