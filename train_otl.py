@@ -104,7 +104,8 @@ def get_args_parser():
                    help="where the exact labeler starts: medians (each call from its outputs' "
                    "column medians), views (default: every other view from the first view's "
                    "translation, the same network's outputs) or epochs (the first view too, from "
-                   "the last label pass's; kept in the checkpoint). The labels are exactly "
+                   "the last label pass's; kept in the checkpoint; slower than views early in "
+                   "training in the one run measured). The labels are exactly "
                    "balanced either way; a start near the answer saves most of the work at large "
                    "k (docs/labeler.md, 'A start from the other view')")
     g.add_argument("--labeler-device", choices=("same", "cpu"), default="same", help="where the "
