@@ -103,7 +103,9 @@ def get_args_parser():
     g.add_argument("--labeler-start", choices=("medians", "views", "epochs"), default="views",
                    help="where the exact labeler starts: medians (each call from its outputs' "
                    "column medians), views (default: every other view from the first view's "
-                   "translation, the same network's outputs) or epochs (the first view too, from "
+                   "translation, the same network's outputs; the first view, in one process, "
+                   "from every 4th row's when k > 256 and the outputs are far from balance, as "
+                   "otl.translate does) or epochs (the first view too, from "
                    "the last label pass's; kept in the checkpoint; slower than views early in "
                    "training in the one run measured). The labels are exactly "
                    "balanced either way; a start near the answer saves most of the work at large "
@@ -222,6 +224,8 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
         if args.labeler == "exact":   # otl.translate's exact method, with the head size given
             start = (first.get(h) if v > 0 and args.labeler_start != "medians" else
                      (starts or {}).get(h) if args.labeler_start == "epochs" else None)
+            if start is None and args.labeler_start != "medians" and ranks.world == 1:
+                start = otl.sample_start_T(o, target=target, seed=seed)   # far outputs, k > 256
             st = otl.StreamingTranslator(k, target=target, seed=seed,
                                          n_init=args.label_head_rows, distributed=ranks.world > 1,
                                          row_offset=lo if ranks.world > 1 else None, rows_hint=n,

@@ -635,13 +635,15 @@ def test_real_like_outputs_keep_whole_rows_when_they_fit():
     assert r.refetched == 0
     check_even(r)
     assert check_translation(O, r) <= 0.01 * n
-    r = exact(big)                    # candidates (k > 256), re-read where they fall short
+    # candidates (k > 256), from the medians (no sample start), re-read where they fall short
+    r = exact(big, sample_start=False)
     check_even(r)
     assert check_translation(big, r) <= 0.01 * n
     # only the rows that fell short are read again: their new candidates, chosen at the
     # translation reached, carry a bound from there (an epoch), not from T0 (then every row
     # was read again, some several times: 58,232 rows re-read here)
     assert 0 < r.refetched < 0.1 * n
+    assert exact(big).refetched < r.refetched     # from a sample's T fewer fall short
 
 
 @pytest.mark.parametrize("k", [10, 300])
@@ -797,3 +799,47 @@ def test_start_bad_values():
         exact(O, start=torch.tensor([math.nan] + [0.0] * 9))
     with pytest.raises(ValueError, match="published rules start at 0"):
         otl.translate(O, method="published", start=torch.zeros(10))
+
+
+def _clustered(n, k, seed):
+    """Outputs of rows drawn around a dozen centres: far from balance at their column medians,
+    as a real network's are."""
+    g = gen(seed)
+    C = torch.randn(12, k, generator=g) * 2
+    return C[torch.randint(0, 12, (n,), generator=g)] + torch.randn(n, k, generator=g)
+
+
+def test_sample_start_on_far_outputs():
+    """k > 256 and far from balance at the medians: translate first solves every 4th row and
+    starts from its T (the same labels as start= that T); balanced, translation-only labels,
+    also for an uneven target (scaled to the sample)."""
+    O = _clustered(6000, 300, 44)
+    T = otl.sample_start_T(O)
+    assert T is not None and T.shape == (300,)
+    r = exact(O)
+    assert torch.equal(r.labels, exact(O, start=T).labels)
+    check_even(r)
+    check_translation(O, r)
+    target = otl.uneven_target(6000, 300, 1.0)
+    ru = exact(O, target=target)
+    assert bool(((ru.counts - target).abs() < 1).all()) and ru.stop_reason == "balanced"
+    check_translation(O, ru)
+
+
+def test_sample_start_only_where_it_pays():
+    """No sample where the medians are a good start (Gaussian outputs), where rows are too few
+    (under 4 k), or with whole rows by k (k <= 256: the warm start's ground)."""
+    assert otl.sample_start_T(torch.randn(6000, 300, generator=gen(45))) is None
+    assert otl.sample_start_T(_clustered(1000, 300, 46)) is None
+    calls = []
+    real = otl.sample_start_T
+    try:
+        otl.sample_start_T = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        exact(_clustered(6000, 200, 47))
+        assert not calls
+        exact(_clustered(6000, 300, 47))
+        assert calls
+        exact(_clustered(6000, 300, 47), sample_start=False)
+        assert len(calls) == 1
+    finally:
+        otl.sample_start_T = real
