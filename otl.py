@@ -177,7 +177,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     similar call: the other augmented view, the last epoch) are its settings (N is its
     rows_hint).  sample_start: without a start, when k > 2 x full_rows_up_to (candidate lists)
     and the first rows are far from balance at their medians (real networks' outputs), first
-    solve every 4th row and start from its T (`sample_start`; docs/labeler.md, v13).
+    solve every 4th row and start from its T (`sample_start_T`; docs/labeler.md, v14).
     method="published": Algorithm 1 as the authors' code runs it (`translate_published`), with
     `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6), `seed` and `init`.
     """
@@ -213,12 +213,12 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
     """A start translation for the exact labeler on outputs held whole: the exact T of every
     `every`-th row (target scaled to them), or None when that would not pay: fewer than
     every x k rows, or the first `probe` rows near balance at their column medians (the
-    StreamingTranslator's `_far` test: Gaussian-like outputs, where the medians are a good start
-    already; a probe of 2048 rows costs a quarter of the 8192-row one and, on the inputs
-    measured, parted the outputs where the sample paid from those where it did not).  On real networks' crowded outputs the
-    medians are far from the answer and many rows' candidate lists fall short and are read
-    again; from the sample's T they mostly do not (docs/labeler.md, v13).  kw: the
-    StreamingTranslator settings of the solve (the sample's solve uses them too)."""
+    StreamingTranslator's `_far` test: Gaussian-like outputs, where the medians are a good
+    start already; a probe of 2048 rows costs a quarter of an 8192-row one and, on the inputs
+    measured, parted those where the sample paid from those where it did not).  On real
+    networks' crowded outputs the medians are far from the answer and many rows' candidate
+    lists fall short and are read again; from the sample's T few do (docs/labeler.md, v14).
+    kw: translate's settings for the sample's solve."""
     n, k = outputs.shape
     if n < every * k:
         return None
@@ -227,9 +227,13 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
     if not StreamingTranslator(k, target=target, distributed=False)._far(cnt.to(torch.float64)):
         return None
     sub = outputs[::every]
-    t = target if target is None else _check_target(target, n, k).to(torch.float64) * (sub.shape[0] / n)
+    if target is not None:    # the same shares of the sample's rows
+        target = _check_target(target, n, k).to(torch.float64) * (sub.shape[0] / n)
     kw = {key: val for key, val in kw.items() if val is not None}
-    return translate(sub, target=t, sample_start=False, **kw).T
+    try:
+        return translate(sub, target=target, sample_start=False, **kw).T
+    except ValueError:     # bad outputs or target: the whole call says so, with its own row numbers
+        return None
 
 
 def _std(counts: torch.Tensor, target: torch.Tensor) -> float:
@@ -967,7 +971,8 @@ class StreamingTranslator:
 
     How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians, or
     `start` when given: a translation near the answer, such as that of the other augmented view
-    or of the last epoch), a `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
+    or of the last epoch; then there is no warm start and the first solve is the narrow one), a
+    `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
     the columns `cols` within `window` of the row's best, about `candidates` of them, at most
     `max_candidates`; twice as many when the first rows fill under a third of the clusters an even
     spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.  Memory: about 10
@@ -1055,8 +1060,9 @@ class StreamingTranslator:
         if start is not None:
             self.start = torch.as_tensor(start).detach().to(torch.float64).flatten().cpu()
             if self.start.numel() != self.k or not bool(torch.isfinite(self.start).all()):
+                shape = tuple(torch.as_tensor(start).shape)
                 raise ValueError(f"start must be k = {self.k} finite numbers (a translation T, "
-                                 f"e.g. an earlier result's .T), got shape {tuple(torch.as_tensor(start).shape)}")
+                                 f"e.g. an earlier result's .T), got shape {shape}")
         self.widen = 1      # 2: candidate lists twice as wide (_collapsed, decided in _start)
         self.width = self.k if self.all_cols else self.max_candidates
         self.cdtype = torch.int16 if self.k < 32768 else torch.int32
@@ -2029,7 +2035,8 @@ class _ExactSolver:
             W0[key], arg[key] = math.inf, BIG
         e, order = e.sort()                       # row-major: a csr matrix as it stands
         ew, er = ew.index_select(0, order), er.index_select(0, order)
-        return self._graph(e, ew + self.dT.index_select(0, e % k) - self.dT.index_select(0, e // k), er)
+        ew = ew + self.dT.index_select(0, e % k) - self.dT.index_select(0, e // k)
+        return self._graph(e, ew, er)
 
     def _graph(self, e, cost, er):
         """The cluster graph for _shortest_paths from its edges a * k + b (ascending), their

@@ -843,3 +843,11 @@ def test_sample_start_only_where_it_pays():
         assert len(calls) == 1
     finally:
         otl.sample_start_T = real
+
+
+def test_sample_start_leaves_bad_outputs_to_the_whole_call():
+    """A NaN in a sampled row: the error names its row in the whole input, not in the sample."""
+    O = _clustered(6000, 300, 48)
+    O[4000, 7] = math.nan                # row 4000 is the sample's row 1000
+    with pytest.raises(ValueError, match=r"first: \[4000\]"):
+        exact(O)
