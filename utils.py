@@ -323,9 +323,9 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
     the pseudo-labels.  Returns (epoch reached, pseudo-labels or None); (0, None) with no
     checkpoint.  extras: a dict whose keys get the checkpoint's values of the same names (None
-    where it has none).  A damaged checkpoint (a write cut short) gives way to the newest intact snapshot
-    beside it; half-written temporary files are removed.  A checkpoint of another model is
-    refused; other changed flags are warned about."""
+    where it has none).  A damaged checkpoint (a write cut short) gives way to the newest intact
+    snapshot beside it; half-written temporary files are removed.  A checkpoint of another model
+    is refused; other changed flags are warned about."""
     folder = os.path.dirname(os.path.abspath(path))
     for f in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):   # save_checkpoint's, cut short
         try:
