@@ -211,8 +211,9 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
 def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: int = 2048,
                    **kw):
     """A start translation for the exact labeler on outputs held whole: the exact T of every
-    `every`-th row (target scaled to them), or None when that would not pay: fewer than
-    every x k rows, or the first `probe` rows near balance at their column medians (the
+    `every`-th row (target scaled to them), or None when that would not pay: k <= 2 x
+    full_rows_up_to (whole rows, where the warm start does this), fewer than every x k rows,
+    or the first `probe` rows near balance at their column medians (the
     StreamingTranslator's `_far` test: Gaussian-like outputs, where the medians are a good
     start already; a probe of 2048 rows costs a quarter of an 8192-row one and, on the inputs
     measured, parted those where the sample paid from those where it did not).  On real
@@ -220,7 +221,7 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
     lists fall short and are read again; from the sample's T few do (docs/labeler.md, v14).
     kw: translate's settings for the sample's solve."""
     n, k = outputs.shape
-    if n < every * k:
+    if k <= 2 * kw.get("full_rows_up_to", 128) or n < every * k:
         return None
     head = outputs[:probe].to(torch.float32)
     cnt = torch.bincount((head - head.median(dim=0).values).argmax(1), minlength=k)

@@ -831,6 +831,8 @@ def test_sample_start_only_where_it_pays():
     (under 4 k), or with whole rows by k (k <= 256: the warm start's ground)."""
     assert otl.sample_start_T(torch.randn(6000, 300, generator=gen(45))) is None
     assert otl.sample_start_T(_clustered(1000, 300, 46)) is None
+    assert otl.sample_start_T(_clustered(6000, 200, 47)) is None             # whole rows by k
+    assert otl.sample_start_T(_clustered(6000, 300, 47), full_rows_up_to=150) is None
     calls = []
     real = otl.sample_start_T
     try:
