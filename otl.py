@@ -225,7 +225,7 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
         return None
     head = outputs[:probe].to(torch.float32)
     cnt = torch.bincount((head - head.median(dim=0).values).argmax(1), minlength=k)
-    if not StreamingTranslator(k, target=target, distributed=False)._far(cnt.to(torch.float64)):
+    if not StreamingTranslator._far(cnt.to(torch.float64), target):
         return None
     sub = outputs[::every]
     if target is not None:    # the same shares of the sample's rows
@@ -1122,7 +1122,7 @@ class StreamingTranslator:
             # the first rows' counts at the medians (_far, _collapsed)
             cnt = torch.bincount((head - params[:self.k].to(head.dtype)).argmax(1),
                                  minlength=self.k).to(torch.float64)
-            far = self._far(cnt)
+            far = self._far(cnt, self.target_arg)
             params[self.k + 4] = float(far)
             whole = self.all_cols or (far and self.k <= 2 * self.full_rows_up_to
                                       and self._whole_rows_fit())
@@ -1178,26 +1178,29 @@ class StreamingTranslator:
         re-reading the rows that fall short (docs/labeler.md has the measurements)."""
         return self.rows_hint is not None and self.rows_hint * self.k * 10 <= self.full_rows_bytes
 
-    def _far(self, cnt):
-        """Whether the first rows' counts at the column medians are far from the target: their
-        variance around it over its mean, about 1 when the clusters are even up to sampling
-        noise; the cut is 4.  Far outputs (real networks') also skip result()'s narrow first
-        solve: their translation moves most rows, so that solve was wasted (docs/labeler.md)."""
-        n = int(cnt.sum())
-        target = self._head_target(n)
-        return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / self.k
+    @staticmethod
+    def _far(cnt, target_arg=None):
+        """Whether the first rows' counts (k,) at the column medians are far from the target
+        (target_arg: the `target` given, None: even): their variance around it over its mean,
+        about 1 when the clusters are even up to sampling noise; the cut is 4.  Far outputs
+        (real networks') also skip result()'s narrow first solve: their translation moves most
+        rows, so that solve was wasted (docs/labeler.md)."""
+        n, k = int(cnt.sum()), cnt.numel()
+        target = StreamingTranslator._head_target(target_arg, n, k)
+        return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / k
 
-    def _head_target(self, n):
+    @staticmethod
+    def _head_target(target_arg, n, k):
         """The target's shares scaled to n rows (the even target without one; result() checks
         the target itself)."""
-        if self.target_arg is not None:
+        if target_arg is not None:
             try:
-                t = torch.as_tensor(self.target_arg, dtype=torch.float64).flatten().cpu()
-                if t.numel() == self.k and bool(torch.isfinite(t).all()) and t.sum() > 0:
+                t = torch.as_tensor(target_arg, dtype=torch.float64).flatten().cpu()
+                if t.numel() == k and bool(torch.isfinite(t).all()) and t.sum() > 0:
                     return t / t.sum() * n
             except (TypeError, ValueError, RuntimeError):
                 pass
-        return even_target(n, self.k)
+        return even_target(n, k)
 
     def _collapsed(self, cnt):
         """Whether the first rows at the column medians fill under a third of the clusters that
@@ -1206,7 +1209,7 @@ class StreamingTranslator:
         lists, and candidate lists of the usual width fall short again and again: the lists are
         then twice as wide (docs/labeler.md, v11, has the inputs this cut separates)."""
         used = cnt > 0
-        target = self._head_target(int(cnt.sum())).to(torch.float64)
+        target = self._head_target(self.target_arg, int(cnt.sum()), self.k).to(torch.float64)
         expected = float((1 - torch.exp(-target)).sum())   # clusters a Poisson sample fills
         return float(used.sum()) < expected / 3
 
