@@ -215,8 +215,7 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
     full_rows_up_to (whole rows, where the warm start does this), fewer than every x k rows,
     or the first `probe` rows near balance at their column medians (the
     StreamingTranslator's `_far` test: Gaussian-like outputs, where the medians are a good
-    start already; a probe of 2048 rows costs a quarter of an 8192-row one and, on the inputs
-    measured, parted those where the sample paid from those where it did not).  On real
+    start already; docs/labeler.md, v14, says why 2048 rows and where the sample paid).  On real
     networks' crowded outputs the medians are far from the answer and many rows' candidate
     lists fall short and are read again; from the sample's T few do (docs/labeler.md, v14).
     kw: translate's settings for the sample's solve."""

@@ -106,8 +106,8 @@ def get_args_parser():
                    "translation, the same network's outputs; the first view, in one process, "
                    "from every 4th row's when k > 256 and the outputs are far from balance, as "
                    "otl.translate does) or epochs (the first view too, from "
-                   "the last label pass's; kept in the checkpoint; slower than views early in "
-                   "training in the one run measured). The labels are exactly "
+                   "the last label pass's; kept in the checkpoint; docs/labeler.md, v13, has how "
+                   "it compared with views). The labels are exactly "
                    "balanced either way; a start near the answer saves most of the work at large "
                    "k (docs/labeler.md, 'A start from the other view')")
     g.add_argument("--labeler-device", choices=("same", "cpu"), default="same", help="where the "
@@ -136,10 +136,10 @@ def get_args_parser():
                    "BatchNorm statistics over every process's batch (SyncBatchNorm), for small "
                    "per-GPU batches; off, each process normalises its own batch")
     g.add_argument("--compile", type=utils.str2bool, default=False, help="train through "
-                   "torch.compile(model) (default false): on an H100 it added 15 %% to the training "
-                   "step at 112 px after about 20 s of compiling (results/gpu_h100/README.md), so "
-                   "it pays in long runs; checkpoints, the label pass and evaluation use the "
-                   "uncompiled model, which shares its weights")
+                   "torch.compile(model) (default false): faster steps after a compile at the "
+                   "start, so it pays in long runs (docs/presets.md has the measurement); "
+                   "checkpoints, the label pass and evaluation use the uncompiled model, which "
+                   "shares its weights")
     g.add_argument("--amp", type=utils.str2bool, default=None, help="bfloat16 autocast; default: "
                    "on for CUDA")
     g.add_argument("--snapshot-every", type=int, default=0, help="keep checkpointNNNN.pth every N "
