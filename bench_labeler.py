@@ -94,6 +94,9 @@ def int_list(s):
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save-inputs", metavar="DIR", default=None, help="also keep each network "
+                   "input (random_net, trained_net, trained_backbone: an (N, k) float32 tensor "
+                   "saved by torch.save as DIR/<input>_<k>.pt) for profile_labeler.py --input")
     p.add_argument("--summary", metavar="JSON", help="print the tables of a results JSON written "
                    "by this script and stop")
     p.add_argument("--out", default="results/labeler_bench.json", help="results JSON (rewritten after "
@@ -666,18 +669,23 @@ def main(args):
     if args.skip_real:
         out["skipped"]["random_net"] = out["skipped"]["trained_net"] = "--skip-real"
     else:
+        if args.save_inputs:
+            os.makedirs(args.save_inputs, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
+            where = args.save_inputs or tmp
             for name, k, outs in real_inputs(args, out["skipped"], keep):
                 outs, T0 = outs if isinstance(outs, tuple) else (outs, None)
-                path = os.path.join(tmp, f"{name}_{k}.pt")  # written once, loaded by each child
+                path = os.path.join(where, f"{name}_{k}.pt")  # written once, loaded by each child
                 torch.save(outs.contiguous(), path)
                 run(name, outs.shape[0], k, path)
                 if T0 is not None:   # --views: ours again, from the first view's translation
-                    start = os.path.join(tmp, f"{name}_{k}_start.pt")
+                    start = os.path.join(where, f"{name}_{k}_start.pt")
                     torch.save(T0, start)
                     run(f"{name}_from_view0", outs.shape[0], k, path, methods=exact_only, start=start)
-                    os.remove(start)
-                os.remove(path)
+                    if not args.save_inputs:
+                        os.remove(start)
+                if not args.save_inputs:
+                    os.remove(path)
     for inp in ("gaussian", "random_net"):
         name = f"{inp}_large"
         if args.skip_large or inp not in args.large_inputs:

@@ -4,17 +4,28 @@ GPU a function's time includes its waits for the device) and per device kernel (
     python profile_labeler.py --device cuda --n 1280000 --k 3000 --out results/labeler_profile_gpu.txt
     python profile_labeler.py --checkpoint runs/eurosat/checkpoint.pth --out prof.txt
 
+    python profile_labeler.py --input inputs/random_net_10.pt --phases
+
 The input is bench_labeler's gaussian (the same seeds), or with --checkpoint the outputs that
 training hands the labeler: a label pass of that network over its training split (one strong
 view, BatchNorm on batch statistics, as train_otl.py), through its own head or, with --head-k, a
-fresh K-way head on its features.  --method published profiles the published rules instead.
+fresh K-way head on its features, or with --input an (N, k) tensor saved by torch.save (such as
+bench_labeler.py --save-inputs writes).  --method published profiles the published rules instead.
 One warm-up call, --repeat timed calls (their median is printed), then one profiled call.
+
+--phases replaces the profiles by a table of the exact labeler's stages in one call (after the
+warm-up): each solve (the sample start's, the warm start's sample, the main one; its rows) with
+the time and the steps of its approach (the published step rule), its auction rounds, its exact
+finish's rounds and its strict argmax, and the rest of the call (reading the outputs into the
+store, the tie-break, taking rows out of it); then the published rules' median time on the
+same input and the ratio.  On a GPU a stage's time includes its waits for the device.
 """
 import argparse
 import cProfile
 import io
 import pstats
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -34,6 +45,11 @@ def get_args_parser():
     p.add_argument("--data", default=None, help="its prepared data (default: the checkpoint's)")
     p.add_argument("--head-k", type=int, default=None, help="a fresh head of this many outputs on "
                    "the network's features instead of its own head")
+    p.add_argument("--input", default=None, metavar="PT", help="profile on this (N, k) tensor "
+                   "(torch.save; e.g. bench_labeler.py --save-inputs DIR writes DIR/random_net_10.pt)")
+    p.add_argument("--phases", action="store_true", help="a table of the exact labeler's stages "
+                   "(time and steps of each solve's approach, auction, finish, strict argmax; the "
+                   "rest) and the published rules' time on the same input, instead of the profiles")
     p.add_argument("--method", default="exact", choices=["exact", "published"])
     p.add_argument("--out", default=None, help="write the report here too")
     return p
@@ -57,9 +73,88 @@ def network_outputs(a, dev):
     return outs
 
 
+STAGES = ("approach", "auction", "finish", "strict argmax")
+_METHODS = {"_approach": "approach", "_auction": "auction", "_finish": "finish",
+            "strictify": "strict argmax"}
+
+
+@contextmanager
+def stage_timer(dev):
+    """Records (solve, stage, seconds, steps) for every stage the exact labeler runs while the
+    context is open; a solve is (where, rows): where is 'sample start' (otl.sample_start_T),
+    'warm start' (StreamingTranslator._warm_start's own solve) or 'main'."""
+    records, where = [], ["main"]
+    saved = {name: getattr(otl._ExactSolver, name) for name in _METHODS}
+    saved_warm, saved_sample = otl.StreamingTranslator._warm_start, otl.sample_start_T
+
+    def timed(name):
+        fn = saved[name]
+
+        def wrapper(self, *args, **kw):
+            steps0 = self.rounds + self.phases
+            utils.synchronize(dev)
+            t = time.perf_counter()
+            try:
+                return fn(self, *args, **kw)
+            finally:
+                utils.synchronize(dev)
+                records.append(((where[-1], id(self), self.vals.shape[0]), _METHODS[name],
+                                time.perf_counter() - t, self.rounds + self.phases - steps0))
+        return wrapper
+
+    def inside(label, fn):
+        def wrapper(*args, **kw):
+            where.append(label)
+            try:
+                return fn(*args, **kw)
+            finally:
+                where.pop()
+        return wrapper
+
+    for name in _METHODS:
+        setattr(otl._ExactSolver, name, timed(name))
+    otl.StreamingTranslator._warm_start = inside("warm start", saved_warm)
+    otl.sample_start_T = inside("sample start", saved_sample)
+    try:
+        yield records
+    finally:
+        for name, fn in saved.items():
+            setattr(otl._ExactSolver, name, fn)
+        otl.StreamingTranslator._warm_start = saved_warm
+        otl.sample_start_T = saved_sample
+
+
+def phases_report(records, total):
+    """Lines of a markdown table: one row per solve, its stages' seconds (and steps), and the
+    rest of the call."""
+    solves = {}
+    for solve, stage, sec, steps in records:
+        row = solves.setdefault(solve, {st: [0.0, 0] for st in STAGES})
+        row[stage][0] += sec
+        row[stage][1] += steps
+    lines = ["| solve | rows | " + " | ".join(f"{st} s" + (" (steps)" if st != "strict argmax" else "")
+                                           for st in STAGES) + " |",
+             "|---|---|" + "---|" * len(STAGES)]
+    for (where, _, rows), row in solves.items():
+        lines.append(f"| {where} | {rows:,} | "
+                     + " | ".join(f"{row[st][0]:.4f} ({row[st][1]})" if st != "strict argmax"
+                                  else f"{row[st][0]:.4f}" for st in STAGES) + " |")
+    staged = sum(sec for _, _, sec, _ in records)
+    lines.append(f"| rest of the call (store, tie-break, taking rows, counts; the warm start's too) | | {total - staged:.4f} |"
+                 + " |" * (len(STAGES) - 1))
+    return lines
+
+
 def main(a):
     dev = utils.pick_device(a.device)
-    if a.checkpoint:
+    if a.input:
+        O = torch.load(a.input, weights_only=True)
+        if not isinstance(O, torch.Tensor) or O.dim() != 2:
+            raise SystemExit(f"--input {a.input}: expected an (N, k) tensor saved by torch.save, "
+                             f"got {type(O).__name__} {tuple(getattr(O, 'shape', ()))}")
+        O = O.to(dev)
+        what = a.input
+    elif a.checkpoint:
         O = network_outputs(a, dev)
         what = f"label-pass outputs of {a.checkpoint}" + (f", fresh {a.head_k}-way head" if a.head_k else "")
     else:
@@ -83,6 +178,34 @@ def main(a):
              f"seconds {sorted(times)[len(times) // 2]:.4f} (median of {[round(t, 4) for t in times]})"
              f"  iterations {res.iterations}  max-min {int(counts.max() - counts.min())}"
              f"  stop {res.stop_reason}"]
+    if a.phases:
+        if a.method != "exact":
+            raise SystemExit("--phases is for the exact labeler (--method exact)")
+        with stage_timer(dev) as records:
+            utils.synchronize(dev)
+            t = time.perf_counter()
+            call()
+            utils.synchronize(dev)
+            total = time.perf_counter() - t
+        lines += ["", f"one call with its stages timed: {total:.4f} s", ""] + phases_report(records, total)
+        otl.translate(O, method="published")
+        pub = []
+        for _ in range(a.repeat):
+            utils.synchronize(dev)
+            t = time.perf_counter()
+            otl.translate(O, method="published")
+            utils.synchronize(dev)
+            pub.append(time.perf_counter() - t)
+        med = sorted(pub)[len(pub) // 2]
+        ours = sorted(times)[len(times) // 2]
+        lines += ["", f"published rules: {med:.4f} s (median of {[round(t, 4) for t in pub]}); "
+                      f"published / ours {med / ours:.2f}x"]
+        text = "\n".join(lines)
+        print(text)
+        if a.out:
+            with open(a.out, "w") as fh:
+                fh.write(text + "\n")
+        return
     prof = cProfile.Profile()
     utils.synchronize(dev)
     prof.enable()
