@@ -164,7 +164,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               init: str = "median", method: str = "exact", candidates: int = 24,
               max_candidates: int = 48, full_rows_up_to: int = 128,
               full_rows_bytes: int = 1 << 30, warm_start: bool = True,
-              start=None, sample_start: bool = True) -> TranslateResult:
+              start=None, sample_start: bool = True, dense: bool = True,
+              n_init: int = 8192) -> TranslateResult:
     """One k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters
     as the target asks (even by default, or any counts summing to N).  T only translates O, so
     every difference O[s] - O[t] (and every distance) is unchanged.
@@ -172,12 +173,15 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     method="exact" (default): counts end within 1 of the target (for an even target
     max - min <= 1, the most even integers allow), without an N x k copy; this is
     `StreamingTranslator` fed O in chunks (part 9).  `candidates`, `max_candidates`,
-    `full_rows_up_to`, `full_rows_bytes`, `warm_start`, `tie_eps` (default 2**-26), `seed` and
-    `start` (a k-vector T to start from instead of the column medians, such as the T of a
-    similar call: the other augmented view, the last epoch) are its settings (N is its
+    `full_rows_up_to`, `full_rows_bytes`, `warm_start`, `n_init`, `tie_eps` (default 2**-26),
+    `seed` and `start` (a k-vector T to start from instead of the column medians, such as the T
+    of a similar call: the other augmented view, the last epoch) are its settings (N is its
     rows_hint).  sample_start: without a start, when k > 2 x full_rows_up_to (candidate lists)
     and the first rows are far from balance at their medians (real networks' outputs), first
     solve every 4th row and start from its T (`sample_start_T`; docs/labeler.md, v14).
+    dense: for k <= full_rows_up_to and N >= 64 k, first Newton steps on the counts and an
+    exact solve of only the rows near a cluster boundary (`_dense_translate`; the streaming
+    path where that cannot finish; docs/labeler.md, v16).
     method="published": Algorithm 1 as the authors' code runs it (`translate_published`), with
     `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6), `seed` and `init`.
     """
@@ -194,6 +198,11 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
         raise ValueError(f"beta must be > 1 (it shrinks the step), got {beta}")
     _check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
     n, k = outputs.shape
+    if dense and k <= full_rows_up_to and n >= 64 * k:
+        res = _dense_translate(outputs, target, seed, 2.0 ** -26 if tie_eps is None else tie_eps,
+                               start, n_init)
+        if res is not None:
+            return res
     if start is None and sample_start and k > 2 * full_rows_up_to:
         start = sample_start_T(outputs, target=target, seed=seed, candidates=candidates,
                                max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
@@ -202,7 +211,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
                              max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
                              distributed=False, rows_hint=n, full_rows_bytes=full_rows_bytes,
                              tie_eps=2.0 ** -26 if tie_eps is None else tie_eps,
-                             warm_start=warm_start, start=start)
+                             warm_start=warm_start, start=start, n_init=n_init)
     for s in range(0, n, st.chunk):
         st.add(outputs[s:s + st.chunk])
     return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
@@ -2297,6 +2306,170 @@ class _ExactSolver:
         self.labels[tied] = self._eval(tied)[1]
         self.counts = self._count()
 
+
+
+# -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
+
+def _newton_counts(X, T, block=65536):
+    """(best column, runner-up column, best - runner-up, counts) of X - T, in float32 passes over
+    `block` rows at a time (no N x k temporary)."""
+    n, k = X.shape
+    a1 = torch.empty(n, dtype=torch.int64, device=X.device)
+    a2 = torch.empty(n, dtype=torch.int64, device=X.device)
+    m = torch.empty(n, dtype=torch.float32, device=X.device)
+    T32 = T.to(torch.float32)
+    for s in range(0, n, block):
+        V = X[s:s + block].to(torch.float32) - T32
+        b1 = V.argmax(1, keepdim=True)
+        v1 = V.gather(1, b1)[:, 0]
+        V.scatter_(1, b1, -math.inf)
+        v2, b2 = V.max(1)
+        a1[s:s + block], a2[s:s + block] = b1[:, 0], b2
+        torch.sub(v1, v2, out=m[s:s + block])
+    return a1, a2, m, torch.bincount(a1, minlength=k)
+
+
+def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
+    """Newton steps on the counts of argmax(X - T): the count of cluster a changes with T_a - T_b
+    by about the rows on the a / b boundary per unit of margin, (rows of a with runner-up b and
+    rows of b with runner-up a, margin below h) / 2h, h the margin of the `frac` closest rows; that
+    graph Laplacian L, solved for L d = counts - target, gives the step (each entry within 32h;
+    halved up to twice while it does not lower sum |counts - target|).  Stops at sum |counts -
+    target| <= tol, after max_steps, or when a step does not help.  The k x k solve runs on the
+    CPU, so that T is the same bits on every device.  Returns (T, counts - target, best column,
+    margin, passes made); errs (a list): sum |counts - target| at the start and after each step
+    is appended."""
+    k = X.shape[1]
+    a1, a2, m, cnt = _newton_counts(X, T)
+    e = cnt.to(torch.float64) - target
+    passes = 1
+    errs = [] if errs is None else errs
+    errs.append(float(e.abs().sum()))
+    for _ in range(max_steps):
+        err = errs[-1]
+        if err <= tol:
+            break
+        h = float(m.kthvalue(max(1, int(frac * m.numel()))).values)
+        h = max(h, 1e-30)
+        sel = m < h
+        W = torch.bincount(a1[sel] * k + a2[sel], minlength=k * k).to(torch.float64).view(k, k).cpu()
+        W = (W + W.T) / (2 * h)
+        L = torch.diag(W.sum(1)) - W + torch.eye(k, dtype=torch.float64) * (1e-6 * float(W.sum()) / k + 1e-12)
+        d = torch.linalg.solve(L, e.cpu()).clamp(-32 * h, 32 * h).to(T.device)
+        for s in (1.0, 0.5, 0.25):
+            got = _newton_counts(X, T + s * d)
+            passes += 1
+            e2 = got[3].to(torch.float64) - target
+            if float(e2.abs().sum()) < err:
+                break
+        else:
+            break
+        T = T + s * d
+        a1, a2, m, _ = got
+        e = e2
+        errs.append(float(e.abs().sum()))
+    return T, e, a1, m, passes
+
+
+_DENSE_SHARE, _DENSE_PER_MOVE = 0.02, 32   # _dense_translate's first rows to solve (see there)
+
+
+def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
+    """translate's exact labeler for small k on outputs held whole in one process, or None when
+    it cannot finish cheaply (then the StreamingTranslator path runs).  Newton steps
+    (`_newton_T`) on every `stride`-th row and then on all rows bring the counts near the
+    target in float32 passes; the rows within a margin R of their runner-up (at least 2 % of
+    them, and 32 times the rows still to move) are solved exactly by the same solver as the
+    streaming path (`_ExactSolver`, with the same tie-break eps x u(row, column)), the other
+    rows keep their best column: they lead by more than R, and the solve moves no T_j by as
+    much relative to another (checked, with float32's rounding; else R widens 4x, twice).
+    docs/labeler.md (v16) has the measurements."""
+    t0 = time.perf_counter()
+    n, k = outputs.shape
+    dev = outputs.device
+    X = outputs.detach()      # read in float32, block by block (_newton_counts)
+    if start is not None:
+        start = torch.as_tensor(start).detach()
+        if start.numel() != k or not bool(torch.isfinite(start).all()):
+            return None     # the streaming path says what is wrong with it
+    for s in range(0, n, 65536):
+        if not bool(torch.isfinite(X[s:s + 65536].to(torch.float32)).all()):
+            return None     # the streaming path names the bad row (or float64 beyond float32)
+    target = _check_target(target, n, k).to(dev)
+    lo = (target + 1e-9).floor().long()
+    hi = (target - 1e-9).ceil().long()
+    head = X[:max(n_init, 1)].to(torch.float32)
+    eps = tie_eps * max(float(head.abs().amax(1).median()), 1e-30)
+    T = (head.median(dim=0).values.to(torch.float64) if start is None
+         else start.to(device=dev, dtype=torch.float64).flatten())
+    passes = 0
+    m_rows = max(8192, 64 * k)
+    if n >= 4 * m_rows:     # a sample first: its steps cost a fraction of a pass over all rows
+        sub = X[::n // m_rows].to(torch.float32)
+        T, _, _, _, p = _newton_T(sub, T, target * (sub.shape[0] / n), 8, 0.005 * sub.shape[0])
+        passes += p
+    tol, errs = max(0.002 * n, k), []
+    T, e, lab, margin, p = _newton_T(X, T, target, 2, tol, errs=errs)
+    passes += p
+    if errs[-1] > 0.9 * errs[0] and errs[-1] > 0.1 * n:
+        return None     # two steps removed under a tenth of a far imbalance: crowded outputs
+    if errs[-1] > tol:
+        T, e, lab, margin, p = _newton_T(X, T, target, 4, tol)
+        passes += p
+    to_move = float(e.clamp(min=0).sum())
+    if to_move > 0.05 * n:
+        return None     # the Newton steps did not get near (a network collapsing onto few clusters)
+    scale = max(float(X[s:s + 65536].abs().max()) for s in range(0, n, 65536)) + float(T.abs().max())
+    slack = 2.0 ** -20 * scale + 4 * eps      # float32 margins against the float64 ones
+    want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (to_move + k)))
+    cols = torch.arange(k, device=dev, dtype=torch.int16)
+    history = []
+    for _ in range(3):
+        want = min(want, n)
+        R = float(margin.kthvalue(want).values) if want < n else math.inf
+        inside = margin <= R
+        cnt = torch.bincount(lab, minlength=k)
+        ic = cnt - torch.bincount(lab[inside], minlength=k)
+        for j in (ic > hi).nonzero()[:, 0].tolist():
+            # the rows left out would overfill cluster j (its rows lead by much): its rows
+            # nearest a boundary join, twice its excess and 32 more (they lead by more than R:
+            # the check below is unchanged)
+            rows = (lab == j).nonzero()[:, 0]
+            take = min(rows.numel(), 2 * int(cnt[j] - hi[j]) + 32)
+            near = torch.sort(margin.index_select(0, rows), stable=True).indices[:take]
+            inside[rows.index_select(0, near)] = True
+        B = inside.nonzero()[:, 0]
+        ic = cnt - torch.bincount(lab.index_select(0, B), minlength=k)
+        if bool((ic > hi).any()) or B.numel() * k * 10 > (1 << 30):
+            return None     # (the streaming path keeps candidate lists where whole rows do not fit)
+        XB = outputs.index_select(0, B).detach().to(torch.float64)
+        cb = cols.expand(B.numel(), k)
+        vals = XB - T + eps * _tie_jitter(B, cb, seed)
+        solver = _ExactSolver(vals, cb.contiguous(), torch.full((B.numel(),), -math.inf,
+                              dtype=torch.float64, device=dev), k, target - ic,
+                              (lo - ic).clamp(min=0), hi - ic, _Comm(False), 8192, B)
+        ok = solver.run(200, history, max(R / 8, eps))
+        if not ok:
+            return None
+        solver.strictify()
+        span = float(solver.dT.max() - solver.dT.min())
+        if span + slack < R:
+            labels = lab
+            labels[B] = solver.labels
+            counts = ic + solver.counts
+            tc = target.cpu()
+            return TranslateResult(labels=labels, T=T + solver.dT, counts=counts, target=tc,
+                                   iterations=passes + solver.rounds + solver.phases,
+                                   std_history=history, std=_std(counts.cpu(), tc),
+                                   std_max=_std_max(tc, n),
+                                   seconds=time.perf_counter() - t0, stop_reason="balanced",
+                                   refetched=0, ties=solver.ties, active=B.numel())
+        # T moved further than the margin kept: from the solve's T, with 4 times the rows
+        T = T + solver.dT
+        lab, _, margin, _ = _newton_counts(X, T)
+        passes += 1
+        want *= 4
+    return None
 
 
 def _shortest_paths(k, eb, ew, indptr, sources):

@@ -14,10 +14,11 @@ bench_labeler.py --save-inputs writes).  --method published profiles the publish
 One warm-up call, --repeat timed calls (their median is printed), then one profiled call.
 
 --phases replaces the profiles by a table of the exact labeler's stages in one call (after the
-warm-up): each solve (the sample start's, the warm start's sample, the main one; its rows) with
-the time and the steps of its approach (the published step rule), its auction rounds, its exact
-finish's rounds and its strict argmax, and the rest of the call (reading the outputs into the
-store, the tie-break, taking rows out of it); then the published rules' median time on the
+warm-up): each solve (the sample start's, the warm start's sample, the dense path's, the main
+one; its rows) with the time and the steps of its approach (the published step rule), its
+auction rounds, its exact finish's rounds and its strict argmax, the dense path's Newton steps
+(time and passes over the rows, per call), and the rest of the call (reading the outputs into
+the store, the tie-break, taking rows out of it); then the published rules' median time on the
 same input and the ratio.  On a GPU a stage's time includes its waits for the device.
 """
 import argparse
@@ -73,7 +74,7 @@ def network_outputs(a, dev):
     return outs
 
 
-STAGES = ("approach", "auction", "finish", "strict argmax")
+STAGES = ("newton", "approach", "auction", "finish", "strict argmax")
 _METHODS = {"_approach": "approach", "_auction": "auction", "_finish": "finish",
             "strictify": "strict argmax"}
 
@@ -82,10 +83,21 @@ _METHODS = {"_approach": "approach", "_auction": "auction", "_finish": "finish",
 def stage_timer(dev):
     """Records (solve, stage, seconds, steps) for every stage the exact labeler runs while the
     context is open; a solve is (where, rows): where is 'sample start' (otl.sample_start_T),
-    'warm start' (StreamingTranslator._warm_start's own solve) or 'main'."""
+    'warm start' (StreamingTranslator._warm_start's own solve), 'dense' (translate's dense path:
+    its Newton steps on the counts, one record per call of otl._newton_T with the rows it read,
+    and its solve of the rows near a boundary) or 'main'."""
     records, where = [], ["main"]
     saved = {name: getattr(otl._ExactSolver, name) for name in _METHODS}
     saved_warm, saved_sample = otl.StreamingTranslator._warm_start, otl.sample_start_T
+    saved_dense, saved_newton = otl._dense_translate, otl._newton_T
+
+    def newton(X, *args, **kw):
+        utils.synchronize(dev)
+        t = time.perf_counter()
+        out = saved_newton(X, *args, **kw)
+        utils.synchronize(dev)
+        records.append(((where[-1], "newton", X.shape[0]), "newton", time.perf_counter() - t, out[4]))
+        return out
 
     def timed(name):
         fn = saved[name]
@@ -115,6 +127,8 @@ def stage_timer(dev):
         setattr(otl._ExactSolver, name, timed(name))
     otl.StreamingTranslator._warm_start = inside("warm start", saved_warm)
     otl.sample_start_T = inside("sample start", saved_sample)
+    otl._dense_translate = inside("dense", saved_dense)
+    otl._newton_T = newton
     try:
         yield records
     finally:
@@ -122,6 +136,7 @@ def stage_timer(dev):
             setattr(otl._ExactSolver, name, fn)
         otl.StreamingTranslator._warm_start = saved_warm
         otl.sample_start_T = saved_sample
+        otl._dense_translate, otl._newton_T = saved_dense, saved_newton
 
 
 def phases_report(records, total):
@@ -137,7 +152,8 @@ def phases_report(records, total):
              "|---|---|" + "---|" * len(STAGES)]
     for (where, _, rows), row in solves.items():
         lines.append(f"| {where} | {rows:,} | "
-                     + " | ".join(f"{row[st][0]:.4f} ({row[st][1]})" if st != "strict argmax"
+                     + " | ".join("" if not row[st][0] and not row[st][1] else
+                                  f"{row[st][0]:.4f} ({row[st][1]})" if st != "strict argmax"
                                   else f"{row[st][0]:.4f}" for st in STAGES) + " |")
     staged = sum(sec for _, _, sec, _ in records)
     lines.append(f"| rest of the call (store, tie-break, taking rows, counts; the warm start's too) | | {total - staged:.4f} |"

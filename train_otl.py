@@ -224,15 +224,17 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
         if args.labeler == "exact":   # otl.translate's exact method, with the head size given
             start = (first.get(h) if v > 0 and args.labeler_start != "medians" else
                      (starts or {}).get(h) if args.labeler_start == "epochs" else None)
-            if start is None and args.labeler_start != "medians" and ranks.world == 1:
-                start = otl.sample_start_T(o, target=target, seed=seed)   # far outputs, k > 256
-            st = otl.StreamingTranslator(k, target=target, seed=seed,
-                                         n_init=args.label_head_rows, distributed=ranks.world > 1,
-                                         row_offset=lo if ranks.world > 1 else None, rows_hint=n,
-                                         start=start)
-            for s in range(0, n, st.chunk):
-                st.add(o[s:s + st.chunk])
-            res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
+            if ranks.world == 1:   # translate: the dense path at k <= 128, the sample start at k > 256
+                res = otl.translate(o, target=target, seed=seed, start=start,
+                                    sample_start=args.labeler_start != "medians",
+                                    n_init=args.label_head_rows)
+            else:
+                st = otl.StreamingTranslator(k, target=target, seed=seed,
+                                             n_init=args.label_head_rows, distributed=True,
+                                             row_offset=lo, rows_hint=n, start=start)
+                for s in range(0, n, st.chunk):
+                    st.add(o[s:s + st.chunk])
+                res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
             if v == 0:
                 first[h] = res.T.cpu()
         elif args.labeler == "sinkhorn":

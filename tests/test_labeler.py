@@ -221,7 +221,7 @@ def test_result_holds_each_row_once(monkeypatch, k, shift):
     if k != 300:
         assert len(seen) > 1                  # the widening path ran
     monkeypatch.setattr(otl.StreamingTranslator, "_solve", solve)
-    ref = exact(O)
+    ref = exact(O, dense=False)       # translate's streaming path (k <= 128: dense by default)
     assert torch.equal(r.labels, ref.labels) and torch.equal(r.T, ref.T)
     check_even(r)
     with pytest.raises(RuntimeError, match="once"):
@@ -352,19 +352,19 @@ def test_warm_start_from_a_sample(monkeypatch):
         warm(self, *a)
 
     monkeypatch.setattr(otl.StreamingTranslator, "_warm_start", spy)
-    r = exact(O)
+    r = exact(O, dense=False)     # the streaming path (translate's dense one has no warm start)
     assert calls == [n]
     check_even(r)
     assert check_translation(O, r) <= 0.01 * n
-    cold = exact(O, warm_start=False)
+    cold = exact(O, warm_start=False, dense=False)
     assert calls == [n]
     check_even(cold)
     assert r.std_history[0] < 0.25 * cold.std_history[0]
-    small = exact(O[:4 * 4096 - 1])
+    small = exact(O[:4 * 4096 - 1], dense=False)
     assert calls == [n]                  # too few rows for a sample of 4096
     check_even(small)
     G = torch.randn(n, k, generator=gen(9))
-    check_even(exact(G))
+    check_even(exact(G, dense=False))
     assert calls == [n]                  # outputs near balance at the medians start there
 
 
@@ -771,15 +771,19 @@ def test_start_near_the_answer_balances(k):
     O = torch.randn(12000, k, generator=g) + torch.linspace(0, 2, k)     # far from balance
     other = O + 0.1 * torch.randn(O.shape, generator=g)
     cold = exact(O)
-    warm = exact(O, start=exact(other).T)
-    for r in (cold, warm):
+    warm = exact(O, start=exact(other).T)             # k = 40: the dense path, from the start
+    T1 = exact(other, dense=False).T
+    stream_path = exact(O, start=T1, dense=False)
+    for r in (cold, warm, stream_path):
         check_even(r)
         check_translation(O, r)
-    st = otl.StreamingTranslator(k, distributed=False, start=exact(other).T)
+    st = otl.StreamingTranslator(k, distributed=False, start=T1)
     for s in range(0, 12000, 2500):
         st.add(O[s:s + 2500])
     streamed = st.result(refetch=lambda rows: O[rows])
-    assert torch.equal(streamed.labels, warm.labels) and torch.equal(streamed.T, warm.T)
+    assert torch.equal(streamed.labels, stream_path.labels) and torch.equal(streamed.T, stream_path.T)
+    # N / k = 300 rows each: one assignment is balanced and a translation's, whatever the path
+    assert torch.equal(warm.labels, stream_path.labels) and torch.equal(cold.labels, warm.labels)
 
 
 def test_start_far_from_the_answer_still_balances():
@@ -853,3 +857,103 @@ def test_sample_start_leaves_bad_outputs_to_the_whole_call():
     O[4000, 7] = math.nan                # row 4000 is the sample's row 1000
     with pytest.raises(ValueError, match=r"first: \[4000\]"):
         exact(O)
+
+
+# ---------------------------------------------------------------------------------------------
+# small k, outputs held whole: Newton steps, then the rows near a boundary (translate's default)
+# ---------------------------------------------------------------------------------------------
+
+def _dense_spy(monkeypatch):
+    """Records, for each translate call, whether the dense path gave the result and the rows of
+    each exact solve it made."""
+    calls, solves = [], []
+    dense, init = otl._dense_translate, otl._ExactSolver.__init__
+
+    def spy(*a):
+        solves.clear()
+        r = dense(*a)
+        calls.append((r is not None, list(solves)))
+        return r
+
+    def counted(self, vals, *a, **kw):
+        solves.append(vals.shape[0])
+        init(self, vals, *a, **kw)
+
+    monkeypatch.setattr(otl, "_dense_translate", spy)
+    monkeypatch.setattr(otl._ExactSolver, "__init__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("k, dtype", [(10, torch.float32), (50, torch.float64), (128, torch.float16)])
+def test_dense_path_on_real_like_outputs(monkeypatch, k, dtype):
+    """k <= 128, N >= 64 k: translate solves only the rows near a cluster boundary after Newton
+    steps; exact balance, a translation's labels, and (N / k whole: one balanced assignment is
+    a translation's) the streaming path's labels."""
+    n = 20_000 - 20_000 % k
+    O = dominant(n, k, 21).to(dtype)
+    calls = _dense_spy(monkeypatch)
+    r = exact(O)
+    assert calls[-1][0] and len(calls[-1][1]) == 1
+    assert r.active == calls[-1][1][0] < 0.5 * n          # most rows kept their best column
+    check_even(r)
+    check_translation(O, r)
+    ref = exact(O, dense=False)
+    assert len(calls) == 1                                 # dense=False: the streaming path
+    assert torch.equal(r.labels, ref.labels)
+
+
+def test_dense_path_widens_when_T_moves_past_the_rows_kept(monkeypatch):
+    """A first set of rows far too narrow: the solve moves T by more than the margin of the rows
+    left out, so they are taken in (4x, from the solve's T) until it does not; still exact."""
+    n, k = 20_000, 40
+    O = dominant(n, k, 22)
+    calls = _dense_spy(monkeypatch)
+    monkeypatch.setattr(otl, "_DENSE_SHARE", 0.0)
+    monkeypatch.setattr(otl, "_DENSE_PER_MOVE", 2)      # (32 by default)
+    r = exact(O)
+    used, sizes = calls[-1]
+    assert used and len(sizes) >= 2 and sizes[-1] > sizes[0]
+    check_even(r)
+    check_translation(O, r)
+    assert torch.equal(r.labels, exact(O, dense=False).labels)
+
+
+@pytest.mark.parametrize("x", [0.5, 2.0])
+def test_dense_path_uneven_target(monkeypatch, x):
+    n, k = 12_345, 30
+    target = otl.uneven_target(n, k, x)
+    O = dominant(n, k, 23)
+    calls = _dense_spy(monkeypatch)
+    r = exact(O, target=target)
+    assert calls[-1][0]
+    assert (r.counts.double() - target).abs().max() <= 1
+    check_translation(O, r)
+
+
+def test_dense_path_leaves_what_it_cannot_do_to_the_streaming_path(monkeypatch):
+    """Collapsed rows (every row the same output: Newton steps cannot separate them) fall back
+    and balance there; bad values and a bad start get the streaming path's errors."""
+    calls = _dense_spy(monkeypatch)
+    O = torch.randn(1, 20, generator=gen(24)).expand(10_000, 20).contiguous()
+    r = exact(O)
+    assert calls[-1] == (False, [])
+    check_even(r)
+    check_translation(O, r)
+    bad = torch.randn(10_000, 20, generator=gen(25))
+    bad[7_777, 3] = float("nan")
+    with pytest.raises(ValueError, match="7777"):
+        exact(bad)
+    with pytest.raises(ValueError, match="start must be k = 20"):
+        exact(torch.randn(10_000, 20, generator=gen(26)), start=torch.zeros(19))
+
+
+def test_dense_path_from_a_start():
+    """start= (another view's T): the dense path from there, as balanced, the same labels."""
+    n, k = 20_000, 50
+    g = gen(27)
+    O = dominant(n, k, 28)
+    other = O + 0.05 * torch.randn(O.shape, generator=g)
+    warm = exact(O, start=exact(other).T)
+    check_even(warm)
+    check_translation(O, warm)
+    assert torch.equal(warm.labels, exact(O).labels)

@@ -26,31 +26,47 @@ def far_outputs(n, k, seed):
     return (F @ (torch.randn(32, k, generator=g) / 8)).float()
 
 
+def _labeler_functions():
+    return (otl._ExactSolver._approach, otl._ExactSolver._auction, otl._ExactSolver._finish,
+            otl._ExactSolver.strictify, otl.StreamingTranslator._warm_start, otl.sample_start_T,
+            otl._dense_translate, otl._newton_T)
+
+
 def test_stage_timer_records_each_solve_and_restores_the_labeler():
     O = far_outputs(20_000, 20, 0)
-    originals = (otl._ExactSolver._approach, otl._ExactSolver._auction, otl._ExactSolver._finish,
-                 otl._ExactSolver.strictify, otl.StreamingTranslator._warm_start, otl.sample_start_T)
-    plain = otl.translate(O)
+    originals = _labeler_functions()
+    # the streaming path: the warm start's sample, then the main solve
+    plain = otl.translate(O, dense=False)
     with profile_labeler.stage_timer(torch.device("cpu")) as records:
-        timed = otl.translate(O)
+        timed = otl.translate(O, dense=False)
     assert torch.equal(timed.labels, plain.labels) and torch.equal(timed.T, plain.T)
-    solves = {solve[0] for solve, _, _, _ in records}
-    assert solves == {"warm start", "main"}
+    assert {solve[0] for solve, _, _, _ in records} == {"warm start", "main"}
     main = [r for r in records if r[0][0] == "main"]
     assert {stage for _, stage, _, _ in main} >= {"auction", "finish", "strict argmax"}
     assert all(sec >= 0 and steps >= 0 for _, _, sec, steps in records)
     # the main solve's steps add up to the call's iterations; the warm start took steps too
     assert sum(steps for _, _, _, steps in main) == timed.iterations
     assert sum(steps for s, _, _, steps in records if s[0] == "warm start") >= 1
-    assert originals == (otl._ExactSolver._approach, otl._ExactSolver._auction,
-                         otl._ExactSolver._finish, otl._ExactSolver.strictify,
-                         otl.StreamingTranslator._warm_start, otl.sample_start_T)
+    assert _labeler_functions() == originals
     lines = profile_labeler.phases_report(records, total=10.0)
-    assert lines[0].startswith("| solve | rows | approach s (steps)")
+    assert lines[0].startswith("| solve | rows | newton s (steps) | approach s (steps)")
     assert any(x.startswith("| warm start | ") for x in lines)
     assert any(x.startswith("| main | ") for x in lines)
     rest = float(lines[-1].split("|")[3])
     assert 0 < rest < 10.0
+    # the dense path (k <= 128): its Newton steps on the sample-free 20,000 rows, then one solve
+    with profile_labeler.stage_timer(torch.device("cpu")) as records:
+        dense = otl.translate(O)
+    assert dense.active < 20_000
+    newton = [r for r in records if r[1] == "newton"]
+    assert newton and all(r[0][0] == "dense" and r[0][2] == 20_000 for r in newton)
+    solved = {r[0] for r in records if r[1] != "newton"}
+    assert solved == {("dense", next(iter(solved))[1], dense.active)}
+    assert sum(r[3] for r in records) == dense.iterations      # passes + the solve's steps
+    assert _labeler_functions() == originals
+    lines = profile_labeler.phases_report(records, total=10.0)
+    assert any(x.startswith("| dense | 20,000 | ") for x in lines)
+    assert any(x.startswith(f"| dense | {dense.active:,} | ") for x in lines)
 
 
 def test_phases_on_a_saved_bench_input(small_data, tmp_path):
