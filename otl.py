@@ -198,7 +198,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
         raise ValueError(f"beta must be > 1 (it shrinks the step), got {beta}")
     _check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
     n, k = outputs.shape
-    if dense and k <= full_rows_up_to and n >= 64 * k:
+    if dense and 2 <= k <= full_rows_up_to and n >= 64 * k:
         res = _dense_translate(outputs, target, seed, 2.0 ** -26 if tie_eps is None else tie_eps,
                                start, n_init)
         if res is not None:
@@ -900,7 +900,9 @@ def _knn_inputs(train_feats, train_labels, test_feats, ks, T, num_classes):
 #    (translate(method="exact"), the default).  The same translation as part 1, found differently:
 #    every row keeps only its best candidates, only the rows that can change cluster are solved,
 #    and the published step rule, an auction and shortest augmenting paths take the counts to
-#    within 1 of the target.  StreamingTranslator's docstring says how.
+#    within 1 of the target.  StreamingTranslator's docstring says how.  For small k on outputs
+#    held whole, translate first tries Newton steps and a solve of the rows near a boundary
+#    (`_dense_translate`, at the end of this part).
 # ==============================================================================================
 
 def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tensor:
@@ -2311,12 +2313,13 @@ class _ExactSolver:
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
 
 def _newton_counts(X, T, block=65536):
-    """(best column, runner-up column, best - runner-up, counts) of X - T, in float32 passes over
-    `block` rows at a time (no N x k temporary)."""
+    """(best column, runner-up column, best - runner-up, counts, best score) of X - T, in
+    float32 passes over `block` rows at a time (no N x k temporary)."""
     n, k = X.shape
     a1 = torch.empty(n, dtype=torch.int64, device=X.device)
     a2 = torch.empty(n, dtype=torch.int64, device=X.device)
     m = torch.empty(n, dtype=torch.float32, device=X.device)
+    best = torch.empty(n, dtype=torch.float32, device=X.device)
     T32 = T.to(torch.float32)
     for s in range(0, n, block):
         V = X[s:s + block].to(torch.float32) - T32
@@ -2324,9 +2327,9 @@ def _newton_counts(X, T, block=65536):
         v1 = V.gather(1, b1)[:, 0]
         V.scatter_(1, b1, -math.inf)
         v2, b2 = V.max(1)
-        a1[s:s + block], a2[s:s + block] = b1[:, 0], b2
+        a1[s:s + block], a2[s:s + block], best[s:s + block] = b1[:, 0], b2, v1
         torch.sub(v1, v2, out=m[s:s + block])
-    return a1, a2, m, torch.bincount(a1, minlength=k)
+    return a1, a2, m, torch.bincount(a1, minlength=k), best
 
 
 def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
@@ -2334,13 +2337,15 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
     by about the rows on the a / b boundary per unit of margin, (rows of a with runner-up b and
     rows of b with runner-up a, margin below h) / 2h, h the margin of the `frac` closest rows; that
     graph Laplacian L, solved for L d = counts - target, gives the step (each entry within 32h;
-    halved up to twice while it does not lower sum |counts - target|).  Stops at sum |counts -
+    a cluster whose boundary rows carry under a tenth of its imbalance, far from the others as
+    on crowded outputs, takes the shift that balances it alone instead; halved up to twice
+    while it does not lower sum |counts - target|).  Stops at sum |counts -
     target| <= tol, after max_steps, or when a step does not help.  The k x k solve runs on the
     CPU, so that T is the same bits on every device.  Returns (T, counts - target, best column,
     margin, passes made); errs (a list): sum |counts - target| at the start and after each step
     is appended."""
     k = X.shape[1]
-    a1, a2, m, cnt = _newton_counts(X, T)
+    a1, a2, m, cnt, best = _newton_counts(X, T)
     e = cnt.to(torch.float64) - target
     passes = 1
     errs = [] if errs is None else errs
@@ -2356,6 +2361,22 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
         W = (W + W.T) / (2 * h)
         L = torch.diag(W.sum(1)) - W + torch.eye(k, dtype=torch.float64) * (1e-6 * float(W.sum()) / k + 1e-12)
         d = torch.linalg.solve(L, e.cpu()).clamp(-32 * h, 32 * h).to(T.device)
+        # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
+        # far from every other cluster): the shift that balances each alone (T_j up to the
+        # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
+        rows_at = W.sum(1) * 2 * h
+        ec = e.cpu()
+        for j in ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0].tolist():
+            want = int(abs(float(ec[j])))
+            if ec[j] > 0:
+                mine = m[a1 == j]
+                if mine.numel() > want:
+                    d[j] = float(mine.kthvalue(want + 1).values)
+            else:
+                cost = best - (X[:, j].to(torch.float32) - T[j].to(torch.float32))
+                cost = cost[a1 != j]
+                if cost.numel() > want:
+                    d[j] = -float(cost.kthvalue(want + 1).values)
         for s in (1.0, 0.5, 0.25):
             got = _newton_counts(X, T + s * d)
             passes += 1
@@ -2365,7 +2386,7 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
         else:
             break
         T = T + s * d
-        a1, a2, m, _ = got
+        a1, a2, m, _, best = got
         e = e2
         errs.append(float(e.abs().sum()))
     return T, e, a1, m, passes
@@ -2414,7 +2435,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     if errs[-1] > 0.9 * errs[0] and errs[-1] > 0.1 * n:
         return None     # two steps removed under a tenth of a far imbalance: crowded outputs
     if errs[-1] > tol:
-        T, e, lab, margin, p = _newton_T(X, T, target, 4, tol)
+        T, e, lab, margin, p = _newton_T(X, T, target, 8, tol)
         passes += p
     to_move = float(e.clamp(min=0).sum())
     if to_move > 0.05 * n:
@@ -2466,7 +2487,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                                    refetched=0, ties=solver.ties, active=B.numel())
         # T moved further than the margin kept: from the solve's T, with 4 times the rows
         T = T + solver.dT
-        lab, _, margin, _ = _newton_counts(X, T)
+        lab, _, margin, _, _ = _newton_counts(X, T)
         passes += 1
         want *= 4
     return None
