@@ -957,3 +957,22 @@ def test_dense_path_from_a_start():
     check_even(warm)
     check_translation(O, warm)
     assert torch.equal(warm.labels, exact(O).labels)
+
+
+def test_newton_steps_bring_the_counts_near_the_target():
+    """The dense path's start: on crowded outputs (k = 128; some clusters far from every other,
+    which take the shift that balances them alone) each accepted step lowers sum |counts -
+    target| and eight steps remove almost all of it; the float32 labels it returns are the
+    argmax at its T."""
+    n, k = 19_968, 128
+    O = dominant(n, k, 21)
+    target = otl.even_target(n, k).double()
+    T0 = O[:8192].median(dim=0).values.double()
+    errs = []
+    T, e, lab, margin, passes = otl._newton_T(O, T0, target, 8, 0.0, errs=errs)
+    assert all(b < a for a, b in zip(errs, errs[1:])) and len(errs) >= 4
+    assert errs[-1] < 0.05 * errs[0]
+    assert passes >= len(errs)
+    assert float(e.abs().sum()) == errs[-1]
+    S = O - T.float()
+    assert torch.equal(lab, S.argmax(1)) and (margin >= 0).all()
