@@ -2433,7 +2433,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     T, e, lab, margin, p = _newton_T(X, T, target, 2, tol, errs=errs)
     passes += p
     if errs[-1] > 0.9 * errs[0] and errs[-1] > 0.1 * n:
-        return None     # two steps removed under a tenth of a far imbalance: crowded outputs
+        return None     # two steps removed under a tenth of sum |counts - target| > N / 10
     if errs[-1] > tol:
         T, e, lab, margin, p = _newton_T(X, T, target, 8, tol)
         passes += p
