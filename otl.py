@@ -283,6 +283,16 @@ def _check_outputs_finite(X, row0: int = 0):
                          "lower the learning rate or resume from an earlier checkpoint")
 
 
+def _check_start(start, k: int) -> torch.Tensor:
+    """A start translation for the exact labeler as a (k,) float64 CPU tensor, or ValueError."""
+    T = torch.as_tensor(start).detach().to(torch.float64).flatten().cpu()
+    if T.numel() != k or not bool(torch.isfinite(T).all()):
+        shape = tuple(torch.as_tensor(start).shape)
+        raise ValueError(f"start must be k = {k} finite numbers (a translation T, "
+                         f"e.g. an earlier result's .T), got shape {shape}")
+    return T
+
+
 def _check_target(target, n: int, k: int) -> torch.Tensor:
     if target is None:
         return even_target(n, k)
@@ -304,6 +314,11 @@ def _check_target(target, n: int, k: int) -> torch.Tensor:
 # ==============================================================================================
 # 2. Target distributions
 # ==============================================================================================
+
+def _count_bounds(target: torch.Tensor):
+    """(lo, hi) int64: the counts the exact labeler accepts, floor and ceil of the target."""
+    return (target + 1e-9).floor().long(), (target - 1e-9).ceil().long()
+
 
 def even_target(n: int, k: int) -> torch.Tensor:
     """The even target n_i = N / k (float: N need not be a multiple of k)."""
@@ -1067,13 +1082,7 @@ class StreamingTranslator:
         self.full_rows_bytes = int(full_rows_bytes)
         self.warm_start, self.f0 = bool(warm_start), 1.0   # see _warm_start
         # a start translation instead of the first rows' column medians (rank 0's counts)
-        self.start = None
-        if start is not None:
-            self.start = torch.as_tensor(start).detach().to(torch.float64).flatten().cpu()
-            if self.start.numel() != self.k or not bool(torch.isfinite(self.start).all()):
-                shape = tuple(torch.as_tensor(start).shape)
-                raise ValueError(f"start must be k = {self.k} finite numbers (a translation T, "
-                                 f"e.g. an earlier result's .T), got shape {shape}")
+        self.start = None if start is None else _check_start(start, self.k)
         self.widen = 1      # 2: candidate lists twice as wide (_collapsed, decided in _start)
         self.width = self.k if self.all_cols else self.max_candidates
         self.cdtype = torch.int16 if self.k < 32768 else torch.int32
@@ -1353,8 +1362,7 @@ class StreamingTranslator:
         if n_total < k:
             raise ValueError(f"need at least as many outputs as clusters (N >= k), got N={n_total}, k={k}")
         target = _check_target(self.target_arg, n_total, k)
-        lo = (target + 1e-9).floor().long().to(dev)
-        hi = (target - 1e-9).ceil().long().to(dev)
+        lo, hi = (b.to(dev) for b in _count_bounds(target))
         self._add_jitter(self.offset)   # now the global row numbers are known
         self._diff = self._mask = None        # the extraction buffers
         if (self.warm_start and self.start is None and self.small_k and self.far
@@ -2360,12 +2368,12 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
         W = torch.bincount(a1[sel] * k + a2[sel], minlength=k * k).to(torch.float64).view(k, k).cpu()
         W = (W + W.T) / (2 * h)
         L = torch.diag(W.sum(1)) - W + torch.eye(k, dtype=torch.float64) * (1e-6 * float(W.sum()) / k + 1e-12)
-        d = torch.linalg.solve(L, e.cpu()).clamp(-32 * h, 32 * h).to(T.device)
+        ec = e.cpu()
+        d = torch.linalg.solve(L, ec).clamp(-32 * h, 32 * h).to(T.device)
         # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
         # far from every other cluster): the shift that balances each alone (T_j up to the
         # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
         rows_at = W.sum(1) * 2 * h
-        ec = e.cpu()
         for j in ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0].tolist():
             want = int(abs(float(ec[j])))
             if ec[j] > 0:
@@ -2409,16 +2417,14 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     n, k = outputs.shape
     dev = outputs.device
     X = outputs.detach()      # read in float32, block by block (_newton_counts)
-    if start is not None:
-        start = torch.as_tensor(start).detach()
-        if start.numel() != k or not bool(torch.isfinite(start).all()):
-            return None     # the streaming path says what is wrong with it
-    for s in range(0, n, 65536):
-        if not bool(torch.isfinite(X[s:s + 65536].to(torch.float32)).all()):
-            return None     # the streaming path names the bad row (or float64 beyond float32)
+    start = None if start is None else _check_start(start, k)
+    # one pass for the largest |O| (the float32 slack below) and for non-finite values, also
+    # float64 ones beyond float32 (the largest |O| says: max propagates NaN)
+    top = torch.stack([X[s:s + 65536].abs().amax() for s in range(0, n, 65536)]).amax()
+    if not bool(torch.isfinite(top.to(torch.float32))):
+        return None     # the streaming path names the bad row
     target = _check_target(target, n, k).to(dev)
-    lo = (target + 1e-9).floor().long()
-    hi = (target - 1e-9).ceil().long()
+    lo, hi = _count_bounds(target)
     head = X[:max(n_init, 1)].to(torch.float32)
     eps = tie_eps * max(float(head.abs().amax(1).median()), 1e-30)
     T = (head.median(dim=0).values.to(torch.float64) if start is None
@@ -2440,7 +2446,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     to_move = float(e.clamp(min=0).sum())
     if to_move > 0.05 * n:
         return None     # the Newton steps did not get near (a network collapsing onto few clusters)
-    scale = max(float(X[s:s + 65536].abs().max()) for s in range(0, n, 65536)) + float(T.abs().max())
+    scale = float(top) + float(T.abs().max())
     slack = 2.0 ** -20 * scale + 4 * eps      # float32 margins against the float64 ones
     want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (to_move + k)))
     cols = torch.arange(k, device=dev, dtype=torch.int16)

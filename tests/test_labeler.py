@@ -943,6 +943,10 @@ def test_dense_path_leaves_what_it_cannot_do_to_the_streaming_path(monkeypatch):
     bad[7_777, 3] = float("nan")
     with pytest.raises(ValueError, match="7777"):
         exact(bad)
+    late = torch.randn(70_000, 10, generator=gen(25))     # past the first 65,536-row block
+    late[69_999, 0] = float("inf")
+    with pytest.raises(ValueError, match="69999"):
+        exact(late)
     with pytest.raises(ValueError, match="start must be k = 20"):
         exact(torch.randn(10_000, 20, generator=gen(26)), start=torch.zeros(19))
 
