@@ -2320,27 +2320,55 @@ class _ExactSolver:
 
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
 
-def _newton_counts(X, T, block=65536):
+def _newton_block(k):
+    """Rows per block of _newton_counts: about 4 MiB of float32 scores."""
+    return max(1024, (1 << 20) // k)
+
+
+def _newton_bufs(n, k, device, scratch=None):
+    """Buffers for _newton_counts: (best column, runner-up, margin, best score, scratch), scratch
+    = (a block of scores, a block's runner-up scores), shareable.  Reused pass after pass: in a
+    fresh process every newly touched page costs a fault (several microseconds in a virtual
+    machine), more than a pass's arithmetic at small k."""
+    e = dict(device=device)
+    if scratch is None:
+        block = min(n, _newton_block(k))
+        scratch = (torch.empty(block, k, dtype=torch.float32, **e),
+                   torch.empty(block, dtype=torch.float32, **e))
+    return (torch.empty(n, dtype=torch.int64, **e), torch.empty(n, dtype=torch.int64, **e),
+            torch.empty(n, dtype=torch.float32, **e), torch.empty(n, dtype=torch.float32, **e),
+            scratch)
+
+
+def _newton_counts(X, T, out=None):
     """(best column, runner-up column, best - runner-up, counts, best score) of X - T, in
-    float32 passes over `block` rows at a time (no N x k temporary)."""
+    float32 passes over blocks of rows into one scratch block (no N x k temporary; max(1)
+    gives the value with its column, faster than argmax and a gather); out: _newton_bufs to
+    write them into."""
     n, k = X.shape
-    a1 = torch.empty(n, dtype=torch.int64, device=X.device)
-    a2 = torch.empty(n, dtype=torch.int64, device=X.device)
-    m = torch.empty(n, dtype=torch.float32, device=X.device)
-    best = torch.empty(n, dtype=torch.float32, device=X.device)
+    a1, a2, m, best, (V, v2) = _newton_bufs(n, k, X.device) if out is None else out
+    block = V.shape[0]
     T32 = T.to(torch.float32)
     for s in range(0, n, block):
-        V = X[s:s + block].to(torch.float32) - T32
-        b1 = V.argmax(1, keepdim=True)
-        v1 = V.gather(1, b1)[:, 0]
-        V.scatter_(1, b1, -math.inf)
-        v2, b2 = V.max(1)
-        a1[s:s + block], a2[s:s + block], best[s:s + block] = b1[:, 0], b2, v1
-        torch.sub(v1, v2, out=m[s:s + block])
+        xb = X[s:s + block]
+        r = xb.shape[0]
+        v, b1 = V[:r], a1[s:s + r]
+        torch.sub(xb, T32, out=v)       # (casts float16 / float64 blocks to float32)
+        torch.max(v, 1, out=(best[s:s + r], b1))
+        v.scatter_(1, b1[:, None], -math.inf)
+        torch.max(v, 1, out=(v2[:r], a2[s:s + r]))
+        torch.sub(best[s:s + r], v2[:r], out=m[s:s + r])
     return a1, a2, m, torch.bincount(a1, minlength=k), best
 
 
-def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
+def _newton_pair(n, k, device):
+    """Two _newton_bufs sharing one scratch block: a state and a trial (_newton_T's bufs)."""
+    one = _newton_bufs(n, k, device)
+    return [one, _newton_bufs(n, k, device, scratch=one[4])]
+
+
+def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_max=math.inf,
+              bufs=None):
     """Newton steps on the counts of argmax(X - T): the count of cluster a changes with T_a - T_b
     by about the rows on the a / b boundary per unit of margin, (rows of a with runner-up b and
     rows of b with runner-up a, margin below h) / 2h, h the margin of the `frac` closest rows; that
@@ -2348,16 +2376,24 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
     a cluster whose boundary rows carry under a tenth of its imbalance, far from the others as
     on crowded outputs, takes the shift that balances it alone instead; halved up to twice
     while it does not lower sum |counts - target|).  Stops at sum |counts -
-    target| <= tol, after max_steps, or when a step does not help.  The k x k solve runs on the
-    CPU, so that T is the same bits on every device.  Returns (T, counts - target, best column,
-    margin, passes made); errs (a list): sum |counts - target| at the start and after each step
-    is appended."""
+    target| <= tol, after max_steps, when a step does not help, or (escaped) before a step
+    that would move T from the T given by a span over span_max.  The k x k solve runs on the
+    CPU, so that T is the same bits on every device.  at: _newton_counts(X, T) where the caller
+    has it (no first pass).  bufs: two _newton_bufs for X's passes (the state, a trial; `at`
+    may live in either), else fresh ones each pass.  Returns (T, counts - target,
+    _newton_counts(X, T) at that T, passes made, escaped); errs (a list): sum |counts -
+    target| at the start and after each step is appended."""
     k = X.shape[1]
-    a1, a2, m, cnt, best = _newton_counts(X, T)
+    T0 = T
+    passes = 0
+    bufs = [None, None] if bufs is None else bufs
+    if at is None:
+        at, passes = _newton_counts(X, T, out=bufs[0]), 1
+    a1, a2, m, cnt, best = at
     e = cnt.to(torch.float64) - target
-    passes = 1
     errs = [] if errs is None else errs
-    errs.append(float(e.abs().sum()))
+    if not errs or errs[-1] != float(e.abs().sum()):
+        errs.append(float(e.abs().sum()))
     for _ in range(max_steps):
         err = errs[-1]
         if err <= tol:
@@ -2374,19 +2410,34 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
         # far from every other cluster): the shift that balances each alone (T_j up to the
         # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
         rows_at = W.sum(1) * 2 * h
-        for j in ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0].tolist():
-            want = int(abs(float(ec[j])))
-            if ec[j] > 0:
-                mine = m[a1 == j]
-                if mine.numel() > want:
-                    d[j] = float(mine.kthvalue(want + 1).values)
-            else:
-                cost = best - (X[:, j].to(torch.float32) - T[j].to(torch.float32))
-                cost = cost[a1 != j]
-                if cost.numel() > want:
-                    d[j] = -float(cost.kthvalue(want + 1).values)
+        iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
+        if iso.numel():
+            over, under = iso[ec[iso] > 0].tolist(), iso[ec[iso] < 0]
+            if over:      # each one's margins, its rows together (one sort)
+                key = torch.sort(m, stable=True).indices
+                key = key[torch.sort(a1.index_select(0, key), stable=True).indices]
+                first = torch.cumsum(cnt, 0) - cnt
+                for j in over:
+                    want = int(float(ec[j]))
+                    if int(cnt[j]) > want:
+                        d[j] = float(m[key[int(first[j]) + want]])
+            step = max(1, (1 << 24) // X.shape[0])
+            for c in range(0, under.numel(), step):     # their columns read together
+                ud = under[c:c + step].to(X.device)
+                C = best[:, None] - (X.index_select(1, ud).to(torch.float32)
+                                     - T.index_select(0, ud).to(torch.float32))
+                C[a1[:, None] == ud[None, :]] = math.inf
+                for i, j in enumerate(ud.tolist()):
+                    want = int(-float(ec[j]))
+                    if X.shape[0] - int(cnt[j]) > want:
+                        d[j] = -float(C[:, i].kthvalue(want + 1).values)
+        if span_max < math.inf:
+            moved = T + d - T0
+            if float(moved.max() - moved.min()) > span_max:
+                return T, e, (a1, a2, m, cnt, best), passes, True
+        spare = bufs[1] if bufs[0] is not None and a1 is bufs[0][0] else bufs[0]
         for s in (1.0, 0.5, 0.25):
-            got = _newton_counts(X, T + s * d)
+            got = _newton_counts(X, T + s * d, out=spare)
             passes += 1
             e2 = got[3].to(torch.float64) - target
             if float(e2.abs().sum()) < err:
@@ -2394,25 +2445,45 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None):
         else:
             break
         T = T + s * d
-        a1, a2, m, _, best = got
+        a1, a2, m, cnt, best = got
         e = e2
         errs.append(float(e.abs().sum()))
-    return T, e, a1, m, passes
+    return T, e, (a1, a2, m, cnt, best), passes, False
 
 
-_DENSE_SHARE, _DENSE_PER_MOVE = 0.02, 32   # _dense_translate's first rows to solve (see there)
+_DENSE_SHARE, _DENSE_PER_MOVE = 0.02, 8   # _dense_translate's first rows to solve (see there)
+_DENSE_POOL = 0.5    # its Newton steps go on to the rows near a boundary when these are at most this share
+
+
+def _near_rows(lab, margin, R, cnt_out, hi):
+    """(rows with margin <= R, counts of the others with cnt_out added), where for a cluster
+    the others would overfill the rows of it nearest a boundary join, twice its excess and 32
+    more; None when the rows cannot prevent that."""
+    k = hi.numel()
+    inside = margin <= R
+    cnt = torch.bincount(lab, minlength=k)
+    ic = cnt_out + cnt - torch.bincount(lab[inside], minlength=k)
+    for j in (ic > hi).nonzero()[:, 0].tolist():
+        rows = (lab == j).nonzero()[:, 0]
+        take = min(rows.numel(), 2 * int(cnt_out[j] + cnt[j] - hi[j]) + 32)
+        near = torch.sort(margin.index_select(0, rows), stable=True).indices[:take]
+        inside[rows.index_select(0, near)] = True
+    B = inside.nonzero()[:, 0]
+    ic = cnt_out + cnt - torch.bincount(lab.index_select(0, B), minlength=k)
+    return None if bool((ic > hi).any()) else (B, ic)
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     """translate's exact labeler for small k on outputs held whole in one process, or None when
     it cannot finish cheaply (then the StreamingTranslator path runs).  Newton steps
-    (`_newton_T`) on every `stride`-th row and then on all rows bring the counts near the
-    target in float32 passes; the rows within a margin R of their runner-up (at least 2 % of
-    them, and 32 times the rows still to move) are solved exactly by the same solver as the
-    streaming path (`_ExactSolver`, with the same tie-break eps x u(row, column)), the other
-    rows keep their best column: they lead by more than R, and the solve moves no T_j by as
-    much relative to another (checked, with float32's rounding; else R widens 4x, twice).
-    docs/labeler.md (v16) has the measurements."""
+    (`_newton_T`) on every `stride`-th row, then on all rows, then (once T can cross at most
+    half of them) on the rows near a boundary only, bring the counts near the target in
+    float32 passes; the rows within a margin R of their runner-up (at least 2 % of them, and
+    8 times the rows still to move and k) are solved exactly by the same solver as the streaming
+    path (`_ExactSolver`, with the same tie-break eps x u(row, column)), the other rows keep
+    their best column: they lead by more than R, and the solve moves no T_j by as much
+    relative to another (checked, with float32's rounding; else R widens 4x, twice).
+    docs/labeler.md (v16, v17) has the measurements."""
     t0 = time.perf_counter()
     n, k = outputs.shape
     dev = outputs.device
@@ -2420,29 +2491,70 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     start = None if start is None else _check_start(start, k)
     # one pass for the largest |O| (the float32 slack below) and for non-finite values, also
     # float64 ones beyond float32 (the largest |O| says: max propagates NaN)
-    top = torch.stack([X[s:s + 65536].abs().amax() for s in range(0, n, 65536)]).amax()
+    top = torch.stack([torch.maximum(X[s:s + 65536].amax(), -X[s:s + 65536].amin())
+                       for s in range(0, n, 65536)]).amax()
     if not bool(torch.isfinite(top.to(torch.float32))):
         return None     # the streaming path names the bad row
     target = _check_target(target, n, k).to(dev)
     lo, hi = _count_bounds(target)
     head = X[:max(n_init, 1)].to(torch.float32)
-    eps = tie_eps * max(float(head.abs().amax(1).median()), 1e-30)
+    eps = tie_eps * max(float(torch.maximum(head.amax(1), -head.amin(1)).median()), 1e-30)
     T = (head.median(dim=0).values.to(torch.float64) if start is None
          else start.to(device=dev, dtype=torch.float64).flatten())
     passes = 0
     m_rows = max(8192, 64 * k)
     if n >= 4 * m_rows:     # a sample first: its steps cost a fraction of a pass over all rows
         sub = X[::n // m_rows].to(torch.float32)
-        T, _, _, _, p = _newton_T(sub, T, target * (sub.shape[0] / n), 8, 0.005 * sub.shape[0])
+        T, _, _, p, _ = _newton_T(sub, T, target * (sub.shape[0] / n), 8, 0.005 * sub.shape[0],
+                                  bufs=_newton_pair(*sub.shape, dev))
         passes += p
     tol, errs = max(0.002 * n, k), []
-    T, e, lab, margin, p = _newton_T(X, T, target, 2, tol, errs=errs)
+    bufs = _newton_pair(n, k, dev)    # the passes over all rows write here
+
+    def spare(at):      # the buffers `at` does not live in
+        return bufs[1] if at[0] is bufs[0][0] else bufs[0]
+
+    T, e, at, p, _ = _newton_T(X, T, target, 2, tol, errs=errs, bufs=bufs)
     passes += p
     if errs[-1] > 0.9 * errs[0] and errs[-1] > 0.1 * n:
         return None     # two steps removed under a tenth of sum |counts - target| > N / 10
-    if errs[-1] > tol:
-        T, e, lab, margin, p = _newton_T(X, T, target, 8, tol)
+    zero = torch.zeros(k, dtype=torch.int64, device=dev)
+    pool = None     # (rows, their labels and margins at T, counts of the rest, their least margin)
+    last, full_steps = math.inf, 0
+    while errs[-1] > tol and full_steps < 8:
+        want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
+        margin = at[2]
+        if last < math.inf:
+            # T moves on by about its last step (the counts' error falls by half or more a
+            # step): rows leading by more than 4 x that keep their column; once they are half
+            # of the rows or more, the steps go on with the others only
+            R1 = max(4 * last, float(margin.kthvalue(min(n, 2 * want)).values))
+            if int((margin <= R1).sum()) <= _DENSE_POOL * n:
+                got = _near_rows(at[0], margin, R1, zero, hi)
+                if got is not None:
+                    P, c_out = got
+                    XP = X.index_select(0, P).to(torch.float32)
+                    TP, eP, atP, p, escaped = _newton_T(
+                        XP, T, target - c_out, 12, tol, frac=min(0.5, 0.05 * n / P.numel()),
+                        span_max=R1 / 2, bufs=_newton_pair(*XP.shape, dev))
+                    passes += p
+                    if not escaped:
+                        moved = TP - T
+                        pool = (P, atP[0], atP[2], c_out, R1 - float(moved.max() - moved.min()))
+                        T, e = TP, eP
+                        break
+                    if TP is not T:     # T would cross rows left out: all rows from here
+                        T = TP
+                        at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
+                        e = at[3].to(torch.float64) - target
+                        errs.append(float(e.abs().sum()))
+        T1, e, at, p, _ = _newton_T(X, T, target, 1, tol, at=at, errs=errs, bufs=bufs)
         passes += p
+        full_steps += 1
+        step = T1 - T
+        last, T = float(step.max() - step.min()), T1
+        if last == 0:
+            break       # no step helped
     to_move = float(e.clamp(min=0).sum())
     if to_move > 0.05 * n:
         return None     # the Newton steps did not get near (a network collapsing onto few clusters)
@@ -2451,23 +2563,25 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (to_move + k)))
     cols = torch.arange(k, device=dev, dtype=torch.int16)
     history = []
-    for _ in range(3):
-        want = min(want, n)
-        R = float(margin.kthvalue(want).values) if want < n else math.inf
-        inside = margin <= R
-        cnt = torch.bincount(lab, minlength=k)
-        ic = cnt - torch.bincount(lab[inside], minlength=k)
-        for j in (ic > hi).nonzero()[:, 0].tolist():
-            # the rows left out would overfill cluster j (its rows lead by much): its rows
-            # nearest a boundary join, twice its excess and 32 more (they lead by more than R:
-            # the check below is unchanged)
-            rows = (lab == j).nonzero()[:, 0]
-            take = min(rows.numel(), 2 * int(cnt[j] - hi[j]) + 32)
-            near = torch.sort(margin.index_select(0, rows), stable=True).indices[:take]
-            inside[rows.index_select(0, near)] = True
-        B = inside.nonzero()[:, 0]
-        ic = cnt - torch.bincount(lab.index_select(0, B), minlength=k)
-        if bool((ic > hi).any()) or B.numel() * k * 10 > (1 << 30):
+    tries = 0
+    while tries < 3:
+        if pool is None:
+            P, labP, mP, c_out, outer = None, at[0], at[2], zero, math.inf
+        else:
+            P, labP, mP, c_out, outer = pool
+        nP = labP.numel()
+        w = min(want, nP)
+        R = min(float(mP.kthvalue(w).values) if w < nP else math.inf, outer)
+        got = _near_rows(labP, mP, R, c_out, hi)
+        if got is None and pool is not None:
+            pool = None     # the rows near a boundary cannot balance a cluster: all rows
+            at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
+            continue
+        if got is None:
+            return None
+        Bl, ic = got
+        B = Bl if P is None else P.index_select(0, Bl)
+        if B.numel() * k * 10 > (1 << 30):
             return None     # (the streaming path keeps candidate lists where whole rows do not fit)
         XB = outputs.index_select(0, B).detach().to(torch.float64)
         cb = cols.expand(B.numel(), k)
@@ -2481,7 +2595,11 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         solver.strictify()
         span = float(solver.dT.max() - solver.dT.min())
         if span + slack < R:
-            labels = lab
+            if P is None:
+                labels = labP
+            else:
+                labels = at[0]
+                labels[P] = labP
             labels[B] = solver.labels
             counts = ic + solver.counts
             tc = target.cpu()
@@ -2491,11 +2609,12 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                                    std_max=_std_max(tc, n),
                                    seconds=time.perf_counter() - t0, stop_reason="balanced",
                                    refetched=0, ties=solver.ties, active=B.numel())
-        # T moved further than the margin kept: from the solve's T, with 4 times the rows
+        # T moved further than the margin kept: from the solve's T, all rows, 4 times as many
         T = T + solver.dT
-        lab, _, margin, _, _ = _newton_counts(X, T)
-        passes += 1
+        pool = None
+        at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
         want *= 4
+        tries += 1
     return None
 
 

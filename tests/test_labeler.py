@@ -909,7 +909,7 @@ def test_dense_path_widens_when_T_moves_past_the_rows_kept(monkeypatch):
     O = dominant(n, k, 22)
     calls = _dense_spy(monkeypatch)
     monkeypatch.setattr(otl, "_DENSE_SHARE", 0.0)
-    monkeypatch.setattr(otl, "_DENSE_PER_MOVE", 2)      # (32 by default)
+    monkeypatch.setattr(otl, "_DENSE_PER_MOVE", 2)      # (8 by default)
     r = exact(O)
     used, sizes = calls[-1]
     assert used and len(sizes) >= 2 and sizes[-1] > sizes[0]
@@ -963,6 +963,66 @@ def test_dense_path_from_a_start():
     assert torch.equal(warm.labels, exact(O).labels)
 
 
+def _newton_spy(monkeypatch, force_span_max=None):
+    """Records (rows, escaped) of each _newton_T call; force_span_max replaces the span_max of
+    the calls on the rows near a boundary."""
+    calls, newton = [], otl._newton_T
+
+    def spy(X, *a, **kw):
+        if force_span_max is not None and "span_max" in kw:
+            kw["span_max"] = force_span_max
+        out = newton(X, *a, **kw)
+        calls.append((X.shape[0], out[4]))
+        return out
+
+    monkeypatch.setattr(otl, "_newton_T", spy)
+    return calls
+
+
+def test_dense_path_newton_steps_on_the_rows_near_a_boundary(monkeypatch):
+    """Once T can cross at most half of the rows, the Newton steps go on with the rows near a
+    boundary only (the others keep their column); still exact, and (N / k whole) the
+    streaming path's labels."""
+    n, k = 20_000, 50
+    O = dominant(n, k, 31)
+    calls = _newton_spy(monkeypatch)
+    r = exact(O)
+    assert calls[0][0] == n and any(rows < n / 2 for rows, _ in calls)
+    assert not any(esc for _, esc in calls)
+    check_even(r)
+    check_translation(O, r)
+    assert torch.equal(r.labels, exact(O, dense=False).labels)
+
+
+def test_dense_path_steps_that_would_cross_the_rows_left_out_go_back_to_all_rows(monkeypatch):
+    """A Newton step on the rows near a boundary that would move T by more than their margin
+    allows is not taken there (escaped): the steps go on with all rows; still exact."""
+    n, k = 20_000, 50
+    O = dominant(n, k, 31)
+    calls = _newton_spy(monkeypatch, force_span_max=0.0)
+    r = exact(O)
+    assert any(esc and rows < n for rows, esc in calls)
+    i = next(i for i, (rows, esc) in enumerate(calls) if esc)
+    assert calls[i + 1][0] == n            # the next steps read all rows
+    check_even(r)
+    check_translation(O, r)
+    assert torch.equal(r.labels, exact(O, dense=False).labels)
+
+
+def test_newton_step_past_span_max_is_not_taken():
+    n, k = 20_000, 50
+    O = dominant(n, k, 31)
+    target = otl.even_target(n, k).double()
+    T0 = O[:8192].median(dim=0).values.double()
+    T, e, at, passes, escaped = otl._newton_T(O, T0, target, 8, 0.0, span_max=1e-9)
+    assert escaped and passes == 1 and torch.equal(T, T0)
+    assert torch.equal(at[0], (O - T0.float()).argmax(1))
+    assert float(e.abs().sum()) == float((at[3].double() - target).abs().sum())
+    # from the state it returned (no first pass), without the bound: steps are taken
+    T2, _, _, passes2, escaped2 = otl._newton_T(O, T, target, 1, 0.0, at=at)
+    assert not escaped2 and passes2 >= 1 and not torch.equal(T2, T0)
+
+
 def test_newton_steps_bring_the_counts_near_the_target():
     """The dense path's start: on crowded outputs (k = 128; some clusters far from every other,
     which take the shift that balances them alone) each accepted step lowers sum |counts -
@@ -973,7 +1033,9 @@ def test_newton_steps_bring_the_counts_near_the_target():
     target = otl.even_target(n, k).double()
     T0 = O[:8192].median(dim=0).values.double()
     errs = []
-    T, e, lab, margin, passes = otl._newton_T(O, T0, target, 8, 0.0, errs=errs)
+    T, e, at, passes, escaped = otl._newton_T(O, T0, target, 8, 0.0, errs=errs)
+    lab, margin = at[0], at[2]
+    assert not escaped
     assert all(b < a for a, b in zip(errs, errs[1:])) and len(errs) >= 4
     assert errs[-1] < 0.05 * errs[0]
     assert passes >= len(errs)

@@ -54,12 +54,14 @@ def test_stage_timer_records_each_solve_and_restores_the_labeler():
     assert any(x.startswith("| main | ") for x in lines)
     rest = float(lines[-1].split("|")[3])
     assert 0 < rest < 10.0
-    # the dense path (k <= 128): its Newton steps on the sample-free 20,000 rows, then one solve
+    # the dense path (k <= 128): its Newton steps on the sample-free 20,000 rows (then perhaps
+    # on the rows near a boundary only), then one solve
     with profile_labeler.stage_timer(torch.device("cpu")) as records:
         dense = otl.translate(O)
     assert dense.active < 20_000
     newton = [r for r in records if r[1] == "newton"]
-    assert newton and all(r[0][0] == "dense" and r[0][2] == 20_000 for r in newton)
+    assert newton and newton[0][0] == ("dense", "newton", 20_000)
+    assert all(r[0][0] == "dense" and r[0][2] <= 20_000 for r in newton)
     solved = {r[0] for r in records if r[1] != "newton"}
     assert solved == {("dense", next(iter(solved))[1], dense.active)}
     assert sum(r[3] for r in records) == dense.iterations      # passes + the solve's steps
