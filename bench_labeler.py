@@ -319,6 +319,14 @@ def otl_sha256():
         return hashlib.sha256(fh.read()).hexdigest()
 
 
+def _import_scipy(settle=0.5):
+    """Import scipy's graph routines (otl's exact finish uses them at k > 64), then wait:
+    numpy's and scipy's OpenBLAS start threads on import that spin for a while, and on 2 cores
+    they took about 50 ms from a call timed right after (both labelers; docs/labeler.md, v17)."""
+    otl._scipy_csgraph()
+    time.sleep(settle)
+
+
 def measure(spec):
     """Child process: build or load the input, then time one labeler and its peak memory."""
     torch.set_num_threads(spec["threads"])
@@ -335,7 +343,7 @@ def measure(spec):
         O = gaussian(spec["n"], spec["k"], spec["seed"])
     start = torch.load(spec["start"], weights_only=True) if spec.get("start") else None
     n, k = O.shape
-    otl._scipy_csgraph()   # a process imports scipy once, at its first exact finish: not timed
+    _import_scipy()        # a process imports scipy once, at its first exact finish: not timed
     rss = _start_peak()
     t0 = time.perf_counter()
     labels, iters, reason, call, extra = call_labeler(spec["method"], O, start)
@@ -358,7 +366,7 @@ def measure_stream(spec):
     n, k, seed = spec["n"], spec["k"], spec["seed"]
     src = (NetRows(torch.load(spec["path"], weights_only=True), seed) if spec["path"]
            else GaussianRows(k, seed))
-    otl._scipy_csgraph()   # imported once per process: not the labeler's time
+    _import_scipy()        # imported once per process: not the labeler's time
     rss = _start_peak()
     st = otl.StreamingTranslator(k, distributed=False)
     seconds = 0.0
