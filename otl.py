@@ -22,6 +22,7 @@ torch Dijkstra does the same work, more slowly).  Importing this file has no sid
 """
 from __future__ import annotations
 
+import heapq
 import math
 import numbers
 import time
@@ -2367,30 +2368,106 @@ def _newton_pair(n, k, device):
     return [one, _newton_bufs(n, k, device, scratch=one[4])]
 
 
+def _by_cluster(a1, m):
+    """Row numbers grouped by cluster (ascending), each group by margin (ascending)."""
+    key = torch.sort(m, stable=True).indices
+    key = key.index_select(0, torch.sort(a1.index_select(0, key), stable=True).indices)
+    return key
+
+
+def _newton_step(X, T, at, e, frac):
+    """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`."""
+    k = X.shape[1]
+    a1, a2, m, cnt, best = at
+    h = float(m.kthvalue(max(1, int(frac * m.numel()))).values)
+    h = max(h, 1e-30)
+    sel = m < h
+    W = torch.bincount(a1[sel] * k + a2[sel], minlength=k * k).to(torch.float64).view(k, k).cpu()
+    W = (W + W.T) / (2 * h)
+    L = torch.diag(W.sum(1)) - W + torch.eye(k, dtype=torch.float64) * (1e-6 * float(W.sum()) / k + 1e-12)
+    ec = e.cpu()
+    d = torch.linalg.solve(L, ec).clamp(-32 * h, 32 * h).to(T.device)
+    # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
+    # far from every other cluster): the shift that balances each alone (T_j up to the
+    # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
+    rows_at = W.sum(1) * 2 * h
+    iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
+    if iso.numel():
+        over, under = iso[ec[iso] > 0].tolist(), iso[ec[iso] < 0]
+        if over:      # each one's margins, its rows together (one sort)
+            key = _by_cluster(a1, m)
+            first = torch.cumsum(cnt, 0) - cnt
+            for j in over:
+                want = int(float(ec[j]))
+                if int(cnt[j]) > want:
+                    d[j] = float(m[key[int(first[j]) + want]])
+        step = max(1, (1 << 24) // X.shape[0])
+        for c in range(0, under.numel(), step):     # their columns read together
+            ud = under[c:c + step].to(X.device)
+            C = best[:, None] - (X.index_select(1, ud).to(torch.float32)
+                                 - T.index_select(0, ud).to(torch.float32))
+            C[a1[:, None] == ud[None, :]] = math.inf
+            for i, j in enumerate(ud.tolist()):
+                want = int(-float(ec[j]))
+                if X.shape[0] - int(cnt[j]) > want:
+                    d[j] = -float(C[:, i].kthvalue(want + 1).values)
+    return d
+
+
+def _shed_step(at, e):
+    """An ascending auction round at T (`at` its _newton_counts): every over-full cluster's T_j
+    rises to the middle of the gap after its e_j-th smallest margin, so that e_j of its rows
+    would leave it (for their runner-up) if no other T rose (a row whose runner-up rises too
+    may stay); None when no cluster can shed."""
+    a1, _, m, cnt, _ = at
+    over = (e >= 1) & (cnt.to(torch.float64) > e)
+    if not bool(over.any()):
+        return None
+    key = _by_cluster(a1, m)
+    first = torch.cumsum(cnt, 0) - cnt
+    w = e.floor().to(torch.int64).clamp(min=1)
+    j = over.nonzero()[:, 0]
+    at_w = first.index_select(0, j) + w.index_select(0, j)
+    lo = m.index_select(0, key.index_select(0, at_w - 1)).to(torch.float64)
+    hi = m.index_select(0, key.index_select(0, at_w)).to(torch.float64)
+    d = torch.zeros_like(e)
+    d[j] = (lo + hi) / 2
+    return d
+
+
 def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_max=math.inf,
-              bufs=None):
-    """Newton steps on the counts of argmax(X - T): the count of cluster a changes with T_a - T_b
-    by about the rows on the a / b boundary per unit of margin, (rows of a with runner-up b and
-    rows of b with runner-up a, margin below h) / 2h, h the margin of the `frac` closest rows; that
-    graph Laplacian L, solved for L d = counts - target, gives the step (each entry within 32h;
-    a cluster whose boundary rows carry under a tenth of its imbalance, far from the others as
-    on crowded outputs, takes the shift that balances it alone instead; halved up to twice
-    while it does not lower sum |counts - target|).  Stops at sum |counts -
-    target| <= tol, after max_steps, when a step does not help, or (escaped) before a step
-    that would move T from the T given by a span over span_max.  The k x k solve runs on the
-    CPU, so that T is the same bits on every device.  at: _newton_counts(X, T) where the caller
-    has it (no first pass).  bufs: two _newton_bufs for X's passes (the state, a trial; `at`
-    may live in either), else fresh ones each pass.  Returns (T, counts - target,
+              bufs=None, mode=None):
+    """Steps on the counts of argmax(X - T) towards the target, of two kinds:
+
+    * Newton: the count of cluster a changes with T_a - T_b by about the rows on the a / b
+      boundary per unit of margin, (rows of a with runner-up b and rows of b with runner-up a,
+      margin below h) / 2h, h the margin of the `frac` closest rows; that graph Laplacian L,
+      solved for L d = counts - target, gives the step (each entry within 32h; a cluster whose
+      boundary rows carry under a tenth of its imbalance, far from the others as on crowded
+      outputs, takes the shift that balances it alone instead; halved up to twice while it
+      does not lower sum |counts - target|).  The k x k solve runs on the CPU, so that T is
+      the same bits on every device.
+    * shedding (`_shed_step`, an auction round): every over-full cluster gives up exactly its
+      excess to the runner-ups.  A Newton step that removes under 30 % of sum |counts -
+      target| (trained networks' crowded outputs, where its linear model fails) is followed
+      by one round of shedding, then Newton steps again (they gain more after one: shedding
+      alone only raises T, and crawls); a step of either kind that does not help is
+      followed, in the same step, by one of the other kind.
+
+    Stops at sum |counts - target| <= tol, after max_steps, when neither kind helps, or
+    (escaped) before a step that would move T from the T given by a span over span_max.
+    at: _newton_counts(X, T) where the caller has it (no first pass).  bufs: two _newton_bufs
+    for X's passes (the state, a trial; `at` may live in either), else fresh ones each pass.
+    mode: a dict kept across calls (which kind goes first).  Returns (T, counts - target,
     _newton_counts(X, T) at that T, passes made, escaped); errs (a list): sum |counts -
     target| at the start and after each step is appended."""
-    k = X.shape[1]
     T0 = T
     passes = 0
     bufs = [None, None] if bufs is None else bufs
+    mode = {} if mode is None else mode
     if at is None:
         at, passes = _newton_counts(X, T, out=bufs[0]), 1
-    a1, a2, m, cnt, best = at
-    e = cnt.to(torch.float64) - target
+    e = at[3].to(torch.float64) - target
     errs = [] if errs is None else errs
     if not errs or errs[-1] != float(e.abs().sum()):
         errs.append(float(e.abs().sum()))
@@ -2398,69 +2475,48 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_
         err = errs[-1]
         if err <= tol:
             break
-        h = float(m.kthvalue(max(1, int(frac * m.numel()))).values)
-        h = max(h, 1e-30)
-        sel = m < h
-        W = torch.bincount(a1[sel] * k + a2[sel], minlength=k * k).to(torch.float64).view(k, k).cpu()
-        W = (W + W.T) / (2 * h)
-        L = torch.diag(W.sum(1)) - W + torch.eye(k, dtype=torch.float64) * (1e-6 * float(W.sum()) / k + 1e-12)
-        ec = e.cpu()
-        d = torch.linalg.solve(L, ec).clamp(-32 * h, 32 * h).to(T.device)
-        # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
-        # far from every other cluster): the shift that balances each alone (T_j up to the
-        # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
-        rows_at = W.sum(1) * 2 * h
-        iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
-        if iso.numel():
-            over, under = iso[ec[iso] > 0].tolist(), iso[ec[iso] < 0]
-            if over:      # each one's margins, its rows together (one sort)
-                key = torch.sort(m, stable=True).indices
-                key = key[torch.sort(a1.index_select(0, key), stable=True).indices]
-                first = torch.cumsum(cnt, 0) - cnt
-                for j in over:
-                    want = int(float(ec[j]))
-                    if int(cnt[j]) > want:
-                        d[j] = float(m[key[int(first[j]) + want]])
-            step = max(1, (1 << 24) // X.shape[0])
-            for c in range(0, under.numel(), step):     # their columns read together
-                ud = under[c:c + step].to(X.device)
-                C = best[:, None] - (X.index_select(1, ud).to(torch.float32)
-                                     - T.index_select(0, ud).to(torch.float32))
-                C[a1[:, None] == ud[None, :]] = math.inf
-                for i, j in enumerate(ud.tolist()):
-                    want = int(-float(ec[j]))
-                    if X.shape[0] - int(cnt[j]) > want:
-                        d[j] = -float(C[:, i].kthvalue(want + 1).values)
-        if span_max < math.inf:
-            moved = T + d - T0
-            if float(moved.max() - moved.min()) > span_max:
-                return T, e, (a1, a2, m, cnt, best), passes, True
-        spare = bufs[1] if bufs[0] is not None and a1 is bufs[0][0] else bufs[0]
-        for s in (1.0, 0.5, 0.25):
-            got = _newton_counts(X, T + s * d, out=spare)
-            passes += 1
-            e2 = got[3].to(torch.float64) - target
-            if float(e2.abs().sum()) < err:
+        got = None
+        for shed in ((True, False) if mode.get("shed") else (False, True)):
+            d = _shed_step(at, e) if shed else _newton_step(X, T, at, e, frac)
+            if d is None:
+                continue
+            if span_max < math.inf:
+                moved = T + d - T0
+                if float(moved.max() - moved.min()) > span_max:
+                    return T, e, at, passes, True
+            spare = bufs[1] if bufs[0] is not None and at[0] is bufs[0][0] else bufs[0]
+            for s in ((1.0,) if shed else (1.0, 0.5, 0.25)):
+                trial = _newton_counts(X, T + s * d, out=spare)
+                passes += 1
+                e2 = trial[3].to(torch.float64) - target
+                if float(e2.abs().sum()) < err:
+                    got = trial
+                    break
+            if got is not None:
                 break
-        else:
-            break
+        if got is None:
+            break       # neither kind helps
+        mode["shed"] = not shed and float(e2.abs().sum()) > _SHED_AFTER * err
         T = T + s * d
-        a1, a2, m, cnt, best = got
-        e = e2
+        at, e = got, e2
         errs.append(float(e.abs().sum()))
-    return T, e, (a1, a2, m, cnt, best), passes, False
+    return T, e, at, passes, False
 
 
 _DENSE_SHARE, _DENSE_PER_MOVE = 0.02, 8   # _dense_translate's first rows to solve (see there)
+_SHED_AFTER = 0.9
+_PAST_8 = 0.01
 _DENSE_POOL = 0.5    # its Newton steps go on to the rows near a boundary when these are at most this share
 
 
-def _near_rows(lab, margin, R, cnt_out, hi):
-    """(rows with margin <= R, counts of the others with cnt_out added), where for a cluster
-    the others would overfill the rows of it nearest a boundary join, twice its excess and 32
-    more; None when the rows cannot prevent that."""
+def _near_rows(lab, margin, R, cnt_out, hi, must=None):
+    """(rows with margin <= R and the rows `must`, counts of the others with cnt_out added),
+    where for a cluster the others would overfill the rows of it nearest a boundary join,
+    twice its excess and 32 more; None when the rows cannot prevent that."""
     k = hi.numel()
     inside = margin <= R
+    if must is not None:
+        inside[must] = True
     cnt = torch.bincount(lab, minlength=k)
     ic = cnt_out + cnt - torch.bincount(lab[inside], minlength=k)
     for j in (ic > hi).nonzero()[:, 0].tolist():
@@ -2475,15 +2531,18 @@ def _near_rows(lab, margin, R, cnt_out, hi):
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     """translate's exact labeler for small k on outputs held whole in one process, or None when
-    it cannot finish cheaply (then the StreamingTranslator path runs).  Newton steps
-    (`_newton_T`) on every `stride`-th row, then on all rows, then (once T can cross at most
-    half of them) on the rows near a boundary only, bring the counts near the target in
-    float32 passes; the rows within a margin R of their runner-up (at least 2 % of them, and
-    8 times the rows still to move and k) are solved exactly by the same solver as the streaming
-    path (`_ExactSolver`, with the same tie-break eps x u(row, column)), the other rows keep
-    their best column: they lead by more than R, and the solve moves no T_j by as much
-    relative to another (checked, with float32's rounding; else R widens 4x, twice).
-    docs/labeler.md (v16, v17) has the measurements."""
+    it cannot finish cheaply (then the StreamingTranslator path runs).  Steps on the counts
+    (`_newton_T`: Newton steps, and rounds of shedding where those fail) on every `stride`-th
+    row, then on all rows (8 steps, up to 24 while more than 1 % of the rows are still to
+    move), then (once T can cross at most half of them) on the rows near a boundary only,
+    bring the counts near the target in float32 passes; the rows within a margin R of their
+    runner-up (at least 2 % of them, and 8 times the rows still to move and k) are solved
+    exactly by the same solver as the streaming path (`_ExactSolver`, with the same tie-break
+    eps x u(row, column)), the other rows keep their best column: they lead by more than R
+    and the solve moves no T_j by as much relative to another, or else one pass at the
+    solve's T finds none of them changed (both with float32's rounding).  Where rows did
+    change, the next try (up to four) starts from that T with the rows solved and the rows
+    that changed.  docs/labeler.md (v16, v17) has the measurements."""
     t0 = time.perf_counter()
     n, k = outputs.shape
     dev = outputs.device
@@ -2514,14 +2573,17 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     def spare(at):      # the buffers `at` does not live in
         return bufs[1] if at[0] is bufs[0][0] else bufs[0]
 
-    T, e, at, p, _ = _newton_T(X, T, target, 2, tol, errs=errs, bufs=bufs)
+    mode = {}       # which kind of step goes first, kept from call to call
+    T, e, at, p, _ = _newton_T(X, T, target, 2, tol, errs=errs, bufs=bufs, mode=mode)
     passes += p
     if errs[-1] > 0.9 * errs[0] and errs[-1] > 0.1 * n:
         return None     # two steps removed under a tenth of sum |counts - target| > N / 10
     zero = torch.zeros(k, dtype=torch.int64, device=dev)
     pool = None     # (rows, their labels and margins at T, counts of the rest, their least margin)
     last, full_steps = math.inf, 0
-    while errs[-1] > tol and full_steps < 8:
+    while errs[-1] > tol and full_steps < 24 and (full_steps < 8 or errs[-1] > _PAST_8 * n):
+        # (past 8 steps only while more than 5 % of the rows are still to move: the exact
+        # solve below would be slow, the streaming path too)
         want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
         margin = at[2]
         if last < math.inf:
@@ -2536,7 +2598,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                     XP = X.index_select(0, P).to(torch.float32)
                     TP, eP, atP, p, escaped = _newton_T(
                         XP, T, target - c_out, 12, tol, frac=min(0.5, 0.05 * n / P.numel()),
-                        span_max=R1 / 2, bufs=_newton_pair(*XP.shape, dev))
+                        span_max=R1 / 2, bufs=_newton_pair(*XP.shape, dev), mode=dict(mode))
                     passes += p
                     if not escaped:
                         moved = TP - T
@@ -2548,7 +2610,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                         at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
                         e = at[3].to(torch.float64) - target
                         errs.append(float(e.abs().sum()))
-        T1, e, at, p, _ = _newton_T(X, T, target, 1, tol, at=at, errs=errs, bufs=bufs)
+        T1, e, at, p, _ = _newton_T(X, T, target, 1, tol, at=at, errs=errs, bufs=bufs, mode=mode)
         passes += p
         full_steps += 1
         step = T1 - T
@@ -2563,8 +2625,9 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (to_move + k)))
     cols = torch.arange(k, device=dev, dtype=torch.int16)
     history = []
+    must = None     # rows a try found to matter, solved in the next ones too
     tries = 0
-    while tries < 3:
+    while tries < 4:
         if pool is None:
             P, labP, mP, c_out, outer = None, at[0], at[2], zero, math.inf
         else:
@@ -2572,7 +2635,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         nP = labP.numel()
         w = min(want, nP)
         R = min(float(mP.kthvalue(w).values) if w < nP else math.inf, outer)
-        got = _near_rows(labP, mP, R, c_out, hi)
+        got = _near_rows(labP, mP, R, c_out, hi, must if P is None else None)
         if got is None and pool is not None:
             pool = None     # the rows near a boundary cannot balance a cluster: all rows
             at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
@@ -2594,26 +2657,38 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             return None
         solver.strictify()
         span = float(solver.dT.max() - solver.dT.min())
-        if span + slack < R:
-            if P is None:
-                labels = labP
-            else:
-                labels = at[0]
-                labels[P] = labP
+        if P is None:
+            labels = labP
+        else:
+            labels = at[0]
+            labels[P] = labP
+        T = T + solver.dT
+        safe = span + slack < R      # no row left out leads by less than T moved
+        if not safe:
+            # T moved further than the margin kept: one pass at the solve's T says whether a
+            # row left out changed its column or came within float32's rounding of doing so
+            labels = labels.clone()
+            at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
+            out = torch.ones(n, dtype=torch.bool, device=dev)
+            out[B] = False
+            unsafe = out & ((at[0] != labels) | (at[2] <= slack))
+            safe = not bool(unsafe.any())
+        if safe:
             labels[B] = solver.labels
             counts = ic + solver.counts
             tc = target.cpu()
-            return TranslateResult(labels=labels, T=T + solver.dT, counts=counts, target=tc,
+            return TranslateResult(labels=labels, T=T, counts=counts, target=tc,
                                    iterations=passes + solver.rounds + solver.phases,
                                    std_history=history, std=_std(counts.cpu(), tc),
                                    std_max=_std_max(tc, n),
                                    seconds=time.perf_counter() - t0, stop_reason="balanced",
                                    refetched=0, ties=solver.ties, active=B.numel())
-        # T moved further than the margin kept: from the solve's T, all rows, 4 times as many
-        T = T + solver.dT
+        # from the solve's T, with its rows and the rows that changed (a cluster T moved far
+        # for: the rows that move with it) and the rows near a boundary there
+        must = torch.cat([B, unsafe.nonzero()[:, 0]])
         pool = None
-        at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
-        want *= 4
+        e = at[3].to(torch.float64) - target
+        want = max(want, int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
         tries += 1
     return None
 
@@ -2635,6 +2710,24 @@ def _shortest_paths(k, eb, ew, indptr, sources):
         d, pred, _ = dijkstra(g, directed=True, indices=src.numpy(), min_only=True,
                               return_predecessors=True)
         return torch.from_numpy(d), torch.from_numpy(np.where(pred < 0, -1, pred).astype(np.int64))
+    if eb.numel() <= 16384:     # few edges: a heap in Python, settling equal ones lowest first
+        ebl, ewl, ipl = eb.tolist(), ew.tolist(), indptr.tolist()
+        dl, pl = [math.inf] * k, [-1] * k
+        heap = [(0.0, s) for s in src.tolist()]
+        for s in src.tolist():
+            dl[s] = 0.0
+        done = [False] * k
+        while heap:
+            du, u = heapq.heappop(heap)
+            if done[u]:
+                continue
+            done[u] = True
+            for i in range(ipl[u], ipl[u + 1]):
+                v, nd = ebl[i], du + ewl[i]
+                if nd < dl[v]:
+                    dl[v], pl[v] = nd, u
+                    heapq.heappush(heap, (nd, v))
+        return torch.tensor(dl, dtype=torch.float64), torch.tensor(pl, dtype=torch.int64)
     w = torch.full((k, k), math.inf, dtype=torch.float64)
     w[torch.arange(k).repeat_interleave(indptr.diff().long()), eb.long()] = ew
     d = torch.full((k,), math.inf, dtype=torch.float64)

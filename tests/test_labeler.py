@@ -910,9 +910,27 @@ def test_dense_path_widens_when_T_moves_past_the_rows_kept(monkeypatch):
     calls = _dense_spy(monkeypatch)
     monkeypatch.setattr(otl, "_DENSE_SHARE", 0.0)
     monkeypatch.setattr(otl, "_DENSE_PER_MOVE", 2)      # (8 by default)
+    musts, solved = [], []
+    near, init = otl._near_rows, otl._ExactSolver.__init__
+
+    def spy(lab, margin, R, cnt_out, hi, must=None):
+        musts.append(None if must is None else must.clone())
+        return near(lab, margin, R, cnt_out, hi, must)
+
+    def rows_of(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, **kw):
+        solved.append(rows_global.clone())
+        init(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, **kw)
+
+    monkeypatch.setattr(otl, "_near_rows", spy)
     r = exact(O)
+    monkeypatch.setattr(otl._ExactSolver, "__init__", rows_of)
+    r2 = exact(O)
     used, sizes = calls[-1]
     assert used and len(sizes) >= 2 and sizes[-1] > sizes[0]
+    assert torch.equal(r2.labels, r.labels) and len(solved) == len(sizes)
+    # a try after one that failed solves that one's rows again (with the rows that changed)
+    for must, before in zip(musts[-len(sizes) + 1:], solved):
+        assert must is not None and set(before.tolist()) <= set(must.tolist())
     check_even(r)
     check_translation(O, r)
     assert torch.equal(r.labels, exact(O, dense=False).labels)
@@ -1007,6 +1025,43 @@ def test_dense_path_steps_that_would_cross_the_rows_left_out_go_back_to_all_rows
     check_even(r)
     check_translation(O, r)
     assert torch.equal(r.labels, exact(O, dense=False).labels)
+
+
+def test_shed_step_moves_exactly_the_excess_out_of_each_over_full_cluster():
+    n, k = 20_000, 50
+    O = dominant(n, k, 32)
+    target = otl.even_target(n, k).double()
+    T = O[:8192].median(dim=0).values.double()
+    at = otl._newton_counts(O, T)
+    e = at[3].double() - target
+    d = otl._shed_step(at, e)
+    over = e >= 1
+    assert over.any() and (d[~over] == 0).all() and (d[over] > 0).all()
+    lab, margin = at[0], at[2]
+    for j in over.nonzero()[:, 0].tolist():     # its excess lies below its rise, alone
+        assert int((margin[lab == j] < d[j]).sum()) == int(e[j])
+    new = otl._newton_counts(O, T + d)
+    left = lab != new[0]
+    assert not (left & ~over[lab]).any()        # T rose for over-full clusters only
+    assert int(left.sum()) <= int(e.clamp(min=0).floor().sum())   # (a runner-up rising too keeps some)
+    assert float((new[3].double() - target).abs().sum()) < float(e.abs().sum())
+    # no cluster can shed (all at or under the target): None
+    assert otl._shed_step(at, torch.zeros(k, dtype=torch.float64) - 1) is None
+
+
+def test_newton_T_sheds_where_the_newton_step_does_not_help(monkeypatch):
+    """A Newton step that does not lower sum |counts - target| is followed in the same step
+    by a round of shedding (here every Newton step is useless: only shedding moves T)."""
+    n, k = 20_000, 50
+    O = dominant(n, k, 32)
+    target = otl.even_target(n, k).double()
+    T0 = O[:8192].median(dim=0).values.double()
+    monkeypatch.setattr(otl, "_newton_step", lambda X, T, at, e, frac: torch.zeros_like(T))
+    errs = []
+    T, e, at, passes, escaped = otl._newton_T(O, T0, target, 6, 0.0, errs=errs)
+    assert len(errs) >= 4 and all(b < a for a, b in zip(errs, errs[1:]))
+    assert (T >= T0).all()          # shedding only raises T
+    assert torch.equal(at[0], (O - T.float()).argmax(1))
 
 
 def test_newton_step_past_span_max_is_not_taken():
