@@ -494,6 +494,42 @@ def test_small_k_finishes_without_scipy(monkeypatch):
     assert looked_up
 
 
+def _graph(k, density, seed, ties):
+    """A random cluster graph in _shortest_paths' csr form (with ties and zero weights)."""
+    g = gen(seed)
+    edge = torch.rand(k, k, generator=g) < density
+    edge.fill_diagonal_(False)
+    W = (torch.randint(0, 4, (k, k), generator=g).double() if ties
+         else torch.rand(k, k, generator=g, dtype=torch.float64))
+    e = edge.view(-1).nonzero()[:, 0]
+    indptr = torch.searchsorted(e // k, torch.arange(k + 1)).to(torch.int32)
+    src = torch.rand(k, generator=g) < 0.2
+    src[0] = True
+    return (e % k).to(torch.int32), W.view(-1)[e], indptr, src, W, edge
+
+
+@pytest.mark.parametrize("k, density, scipy", [(12, 0.3, True), (50, 0.2, True), (64, 0.9, True), (100, 0.5, True),
+                                                (150, 0.9, False)])
+def test_shortest_paths_against_bellman_ford(monkeypatch, k, density, scipy):
+    """The finish's Dijkstra (a heap in Python up to 16,384 edges, else torch vector steps
+    without scipy, scipy's above k = 64): Bellman-Ford's distances, and each predecessor on a
+    shortest path."""
+    if not scipy:
+        monkeypatch.setattr(otl, "_SCIPY", False)
+    for seed in range(8):
+        eb, ew, indptr, src, W, edge = _graph(k, density, seed, ties=seed % 2 == 0)
+        d, pred = otl._shortest_paths(k, eb, ew, indptr, src)
+        ref = torch.where(src, 0.0, math.inf).double()
+        Wm = torch.where(edge, W, math.inf)
+        for _ in range(k):
+            ref = torch.minimum(ref, (ref[:, None] + Wm).amin(0))
+        assert torch.equal(d, ref)
+        for v in range(k):
+            if math.isfinite(float(d[v])) and not src[v]:
+                u = int(pred[v])
+                assert edge[u, v] and float(d[u] + W[u, v]) == float(d[v])
+
+
 def test_streaming_bad_batches():
     st = otl.StreamingTranslator(10, distributed=False)
     with pytest.raises(ValueError, match="k=10"):
