@@ -2401,16 +2401,20 @@ def _newton_step(X, T, at, e, frac):
                 want = int(float(ec[j]))
                 if int(cnt[j]) > want:
                     d[j] = float(m[key[int(first[j]) + want]])
-        step = max(1, (1 << 24) // X.shape[0])
+        n = X.shape[0]
+        step = max(1, (1 << 24) // n)
         for c in range(0, under.numel(), step):     # their columns read together
             ud = under[c:c + step].to(X.device)
-            C = best[:, None] - (X.index_select(1, ud).to(torch.float32)
-                                 - T.index_select(0, ud).to(torch.float32))
-            C[a1[:, None] == ud[None, :]] = math.inf
-            for i, j in enumerate(ud.tolist()):
-                want = int(-float(ec[j]))
-                if X.shape[0] - int(cnt[j]) > want:
-                    d[j] = -float(C[:, i].kthvalue(want + 1).values)
+            # (clusters x rows) costs of joining each, its own rows at inf
+            C = best[None, :] - (X.index_select(1, ud).to(torch.float32).T
+                                 - T.index_select(0, ud).to(torch.float32)[:, None])
+            C[a1[None, :] == ud[:, None]] = math.inf
+            want = (-ec.index_select(0, ud.cpu())).to(torch.int64).to(X.device)
+            ok = (n - cnt.index_select(0, ud)) > want
+            if bool(ok.any()):
+                small = C.topk(int(want.max()) + 1, dim=1, largest=False).values
+                cost = small.gather(1, want[:, None])[:, 0].to(torch.float64)
+                d[ud[ok]] = -cost[ok]
     return d
 
 
