@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import otl
@@ -101,3 +102,33 @@ def test_profile_labeler_bad_input(tmp_path):
     torch.save(torch.randn(200, 4), good)
     p = run("profile_labeler.py", "--input", str(good), "--phases", "--method", "published")
     assert p.returncode != 0 and "--phases is for the exact labeler" in p.stderr
+
+
+def test_variants_of_a_saved_input(tmp_path):
+    """--variants: ours and the published rules on subsets of the input's rows and on it with a
+    little noise, one table row each, ours exactly balanced on each."""
+    O = far_outputs(12_000, 20, 3)
+    saved = tmp_path / "far.pt"
+    torch.save(O, saved)
+    out = tmp_path / "variants.md"
+    p = run("profile_labeler.py", "--input", str(saved), "--variants", "--repeat", "1",
+            "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "---" not in r][1:]
+    sizes = {"first 80 %": 9_600, "last two thirds": 8_000, "all but 777": 11_223, "noise 1 %": 12_000}
+    assert [r.split(" | ")[0][2:] for r in rows] == list(sizes)
+    for r in rows:
+        cells = r.strip("| ").split(" | ")
+        assert int(cells[1].replace(",", "")) == sizes[cells[0]]
+        assert cells[5].split(" / ")[0] in ("0", "1")          # ours: max - min
+        assert cells[7] in ("dense", "streaming")
+        assert float(cells[4][:-1]) == pytest.approx(float(cells[3]) / float(cells[2]), rel=0.02)
+
+
+def test_input_variants_are_subsets_and_noise():
+    O = torch.arange(50_000 * 3, dtype=torch.float32).view(50_000, 3)
+    v = profile_labeler.input_variants(O)
+    assert torch.equal(v["every 2nd row"], O[1::2])
+    assert torch.equal(v["first 80 %"], O[:40_000]) and torch.equal(v["last two thirds"], O[16_666:])
+    assert v["noise 1 %"].shape == O.shape and not torch.equal(v["noise 1 %"], O)
+    assert torch.equal(profile_labeler.input_variants(O)["noise 1 %"], v["noise 1 %"])   # seeded
