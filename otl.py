@@ -180,9 +180,10 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     rows_hint).  sample_start: without a start, when k > 2 x full_rows_up_to (candidate lists)
     and the first rows are far from balance at their medians (real networks' outputs), first
     solve every 4th row and start from its T (`sample_start_T`; docs/labeler.md, v14).
-    dense: for k <= full_rows_up_to and N >= 64 k, first Newton steps on the counts and an
-    exact solve of only the rows near a cluster boundary (`_dense_translate`; the streaming
-    path where that cannot finish; docs/labeler.md, v16).
+    dense: for k <= full_rows_up_to and N >= 64 k, first Newton steps on the counts (rounds
+    of shedding where those fail) and an exact solve of only the rows near a cluster boundary
+    (`_dense_translate`; the streaming path where that cannot finish; docs/labeler.md, v16 and
+    v17).
     method="published": Algorithm 1 as the authors' code runs it (`translate_published`), with
     `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6), `seed` and `init`.
     """
