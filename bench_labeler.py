@@ -98,7 +98,7 @@ def get_args_parser():
                    "input (random_net, trained_net, trained_backbone: an (N, k) float32 tensor "
                    "saved by torch.save as DIR/<input>_<k>.pt) for profile_labeler.py --input")
     p.add_argument("--summary", metavar="JSON", help="print the tables of a results JSON written "
-                   "by this script and stop")
+                   "by this script (and with --plot, draw its plot) and stop")
     p.add_argument("--out", default="results/labeler_bench.json", help="results JSON (rewritten after "
                    "every measurement)")
     p.add_argument("--plot", default=None, help="PNG: std and wall time against k (needs matplotlib)")
@@ -622,6 +622,9 @@ def summary(path):
 def main(args):
     if args.summary:
         print(summary(args.summary))
+        if args.plot:       # the plot of a saved benchmark
+            with open(args.summary) as fh:
+                plot(json.load(fh)["records"], args.plot)
         return None
     args = resolve_args(args)
     utils.print_run_header(args)

@@ -75,6 +75,10 @@ def test_bench_labeler_random_net_large(small_data, tmp_path):
     assert res["large_model"]["aug_images"] == 64 and res["large_model"]["delta_rms"] > 0
     table = run_bench("--summary", str(out))
     assert "| random_net_large | 3,000 | 40 |" in table.stdout
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "again.png"
+    table = run_bench("--summary", str(out), "--plot", str(png))     # the plot of a saved run
+    assert table.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_labeler_training_split(small_data, tmp_path):
