@@ -2412,9 +2412,10 @@ def _newton_step(X, T, at, e, frac):
             C[a1[None, :] == ud[:, None]] = math.inf
             want = (-ec.index_select(0, ud.cpu())).to(torch.int64).to(X.device)
             ok = (n - cnt.index_select(0, ud)) > want
-            if bool(ok.any()):
-                small = C.topk(int(want.max()) + 1, dim=1, largest=False).values
-                cost = small.gather(1, want[:, None])[:, 0].to(torch.float64)
+            if bool(ok.any()):      # (ok: fewer than the rows of the others, so below n)
+                top = int(want[ok].max()) + 1
+                small = C.topk(top, dim=1, largest=False).values
+                cost = small.gather(1, want.clamp(max=top - 1)[:, None])[:, 0].to(torch.float64)
                 d[ud[ok]] = -cost[ok]
     return d
 

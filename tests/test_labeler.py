@@ -984,6 +984,20 @@ def test_dense_path_uneven_target(monkeypatch, x):
     check_translation(O, r)
 
 
+@pytest.mark.parametrize("k", [2, 20])
+def test_dense_path_targets_with_one_cluster_taking_almost_all(k):
+    """Targets far from even (one cluster takes all rows, or all but one row each of the
+    others): exact, on real-like outputs."""
+    n = 64 * k * 4
+    O = dominant(n, k, 33)
+    for fill in (1, 0):
+        target = torch.full((k,), float(fill), dtype=torch.float64)
+        target[0] = n - fill * (k - 1)
+        r = exact(O, target=target)
+        assert (r.counts.double() - target).abs().max() == 0
+        check_translation(O, r)
+
+
 def test_dense_path_leaves_what_it_cannot_do_to_the_streaming_path(monkeypatch):
     """Collapsed rows (every row the same output: Newton steps cannot separate them) fall back
     and balance there; bad values and a bad start get the streaming path's errors."""
