@@ -58,6 +58,9 @@ def get_args_parser():
     p.add_argument("--phases", action="store_true", help="a table of the exact labeler's stages "
                    "(time and steps of each solve's approach, auction, finish, strict argmax; the "
                    "rest) and the published rules' time on the same input, instead of the profiles")
+    p.add_argument("--save-input", default=None, metavar="PT", help="also save the (N, k) input "
+                   "profiled here (torch.save), for --input in a later run (another commit's "
+                   "script, say): a label pass is not repeatable bit for bit")
     p.add_argument("--variants", action="store_true", help="ours and the published rules on four "
                    "variants of the input (subsets of its rows, a little noise), instead of the profiles")
     p.add_argument("--method", default="exact", choices=["exact", "published"])
@@ -234,6 +237,8 @@ def main(a):
         O = bench_labeler.gaussian(a.n, a.k, a.seed, device=str(dev) if dev.type == "cuda" else "cpu")
         what = "gaussian"
     n, k = O.shape
+    if a.save_input:
+        torch.save(O.detach().cpu().contiguous(), a.save_input)
     if a.variants:
         lines = [f"commit {utils.git_commit()}  device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
                  f"  N {n}  k {k}  input: {what}", "", f"medians of {a.repeat} calls each", ""]

@@ -111,9 +111,11 @@ def test_variants_of_a_saved_input(tmp_path):
     saved = tmp_path / "far.pt"
     torch.save(O, saved)
     out = tmp_path / "variants.md"
+    again = tmp_path / "again.pt"
     p = run("profile_labeler.py", "--input", str(saved), "--variants", "--repeat", "1",
-            "--out", str(out))
+            "--out", str(out), "--save-input", str(again))
     assert p.returncode == 0, p.stderr[-2000:]
+    assert torch.equal(torch.load(again, weights_only=True), O)      # --save-input: what it ran on
     rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "---" not in r][1:]
     sizes = {"first 80 %": 9_600, "last two thirds": 8_000, "all but 777": 11_223, "noise 1 %": 12_000}
     assert [r.split(" | ")[0][2:] for r in rows] == list(sizes)
