@@ -2548,8 +2548,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     and the solve moves no T_j by as much relative to another, or else one pass at the
     solve's T finds none of them changed (both with float32's rounding).  Where rows did
     change, the next try (up to four) starts again from the T before that solve, with the
-    rows solved, the rows that changed and (when at most half of the rows) every row within
-    1.25 times the span the solve moved T by.  docs/labeler.md (v16, v17) has the
+    rows solved and the rows that changed.  docs/labeler.md (v16, v17) has the
     measurements."""
     t0 = time.perf_counter()
     n, k = outputs.shape
@@ -2634,7 +2633,6 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     cols = torch.arange(k, device=dev, dtype=torch.int16)
     history = []
     must = None     # rows a try found to matter, solved in the next ones too
-    reach = 0.0     # the margin the next try takes at least (the last try's span)
     tries = 0
     while tries < 4:
         if pool is None:
@@ -2644,8 +2642,6 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         nP = labP.numel()
         w = min(want, nP)
         R = min(float(mP.kthvalue(w).values) if w < nP else math.inf, outer)
-        if reach > R and int((mP <= reach).sum()) <= _DENSE_POOL * nP:
-            R = reach
         got = _near_rows(labP, mP, R, c_out, hi, must if P is None else None)
         if got is None and pool is not None:
             pool = None     # the rows near a boundary cannot balance a cluster: all rows
@@ -2696,12 +2692,10 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                                    seconds=time.perf_counter() - t0, stop_reason="balanced",
                                    refetched=0, ties=solver.ties, active=B.numel())
         # again from the T before the solve (near balance; from the solve's T the rows that
-        # changed unbalance it again), with the rows solved, the rows that changed (a cluster
-        # T moved far for: the rows that move with it) and, when they are at most half of
-        # the rows, all rows within 1.25 times the span the solve moved T by
+        # changed unbalance it again), with the rows solved and the rows that changed (a
+        # cluster T moved far for: the rows that move with it)
         must = torch.cat([B, unsafe.nonzero()[:, 0]])
         pool = None
-        reach = 1.25 * span + slack
         T = T_before
         at = at_before if at_before is not None else _newton_counts(X, T, out=spare(at))
         passes += int(at_before is None)
