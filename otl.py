@@ -2512,6 +2512,7 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_
 _DENSE_SHARE, _DENSE_PER_MOVE = 0.02, 8   # _dense_translate's first rows to solve (see there)
 _SHED_AFTER = 0.9    # a Newton step keeping more of sum |counts - target| is followed by shedding
 _PAST_8 = 0.01       # full-row steps past 8 while sum |counts - target| > this share of N
+_FEW_CHANGED = 0.01   # (see the dense path's tries)
 _DENSE_POOL = 0.5    # its Newton steps go on to the rows near a boundary when these are at most this share
 
 
@@ -2547,8 +2548,9 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     eps x u(row, column)), the other rows keep their best column: they lead by more than R
     and the solve moves no T_j by as much relative to another, or else one pass at the
     solve's T finds none of them changed (both with float32's rounding).  Where rows did
-    change, the next try (up to four) starts again from the T before that solve, with the
-    rows solved and the rows that changed.  docs/labeler.md (v16, v17) has the
+    change, the next try (up to four) takes the rows solved and the rows that changed, from
+    the solve's T where those are under 1 % of the rows solved, else again from the T before
+    that solve.  docs/labeler.md (v16, v17) has the
     measurements."""
     t0 = time.perf_counter()
     n, k = outputs.shape
@@ -2691,14 +2693,17 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                                    std_max=_std_max(tc, n),
                                    seconds=time.perf_counter() - t0, stop_reason="balanced",
                                    refetched=0, ties=solver.ties, active=B.numel())
-        # again from the T before the solve (near balance; from the solve's T the rows that
-        # changed unbalance it again), with the rows solved and the rows that changed (a
-        # cluster T moved far for: the rows that move with it)
-        must = torch.cat([B, unsafe.nonzero()[:, 0]])
+        # with the rows solved and the rows that changed (a cluster T moved far for: the rows
+        # that move with it), from the solve's T where they are few (under 1 % of the rows
+        # solved: the counts are off by little there), else again from the T before the solve
+        # (near balance, where from the solve's T the rows that changed unbalance it again)
+        changed = unsafe.nonzero()[:, 0]
+        must = torch.cat([B, changed])
         pool = None
-        T = T_before
-        at = at_before if at_before is not None else _newton_counts(X, T, out=spare(at))
-        passes += int(at_before is None)
+        if changed.numel() > _FEW_CHANGED * B.numel():
+            T = T_before
+            at = at_before if at_before is not None else _newton_counts(X, T, out=spare(at))
+            passes += int(at_before is None)
         e = at[3].to(torch.float64) - target
         want = max(want, int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
         tries += 1
