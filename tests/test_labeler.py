@@ -508,8 +508,8 @@ def _graph(k, density, seed, ties):
     return (e % k).to(torch.int32), W.view(-1)[e], indptr, src, W, edge
 
 
-@pytest.mark.parametrize("k, density, scipy", [(12, 0.3, True), (50, 0.2, True), (64, 0.9, True), (100, 0.5, True),
-                                                (150, 0.9, False)])
+@pytest.mark.parametrize("k, density, scipy", [(12, 0.3, True), (50, 0.2, True), (64, 0.9, True),
+                                                (100, 0.5, True), (150, 0.9, False)])
 def test_shortest_paths_against_bellman_ford(monkeypatch, k, density, scipy):
     """The finish's Dijkstra (a heap in Python up to 16,384 edges, else torch vector steps
     without scipy, scipy's above k = 64): Bellman-Ford's distances, and each predecessor on a
@@ -940,7 +940,8 @@ def test_dense_path_on_real_like_outputs(monkeypatch, k, dtype):
 
 def test_dense_path_widens_when_T_moves_past_the_rows_kept(monkeypatch):
     """A first set of rows far too narrow: the solve moves T by more than the margin of the rows
-    left out, so they are taken in (4x, from the solve's T) until it does not; still exact."""
+    left out, one pass finds rows that changed, and the next try solves those with the rows
+    solved, until none change; still exact, the streaming path's labels."""
     n, k = 20_000, 40
     O = dominant(n, k, 22)
     calls = _dense_spy(monkeypatch)
