@@ -2513,7 +2513,7 @@ _DENSE_SHARE, _DENSE_PER_MOVE = 0.02, 8   # _dense_translate's first rows to sol
 _SHED_AFTER = 0.9    # a Newton step keeping more of sum |counts - target| is followed by shedding
 _PAST_8 = 0.01       # full-row steps past 8 while sum |counts - target| > this share of N
 _FEW_CHANGED = 0.01   # (see the dense path's tries)
-_DENSE_POOL = 0.5    # its Newton steps go on to the rows near a boundary when these are at most this share
+_DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 
 
 def _near_rows(lab, margin, R, cnt_out, hi, must=None):
