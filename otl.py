@@ -2513,6 +2513,7 @@ _DENSE_SHARE, _DENSE_PER_MOVE = 0.02, 8   # _dense_translate's first rows to sol
 _SHED_AFTER = 0.9    # a Newton step keeping more of sum |counts - target| is followed by shedding
 _PAST_8 = 0.01       # full-row steps past 8 while sum |counts - target| > this share of N
 _FEW_CHANGED = 0.01   # (see the dense path's tries)
+_COLLAPSE_SAMPLE = 1.0   # sum |counts - target| over this share of N at the start: collapsed
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 
 
@@ -2540,7 +2541,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     """translate's exact labeler for small k on outputs held whole in one process, or None when
     it cannot finish cheaply (then the StreamingTranslator path runs).  Steps on the counts
     (`_newton_T`: Newton steps, and rounds of shedding where those fail) on every `stride`-th
-    row, then on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N),
+    row (at N >= 4 x 8,192 rows; on every 2nd row from 2 x 8,192 where more than half of the
+    rows must move at the start: outputs collapsed onto few clusters), then on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N),
     then (once T can cross at most half of them) on the rows near a boundary only,
     bring the counts near the target in float32 passes; the rows within a margin R of their
     runner-up (at least 2 % of them, and 8 times the rows still to move and k) are solved
@@ -2576,6 +2578,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         T, _, _, p, _ = _newton_T(sub, T, target * (sub.shape[0] / n), 8, 0.005 * sub.shape[0],
                                   bufs=_newton_pair(*sub.shape, dev))
         passes += p
+
     tol, errs = max(0.002 * n, k), []
     bufs = _newton_pair(n, k, dev)    # the passes over all rows write here
 
@@ -2583,7 +2586,19 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         return bufs[1] if at[0] is bufs[0][0] else bufs[0]
 
     mode = {}       # which kind of step goes first, kept from call to call
-    T, e, at, p, _ = _newton_T(X, T, target, 2, tol, errs=errs, bufs=bufs, mode=mode)
+    at = None
+    if 2 * m_rows <= n < 4 * m_rows:
+        # outputs collapsed onto few clusters (more than half of the rows to move from the
+        # start): the first steps on every 2nd row, as larger inputs take them on a sample
+        _, _, at, p, _ = _newton_T(X, T, target, 0, tol, errs=errs, bufs=bufs)   # one pass
+        passes += p
+        if errs[0] > _COLLAPSE_SAMPLE * n:
+            sub = X[::2].to(torch.float32)
+            T, _, _, p, _ = _newton_T(sub, T, target * (sub.shape[0] / n), 8,
+                                      0.005 * sub.shape[0], bufs=_newton_pair(*sub.shape, dev))
+            passes += p
+            at, errs[:] = None, []
+    T, e, at, p, _ = _newton_T(X, T, target, 2, tol, errs=errs, bufs=bufs, mode=mode, at=at)
     passes += p
     if errs[-1] > 0.9 * errs[0] and errs[-1] > 0.1 * n:
         return None     # two steps removed under a tenth of sum |counts - target| > N / 10

@@ -1078,6 +1078,30 @@ def test_dense_path_steps_that_would_cross_the_rows_left_out_go_back_to_all_rows
     assert torch.equal(r.labels, exact(O, dense=False).labels)
 
 
+def collapsed(n, k, seed, protos=3, noise=0.5):
+    """Outputs of a network collapsing onto a few clusters: every row near one of `protos`
+    prototypes, so that at the column medians more than half of the rows must move."""
+    g = gen(seed)
+    P = torch.randn(protos, 64, generator=g)
+    F = P[torch.randint(0, protos, (n,), generator=g)] + noise * torch.randn(n, 64, generator=g)
+    return (F @ (torch.randn(64, k, generator=g) / 8)).float()
+
+
+def test_dense_path_collapsed_outputs_take_their_first_steps_on_every_2nd_row(monkeypatch):
+    """2 x 8,192 <= N < 4 x 8,192 and more than half of the rows to move at the start: the
+    first steps run on every 2nd row (larger inputs take theirs on a sample anyway); on
+    outputs not collapsed, all rows from the start.  Exact, the streaming path's labels."""
+    n, k = 20_000, 50
+    for O, sampled in ((collapsed(n, k, 34), True), (dominant(n, k, 34), False)):
+        calls = _newton_spy(monkeypatch)
+        r = exact(O)
+        rows = [r for r, _ in calls]        # a first pass over all rows tells which
+        assert rows[0] == n and (rows[1] == n // 2) == sampled and rows[1 + sampled] == n
+        check_even(r)
+        check_translation(O, r)
+        assert torch.equal(r.labels, exact(O, dense=False).labels)
+
+
 def test_shed_step_moves_exactly_the_excess_out_of_each_over_full_cluster():
     n, k = 20_000, 50
     O = dominant(n, k, 32)
