@@ -1873,17 +1873,8 @@ class _ExactSolver:
         sorts the margins, on the CPU too (docs/labeler.md); ranks, which cannot sort their
         margins together, find the gap by a bisection on global counts and two all-reduced
         k-vectors its ends, the same numbers."""
-        k = self.k
         if not self.comm.on and margin.numel():
-            order = torch.argsort(margin, stable=True)
-            order = order.index_select(0, torch.argsort(lab.index_select(0, order), stable=True))
-            ms = margin.index_select(0, order)
-            cnt = torch.bincount(lab, minlength=k)
-            first = torch.cumsum(cnt, 0) - cnt
-            last = ms.numel() - 1
-            a = ms.index_select(0, (first + excess - 1).clamp(0, last))
-            nxt = ms.index_select(0, (first + excess).clamp(0, last))
-            b = torch.where(excess < cnt, nxt, math.inf)
+            a, b = _gap_after(margin, lab, excess, self.k)
         else:
             a, b = self._bisect_gap(margin, lab, excess, over)
         r = torch.where(torch.isinf(b), 2 * a + 1e-300, (a + b) / 2)
@@ -2363,17 +2354,30 @@ def _newton_counts(X, T, out=None):
     return a1, a2, m, torch.bincount(a1, minlength=k), best
 
 
+def _spare(bufs, at):
+    """Of a _newton_pair (or [None, None]: fresh buffers), the one `at` does not live in."""
+    return bufs[1] if bufs[0] is not None and at[0] is bufs[0][0] else bufs[0]
+
+
 def _newton_pair(n, k, device):
     """Two _newton_bufs sharing one scratch block: a state and a trial (_newton_T's bufs)."""
     one = _newton_bufs(n, k, device)
     return [one, _newton_bufs(n, k, device, scratch=one[4])]
 
 
-def _by_cluster(a1, m):
-    """Row numbers grouped by cluster (ascending), each group by margin (ascending)."""
-    key = torch.sort(m, stable=True).indices
-    key = key.index_select(0, torch.sort(a1.index_select(0, key), stable=True).indices)
-    return key
+def _gap_after(margin, lab, excess, k):
+    """(a, b), one entry per cluster j: the excess_j-th smallest margin among the rows labelled
+    j and the next one (b = inf where excess_j is not below its rows), from one stable sort of
+    the rows by cluster, then by margin (_ExactSolver._shed, _shed_step, the Newton step)."""
+    order = torch.argsort(margin, stable=True)
+    order = order.index_select(0, torch.argsort(lab.index_select(0, order), stable=True))
+    ms = margin.index_select(0, order)
+    cnt = torch.bincount(lab, minlength=k)
+    first = torch.cumsum(cnt, 0) - cnt
+    last = ms.numel() - 1
+    a = ms.index_select(0, (first + excess - 1).clamp(0, last))
+    nxt = ms.index_select(0, (first + excess).clamp(0, last))
+    return a, torch.where(excess < cnt, nxt, math.inf)
 
 
 def _newton_step(X, T, at, e, frac):
@@ -2394,14 +2398,15 @@ def _newton_step(X, T, at, e, frac):
     rows_at = W.sum(1) * 2 * h
     iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
     if iso.numel():
-        over, under = iso[ec[iso] > 0].tolist(), iso[ec[iso] < 0]
-        if over:      # each one's margins, its rows together (one sort)
-            key = _by_cluster(a1, m)
-            first = torch.cumsum(cnt, 0) - cnt
-            for j in over:
-                want = int(float(ec[j]))
-                if int(cnt[j]) > want:
-                    d[j] = float(m[key[int(first[j]) + want]])
+        over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
+        if over.numel():      # each one's (e_j + 1)-th smallest margin, where it has the rows
+            want = torch.zeros(k, dtype=torch.int64)
+            want[over] = ec.index_select(0, over).to(torch.int64)
+            _, b = _gap_after(m, a1, want.to(m.device), k)
+            up = torch.zeros(k, dtype=torch.bool)
+            up[over] = True
+            up = up.to(b.device) & torch.isfinite(b)
+            d[up] = b[up].to(torch.float64)
         n = X.shape[0]
         step = max(1, (1 << 24) // n)
         for c in range(0, under.numel(), step):     # their columns read together
@@ -2429,16 +2434,8 @@ def _shed_step(at, e):
     over = (e >= 1) & (cnt.to(torch.float64) > e)
     if not bool(over.any()):
         return None
-    key = _by_cluster(a1, m)
-    first = torch.cumsum(cnt, 0) - cnt
-    w = e.floor().to(torch.int64).clamp(min=1)
-    j = over.nonzero()[:, 0]
-    at_w = first.index_select(0, j) + w.index_select(0, j)
-    lo = m.index_select(0, key.index_select(0, at_w - 1)).to(torch.float64)
-    hi = m.index_select(0, key.index_select(0, at_w)).to(torch.float64)
-    d = torch.zeros_like(e)
-    d[j] = (lo + hi) / 2
-    return d
+    a, b = _gap_after(m, a1, torch.where(over, e.floor().to(torch.int64), 0), cnt.numel())
+    return torch.where(over, (a.to(torch.float64) + b.to(torch.float64)) / 2, 0.0)
 
 
 def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_max=math.inf,
@@ -2475,8 +2472,9 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_
         at, passes = _newton_counts(X, T, out=bufs[0]), 1
     e = at[3].to(torch.float64) - target
     errs = [] if errs is None else errs
-    if not errs or errs[-1] != float(e.abs().sum()):
-        errs.append(float(e.abs().sum()))
+    err0 = float(e.abs().sum())
+    if not errs or errs[-1] != err0:
+        errs.append(err0)
     for _ in range(max_steps):
         err = errs[-1]
         if err <= tol:
@@ -2490,7 +2488,7 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_
                 moved = T + d - T0
                 if float(moved.max() - moved.min()) > span_max:
                     return T, e, at, passes, True
-            spare = bufs[1] if bufs[0] is not None and at[0] is bufs[0][0] else bufs[0]
+            spare = _spare(bufs, at)
             for s in ((1.0,) if shed else (1.0, 0.5, 0.25)):
                 trial = _newton_counts(X, T + s * d, out=spare)
                 passes += 1
@@ -2582,9 +2580,6 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     tol, errs = max(0.002 * n, k), []
     bufs = _newton_pair(n, k, dev)    # the passes over all rows write here
 
-    def spare(at):      # the buffers `at` does not live in
-        return bufs[1] if at[0] is bufs[0][0] else bufs[0]
-
     mode = {}       # which kind of step goes first, kept from call to call
     at = None
     if 2 * m_rows <= n < 4 * m_rows:
@@ -2631,7 +2626,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                         break
                     if TP is not T:     # T would cross rows left out: all rows from here
                         T = TP
-                        at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
+                        at, passes = _newton_counts(X, T, out=_spare(bufs, at)), passes + 1
                         e = at[3].to(torch.float64) - target
                         errs.append(float(e.abs().sum()))
         T1, e, at, p, _ = _newton_T(X, T, target, 1, tol, at=at, errs=errs, bufs=bufs, mode=mode)
@@ -2662,7 +2657,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         got = _near_rows(labP, mP, R, c_out, hi, must if P is None else None)
         if got is None and pool is not None:
             pool = None     # the rows near a boundary cannot balance a cluster: all rows
-            at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
+            at, passes = _newton_counts(X, T, out=_spare(bufs, at)), passes + 1
             continue
         if got is None:
             return None
@@ -2693,7 +2688,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             # T moved further than the margin kept: one pass at the solve's T says whether a
             # row left out changed its column or came within float32's rounding of doing so
             labels = labels.clone()
-            at, passes = _newton_counts(X, T, out=spare(at)), passes + 1
+            at, passes = _newton_counts(X, T, out=_spare(bufs, at)), passes + 1
             out = torch.ones(n, dtype=torch.bool, device=dev)
             out[B] = False
             unsafe = out & ((at[0] != labels) | (at[2] <= slack))
@@ -2717,7 +2712,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         pool = None
         if changed.numel() > _FEW_CHANGED * B.numel():
             T = T_before
-            at = at_before if at_before is not None else _newton_counts(X, T, out=spare(at))
+            at = (at_before if at_before is not None
+                  else _newton_counts(X, T, out=_spare(bufs, at)))
             passes += int(at_before is None)
         e = at[3].to(torch.float64) - target
         want = max(want, int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
