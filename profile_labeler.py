@@ -174,6 +174,28 @@ def phases_report(records, total):
     return lines
 
 
+def timed_calls(fn, repeat, dev):
+    """(seconds of each of `repeat` calls of fn, waited for on dev; the last call's result)."""
+    times, res = [], None
+    for _ in range(repeat):
+        utils.synchronize(dev)
+        t = time.perf_counter()
+        res = fn()
+        utils.synchronize(dev)
+        times.append(time.perf_counter() - t)
+    return times, res
+
+
+def median(times):
+    return sorted(times)[len(times) // 2]
+
+
+def header(dev, n, k, what):
+    """The first words of a report: commit, device, the input."""
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return f"commit {utils.git_commit()}  device {name}  N {n}  k {k}  input: {what}"
+
+
 def input_variants(O, seed=1):
     """{name: tensor}: subsets of O's rows and O with a little noise (see --variants)."""
     n = O.shape[0]
@@ -201,15 +223,9 @@ def variants_report(O, repeat, dev):
             med, res = {}, {}
             for method in ("exact", "published"):
                 otl.translate(V, method=method)
-                times = []
-                for _ in range(repeat):
-                    used.clear()
-                    utils.synchronize(dev)
-                    t = time.perf_counter()
-                    res[method] = otl.translate(V, method=method)
-                    utils.synchronize(dev)
-                    times.append(time.perf_counter() - t)
-                med[method] = sorted(times)[len(times) // 2]
+                used.clear()
+                times, res[method] = timed_calls(lambda: otl.translate(V, method=method), repeat, dev)
+                med[method] = median(times)
                 if method == "exact":
                     path = "dense" if used and used[-1] else "streaming"
             mm = [int(c.max() - c.min()) for c in
@@ -241,8 +257,7 @@ def main(a):
     if a.save_input:
         torch.save(O.detach().cpu().contiguous(), a.save_input)
     if a.variants:
-        lines = [f"commit {utils.git_commit()}  device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
-                 f"  N {n}  k {k}  input: {what}", "", f"medians of {a.repeat} calls each", ""]
+        lines = [header(dev, n, k, what), "", f"medians of {a.repeat} calls each", ""]
         text = "\n".join(lines + variants_report(O, a.repeat, dev))
         print(text)
         if a.out:
@@ -253,17 +268,10 @@ def main(a):
     def call():
         return otl.translate(O, method=a.method)
     otl.translate(O[:65536], method=a.method)
-    times = []
-    for _ in range(a.repeat):
-        utils.synchronize(dev)
-        t = time.perf_counter()
-        res = call()
-        utils.synchronize(dev)
-        times.append(time.perf_counter() - t)
+    times, res = timed_calls(call, a.repeat, dev)
     counts = torch.bincount(res.labels, minlength=k)
-    lines = [f"commit {utils.git_commit()}  device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
-             f"  N {n}  k {k}  input: {what}  method {a.method}",
-             f"seconds {sorted(times)[len(times) // 2]:.4f} (median of {[round(t, 4) for t in times]})"
+    lines = [f"{header(dev, n, k, what)}  method {a.method}",
+             f"seconds {median(times):.4f} (median of {[round(t, 4) for t in times]})"
              f"  iterations {res.iterations}  max-min {int(counts.max() - counts.min())}"
              f"  stop {res.stop_reason}"]
     if a.phases:
@@ -277,15 +285,8 @@ def main(a):
             total = time.perf_counter() - t
         lines += ["", f"one call with its stages timed: {total:.4f} s", ""] + phases_report(records, total)
         otl.translate(O, method="published")
-        pub = []
-        for _ in range(a.repeat):
-            utils.synchronize(dev)
-            t = time.perf_counter()
-            otl.translate(O, method="published")
-            utils.synchronize(dev)
-            pub.append(time.perf_counter() - t)
-        med = sorted(pub)[len(pub) // 2]
-        ours = sorted(times)[len(times) // 2]
+        pub, _ = timed_calls(lambda: otl.translate(O, method="published"), a.repeat, dev)
+        med, ours = median(pub), median(times)
         lines += ["", f"published rules: {med:.4f} s (median of {[round(t, 4) for t in pub]}); "
                       f"published / ours {med / ours:.2f}x"]
         text = "\n".join(lines)
