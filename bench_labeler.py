@@ -321,8 +321,8 @@ def otl_sha256():
 
 def _import_scipy(settle=0.5):
     """Import scipy's graph routines (otl's exact finish uses them at k > 64), then wait:
-    numpy's and scipy's OpenBLAS start threads on import that spin for a while, and on 2 cores
-    they took about 50 ms from a call timed right after (both labelers; docs/labeler.md, v17)."""
+    numpy's and scipy's OpenBLAS start threads on import that spin for a while and slow a call
+    timed right after, for both labelers (docs/labeler.md, v17, has the measurement)."""
     otl._scipy_csgraph()
     time.sleep(settle)
 
