@@ -2294,21 +2294,26 @@ class _ExactSolver:
         self.ties = key.numel()
         if self.ties == 0:
             return
-        a, b = key // k, key % k
-        pi = torch.zeros(k, dtype=torch.float64)
-        for _ in range(k + 1):
-            new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
-            if torch.equal(new, pi):
-                break
-            pi = new
-        if not math.isfinite(rmin):
-            rmin = scale * 1e-6
-        eta = rmin / (2 * (float(pi.max()) + 1))
-        self.dT = self.dT + eta * pi.to(dev)
+        self.dT = self.dT + _tie_shift(key // k, key % k, k, rmin, scale).to(dev)
         # a row outside `tied` leads by at least rmin > 2 eta max(pi): it keeps its label
         self.labels[tied] = self._eval(tied)[1]
         self.counts = self._count()
 
+
+
+def _tie_shift(a, b, k, rmin, scale):
+    """The shift eta * pi of T (CPU, float64) that resolves every tie a[i] -> b[i] (a row of
+    cluster a with an equal score in b) to a: pi[b] > pi[a] for each (the longest chain of ties
+    into a cluster), eta below half of every other margin, rmin, over (max pi + 1)."""
+    pi = torch.zeros(k, dtype=torch.float64)
+    for _ in range(k + 1):
+        new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
+        if torch.equal(new, pi):
+            break
+        pi = new
+    if not math.isfinite(rmin):
+        rmin = scale * 1e-6
+    return rmin / (2 * (float(pi.max()) + 1)) * pi
 
 
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
@@ -2319,28 +2324,52 @@ def _newton_block(k):
 
 
 def _newton_bufs(n, k, device, scratch=None):
-    """Buffers for _newton_counts: (best column, runner-up, margin, best score, scratch), scratch
-    = (a block of scores, a block's runner-up scores), shareable.  Reused pass after pass
-    instead of allocated anew: fewer pages touched for the first time (docs/labeler.md, v17)."""
+    """Buffers for _newton_counts: (best column, margin, best score, scratch), scratch = (a
+    block of scores, a block's runner-up scores, a dict for the k x N copy of the outputs at
+    k <= _T_K), shareable.  Reused pass after pass instead of allocated anew: fewer pages
+    touched for the first time (docs/labeler.md, v17)."""
     e = dict(device=device)
     if scratch is None:
         block = min(n, _newton_block(k))
         scratch = (torch.empty(block, k, dtype=torch.float32, **e),
-                   torch.empty(block, dtype=torch.float32, **e))
-    return (torch.empty(n, dtype=torch.int64, **e), torch.empty(n, dtype=torch.int64, **e),
-            torch.empty(n, dtype=torch.float32, **e), torch.empty(n, dtype=torch.float32, **e),
-            scratch)
+                   torch.empty(block, dtype=torch.float32, **e), {})
+    return (torch.empty(n, dtype=torch.int64, **e), torch.empty(n, dtype=torch.float32, **e),
+            torch.empty(n, dtype=torch.float32, **e), scratch)
 
 
 def _newton_counts(X, T, out=None):
-    """(best column, runner-up column, best - runner-up, counts, best score) of X - T, in
-    float32 passes over blocks of rows into one scratch block (no N x k temporary; max(1)
-    gives the value with its column, faster than argmax and a gather); out: _newton_bufs to
-    write them into."""
+    """(best column, best - runner-up, counts, best score) of X - T, in float32 passes over
+    blocks of rows into one scratch block (no N x k temporary); out: _newton_bufs to write
+    them into.  Up to k = _T_K on a k x N float32 copy of X, made at the first pass and kept
+    in the scratch: a row's max is then a max across k contiguous vectors, several times
+    faster than max(1) over rows of k (which gives the value with its column, faster than
+    argmax and a gather); the column is the first at the max.  The runner-up's value alone
+    (amax): the Newton step finds its column for the few rows it needs."""
     n, k = X.shape
-    a1, a2, m, best, (V, v2) = _newton_bufs(n, k, X.device) if out is None else out
+    a1, m, best, (V, v2, keep) = _newton_bufs(n, k, X.device) if out is None else out
     block = V.shape[0]
     T32 = T.to(torch.float32)
+    if k <= _T_K:
+        if keep.get("of") is not X:
+            keep.clear()
+            keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
+                        top=torch.empty(block * k, dtype=torch.bool, device=X.device),
+                        rank=torch.empty(block * k, dtype=torch.uint8, device=X.device),
+                        first=(k - torch.arange(k, device=X.device)).to(torch.uint8)[:, None])
+        Xt, top, rank = keep["Xt"], keep["top"], keep["rank"]
+        for s in range(0, n, block):
+            xb = Xt[:, s:s + block]
+            r = xb.shape[1]
+            v, b1, bb = V.view(-1)[:k * r].view(k, r), a1[s:s + r], best[s:s + r]
+            torch.sub(xb, T32[:, None], out=v)
+            torch.amax(v, 0, out=bb)
+            t = torch.ge(v, bb, out=top[:k * r].view(k, r))        # the columns at the max
+            b1.copy_(torch.mul(t.view(torch.uint8), keep["first"], out=rank[:k * r].view(k, r))
+                     .amax(0)).neg_().add_(k)                      # the first of them
+            v.scatter_(0, b1[None], -math.inf)
+            torch.amax(v, 0, out=v2[:r])
+            torch.sub(bb, v2[:r], out=m[s:s + r])
+        return a1, m, torch.bincount(a1, minlength=k), best
     for s in range(0, n, block):
         xb = X[s:s + block]
         r = xb.shape[0]
@@ -2348,9 +2377,9 @@ def _newton_counts(X, T, out=None):
         torch.sub(xb, T32, out=v)       # (casts float16 / float64 blocks to float32)
         torch.max(v, 1, out=(best[s:s + r], b1))
         v.scatter_(1, b1[:, None], -math.inf)
-        torch.max(v, 1, out=(v2[:r], a2[s:s + r]))
+        torch.amax(v, 1, out=v2[:r])
         torch.sub(best[s:s + r], v2[:r], out=m[s:s + r])
-    return a1, a2, m, torch.bincount(a1, minlength=k), best
+    return a1, m, torch.bincount(a1, minlength=k), best
 
 
 def _spare(bufs, at):
@@ -2361,7 +2390,7 @@ def _spare(bufs, at):
 def _newton_pair(n, k, device):
     """Two _newton_bufs sharing one scratch block: a state and a trial (_newton_T's bufs)."""
     one = _newton_bufs(n, k, device)
-    return [one, _newton_bufs(n, k, device, scratch=one[4])]
+    return [one, _newton_bufs(n, k, device, scratch=one[3])]
 
 
 def _gap_after(margin, lab, excess, k):
@@ -2382,11 +2411,14 @@ def _gap_after(margin, lab, excess, k):
 def _newton_step(X, T, at, e, frac):
     """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`."""
     k = X.shape[1]
-    a1, a2, m, cnt, best = at
-    h = float(m.kthvalue(max(1, int(frac * m.numel()))).values)
-    h = max(h, 1e-30)
-    sel = m < h
-    W = torch.bincount(a1[sel] * k + a2[sel], minlength=k * k).to(torch.float64).view(k, k).cpu()
+    a1, m, cnt, best = at
+    ms = m[::max(1, m.numel() // max(_H_ROWS, 64 * k))]     # (h from a strided sample of the margins)
+    h = max(float(ms.kthvalue(max(1, int(frac * ms.numel()))).values), 1e-30)
+    sel = (m < h).nonzero()[:, 0]
+    b1 = a1.index_select(0, sel)
+    v = X.index_select(0, sel).to(torch.float32) - T.to(torch.float32)
+    a2 = v.scatter_(1, b1[:, None], -math.inf).argmax(1)    # their runner-ups
+    W = torch.bincount(b1 * k + a2, minlength=k * k).to(torch.float64).view(k, k).cpu()
     W = (W + W.T) / (2 * h)
     L = torch.diag(W.sum(1)) - W + torch.eye(k, dtype=torch.float64) * (1e-6 * float(W.sum()) / k + 1e-12)
     ec = e.cpu()
@@ -2429,7 +2461,7 @@ def _shed_step(at, e):
     rises to the middle of the gap after its e_j-th smallest margin, so that e_j of its rows
     would leave it (for their runner-up) if no other T rose (a row whose runner-up rises too
     may stay); None when no cluster can shed."""
-    a1, _, m, cnt, _ = at
+    a1, m, cnt, _ = at
     over = (e >= 1) & (cnt.to(torch.float64) > e)
     if not bool(over.any()):
         return None
@@ -2469,7 +2501,7 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_
     mode = {} if mode is None else mode
     if at is None:
         at, passes = _newton_counts(X, T, out=bufs[0]), 1
-    e = at[3].to(torch.float64) - target
+    e = at[2].to(torch.float64) - target
     errs = [] if errs is None else errs
     err0 = float(e.abs().sum())
     if not errs or errs[-1] != err0:
@@ -2491,7 +2523,7 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_
             for s in ((1.0,) if shed else (1.0, 0.5, 0.25)):
                 trial = _newton_counts(X, T + s * d, out=spare)
                 passes += 1
-                e2 = trial[3].to(torch.float64) - target
+                e2 = trial[2].to(torch.float64) - target
                 if float(e2.abs().sum()) < err:
                     got = trial
                     break
@@ -2512,6 +2544,10 @@ _PAST_8 = 0.01       # full-row steps past 8 while sum |counts - target| > this 
 _FEW_CHANGED = 0.01   # (see the dense path's tries)
 _COLLAPSE_SAMPLE = 1.0   # sum |counts - target| over this share of N at the start: collapsed
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
+_T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
+_H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
+_PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
+# and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python costs about 40 + 3.5 k us
 
 
 def _near_rows(lab, margin, R, cnt_out, hi, must=None):
@@ -2532,6 +2568,130 @@ def _near_rows(lab, margin, R, cnt_out, hi, must=None):
     B = inside.nonzero()[:, 0]
     ic = cnt_out + cnt - torch.bincount(lab.index_select(0, B), minlength=k)
     return None if bool((ic > hi).any()) else (B, ic)
+
+
+class _PathSolver:
+    """The exact solve of _dense_translate for k <= _PATH_K, where few rows are left to move:
+    successive shortest paths on the k clusters.  vals (n, k) float64 O - T0 of the rows near a
+    boundary (every column); target, lo, hi (k,) the counts they aim at and may end with.  dT (k,) is T - T0,
+    labels their argmax at dT, counts; run() then strictify() as _ExactSolver's.
+
+    A row s of cluster a moves to b at the cost D_sb - dT_a + dT_b >= 0 (D_sb = V_sa - V_sb, its
+    lead over b at T0, V = vals), so the cheapest move a -> b is M_ab - dT_a + dT_b with M_ab
+    the least D_sb over the rows of a: it changes only when a gains or loses a row.  Each step
+    is Dijkstra on those k x k costs from the clusters that must give a row (over hi; then, once
+    none is, those over lo while one is under lo) to the nearest one that can take one
+    (under hi; then under lo), T of every cluster settled before it raised by how much nearer
+    the source it is (every cost stays >= 0: the rows keep their argmax, the moves on the path
+    cost 0), and one row moved along each edge of the path.  One row a step: cheap where a
+    few dozen rows are to move; the _ExactSolver's auction moves many at once."""
+
+    def __init__(self, vals, k, target, lo, hi):
+        self.k, self.dev, self.target = k, vals.device, target.cpu()
+        self.vals = vals.cpu()
+        self.lo, self.hi = lo.cpu(), hi.cpu()
+        best, self.labels = self.vals.max(1)
+        n = self.vals.shape[0]
+        self.D = best[:, None] - self.vals          # leads at T0, inf at the row's own column
+        self.D[torch.arange(n), self.labels] = math.inf
+        self.counts = torch.bincount(self.labels, minlength=k)
+        self.dT = torch.zeros(k, dtype=torch.float64)
+        self.rounds, self.phases, self.ties = 0, 0, 0
+
+    def _cheapest(self, a):
+        """(M_a, its rows): the cheapest move of cluster a's rows into each cluster."""
+        rows = (self.labels == a).nonzero()[:, 0]
+        if rows.numel() == 0:
+            return [math.inf] * self.k, [-1] * self.k
+        m, i = self.D.index_select(0, rows).min(0)
+        return m.tolist(), rows.index_select(0, i).tolist()
+
+    def run(self, history):
+        """True when balanced; False when no cluster that must give a row reaches one that can
+        take it (then the streaming path solves)."""
+        k, n = self.k, self.vals.shape[0]
+        # M_ab and the row it is, the lowest row number among equal ones
+        key = (self.labels[:, None] * k + torch.arange(k)).flatten()
+        Mt = torch.full((k * k,), math.inf, dtype=torch.float64)
+        Mt.scatter_reduce_(0, key, self.D.flatten(), "amin")
+        at = self.D.flatten() == Mt.index_select(0, key)
+        At = torch.full((k * k,), n, dtype=torch.int64)
+        At.scatter_reduce_(0, key[at], torch.arange(n).repeat_interleave(k)[at], "amin")
+        M, A = Mt.view(k, k).tolist(), At.view(k, k).tolist()
+        V = self.vals.tolist()
+        c, lo, hi = self.counts.tolist(), self.lo.tolist(), self.hi.tolist()
+        dT = [0.0] * k
+        for give, take in ((hi, hi), (lo, lo)):
+            while True:
+                src = [j for j in range(k) if c[j] > give[j]]
+                if not src or all(c[j] >= take[j] for j in range(k)):
+                    break
+                dist, pred, done = [math.inf] * k, [-1] * k, [False] * k
+                for j in src:
+                    dist[j] = 0.0
+                while True:     # dense Dijkstra (k^2, stopping at the first cluster that takes)
+                    u, du = -1, math.inf
+                    for j in range(k):
+                        if not done[j] and dist[j] < du:
+                            u, du = j, dist[j]
+                    if u < 0:
+                        return False
+                    if c[u] < take[u]:
+                        break
+                    done[u] = True
+                    Mu, tu = M[u], du - dT[u]
+                    for v in range(k):
+                        if not done[v]:
+                            nd = tu + Mu[v] + dT[v]
+                            if nd < dist[v]:
+                                dist[v], pred[v] = max(nd, du), u
+                for j in range(k):
+                    if done[j]:
+                        dT[j] += du - dist[j]
+                v, lost = u, set()
+                while pred[v] >= 0:     # one row along each edge of the path, b -> v
+                    b = pred[v]
+                    s = A[b][v]
+                    self.labels[s] = v
+                    torch.sub(self.vals[s, v], self.vals[s], out=self.D[s])
+                    self.D[s, v] = math.inf
+                    Vs, Mv, Av = V[s], M[v], A[v]
+                    for j in range(k):      # v's cheapest moves with it
+                        d = Vs[v] - Vs[j]
+                        if d < Mv[j] and j != v:
+                            Mv[j], Av[j] = d, s
+                    lost.add(b)
+                    v = b
+                c[v] -= 1
+                c[u] += 1
+                for b in lost:          # the clusters that lost a row: their cheapest again
+                    M[b], A[b] = self._cheapest(b)
+                self.rounds += 1
+        self.dT = torch.tensor(dT, dtype=torch.float64)
+        self.counts = torch.tensor(c, dtype=torch.int64)
+        history.append(_std(self.counts, self.target))
+        return True
+
+    def strictify(self):
+        """Moved rows tie with the cluster they left: _ExactSolver.strictify's shift, on all
+        rows at once (they are few)."""
+        S = self.vals - self.dT
+        own = S.gather(1, self.labels[:, None])
+        R = own - S
+        R[torch.arange(R.shape[0]), self.labels] = math.inf
+        scale = max(float(self.vals.abs().max()), float(self.dT.abs().max())) or 1.0
+        tight = R <= 64 * 2.0 ** -52 * scale
+        rmin = float(torch.where(tight, math.inf, R).amin()) if R.numel() else math.inf
+        rows, cols = tight.nonzero(as_tuple=True)
+        key = (self.labels.index_select(0, rows) * self.k + cols).unique()
+        self.ties = key.numel()
+        if self.ties:
+            self.dT = self.dT + _tie_shift(key // self.k, key % self.k, self.k, rmin, scale)
+            tied = rows.unique()
+            self.labels[tied] = (self.vals.index_select(0, tied) - self.dT).argmax(1)
+            self.counts = torch.bincount(self.labels, minlength=self.k)
+        self.dT, self.labels = self.dT.to(self.dev), self.labels.to(self.dev)
+        self.counts = self.counts.to(self.dev)
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
@@ -2603,7 +2763,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         # (past 8 steps only while sum |counts - target| > 1 % of N, half a percent of the
         # rows to move: the exact solve below would be slow there, the streaming path too)
         want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
-        margin = at[2]
+        margin = at[1]
         if last < math.inf:
             # T moves on by about its last step (the counts' error falls by half or more a
             # step): rows leading by more than 4 x that keep their column; once they are half
@@ -2620,13 +2780,13 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                     passes += p
                     if not escaped:
                         moved = TP - T
-                        pool = (P, atP[0], atP[2], c_out, R1 - float(moved.max() - moved.min()))
+                        pool = (P, atP[0], atP[1], c_out, R1 - float(moved.max() - moved.min()))
                         T, e = TP, eP
                         break
                     if TP is not T:     # T would cross rows left out: all rows from here
                         T = TP
                         at, passes = _newton_counts(X, T, out=_spare(bufs, at)), passes + 1
-                        e = at[3].to(torch.float64) - target
+                        e = at[2].to(torch.float64) - target
                         errs.append(float(e.abs().sum()))
         T1, e, at, p, _ = _newton_T(X, T, target, 1, tol, at=at, errs=errs, bufs=bufs, mode=mode)
         passes += p
@@ -2647,7 +2807,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     tries = 0
     while tries < 4:
         if pool is None:
-            P, labP, mP, c_out, outer = None, at[0], at[2], zero, math.inf
+            P, labP, mP, c_out, outer = None, at[0], at[1], zero, math.inf
         else:
             P, labP, mP, c_out, outer = pool
         nP = labP.numel()
@@ -2667,10 +2827,14 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         XB = outputs.index_select(0, B).detach().to(torch.float64)
         cb = cols.expand(B.numel(), k)
         vals = XB - T + eps * _tie_jitter(B, cb, seed)
-        solver = _ExactSolver(vals, cb.contiguous(), torch.full((B.numel(),), -math.inf,
-                              dtype=torch.float64, device=dev), k, target - ic,
-                              (lo - ic).clamp(min=0), hi - ic, _Comm(False), 8192, B)
-        ok = solver.run(200, history, max(R / 8, eps))
+        if k <= _PATH_K and float(e.clamp(min=0).sum()) * (k + 10) <= _PATH_WORK:
+            solver = _PathSolver(vals, k, target - ic, (lo - ic).clamp(min=0), hi - ic)
+            ok = solver.run(history)
+        else:
+            solver = _ExactSolver(vals, cb.contiguous(), torch.full((B.numel(),), -math.inf,
+                                  dtype=torch.float64, device=dev), k, target - ic,
+                                  (lo - ic).clamp(min=0), hi - ic, _Comm(False), 8192, B)
+            ok = solver.run(200, history, max(R / 8, eps))
         if not ok:
             return None
         solver.strictify()
@@ -2690,7 +2854,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             at, passes = _newton_counts(X, T, out=_spare(bufs, at)), passes + 1
             out = torch.ones(n, dtype=torch.bool, device=dev)
             out[B] = False
-            unsafe = out & ((at[0] != labels) | (at[2] <= slack))
+            unsafe = out & ((at[0] != labels) | (at[1] <= slack))
             safe = not bool(unsafe.any())
         if safe:
             labels[B] = solver.labels
@@ -2714,7 +2878,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             at = (at_before if at_before is not None
                   else _newton_counts(X, T, out=_spare(bufs, at)))
             passes += int(at_before is None)
-        e = at[3].to(torch.float64) - target
+        e = at[2].to(torch.float64) - target
         want = max(want, int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
         tries += 1
     return None

@@ -16,7 +16,8 @@ One warm-up call, --repeat timed calls (their median is printed), then one profi
 --phases replaces the profiles by a table of the exact labeler's stages in one call (after the
 warm-up): each solve (the sample start's, the warm start's sample, the dense path's, the main
 one; its rows) with the time and the steps of its approach (the published step rule), its
-auction rounds, its exact finish's rounds and its strict argmax, the dense path's Newton steps
+auction rounds, its exact finish's rounds (the dense path's solve by shortest paths at
+k <= 64, otl._PathSolver: those paths, one row moved along each) and its strict argmax, the dense path's Newton steps
 (time and passes over the rows, per call), and the rest of the call (reading the outputs into
 the store, the tie-break, taking rows out of it); then the published rules' median time on the
 same input and the ratio.  On a GPU a stage's time includes its waits for the device.
@@ -90,6 +91,7 @@ def network_outputs(a, dev):
 STAGES = ("newton", "approach", "auction", "finish", "strict argmax")
 _METHODS = {"_approach": "approach", "_auction": "auction", "_finish": "finish",
             "strictify": "strict argmax"}
+_PATH_METHODS = {"run": "finish", "strictify": "strict argmax"}   # otl._PathSolver's
 
 
 @contextmanager
@@ -100,7 +102,8 @@ def stage_timer(dev):
     its Newton steps on the counts, one record per call of otl._newton_T with the rows it read,
     and its solve of the rows near a boundary) or 'main'."""
     records, where = [], ["main"]
-    saved = {name: getattr(otl._ExactSolver, name) for name in _METHODS}
+    solvers = ((otl._ExactSolver, _METHODS), (otl._PathSolver, _PATH_METHODS))
+    saved = [(cls, name, getattr(cls, name)) for cls, names in solvers for name in names]
     saved_warm, saved_sample = otl.StreamingTranslator._warm_start, otl.sample_start_T
     saved_dense, saved_newton = otl._dense_translate, otl._newton_T
 
@@ -112,9 +115,7 @@ def stage_timer(dev):
         records.append(((where[-1], "newton", X.shape[0]), "newton", time.perf_counter() - t, out[3]))
         return out
 
-    def timed(name):
-        fn = saved[name]
-
+    def timed(fn, stage):
         def wrapper(self, *args, **kw):
             steps0 = self.rounds + self.phases
             utils.synchronize(dev)
@@ -123,7 +124,7 @@ def stage_timer(dev):
                 return fn(self, *args, **kw)
             finally:
                 utils.synchronize(dev)
-                records.append(((where[-1], id(self), self.vals.shape[0]), _METHODS[name],
+                records.append(((where[-1], id(self), self.vals.shape[0]), stage,
                                 time.perf_counter() - t, self.rounds + self.phases - steps0))
         return wrapper
 
@@ -136,8 +137,8 @@ def stage_timer(dev):
                 where.pop()
         return wrapper
 
-    for name in _METHODS:
-        setattr(otl._ExactSolver, name, timed(name))
+    for cls, name, fn in saved:
+        setattr(cls, name, timed(fn, dict(solvers)[cls][name]))
     otl.StreamingTranslator._warm_start = inside("warm start", saved_warm)
     otl.sample_start_T = inside("sample start", saved_sample)
     otl._dense_translate = inside("dense", saved_dense)
@@ -145,8 +146,8 @@ def stage_timer(dev):
     try:
         yield records
     finally:
-        for name, fn in saved.items():
-            setattr(otl._ExactSolver, name, fn)
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
         otl.StreamingTranslator._warm_start = saved_warm
         otl.sample_start_T = saved_sample
         otl._dense_translate, otl._newton_T = saved_dense, saved_newton

@@ -478,7 +478,8 @@ def test_exact_without_scipy(monkeypatch, k):
 
 def test_small_k_finishes_without_scipy(monkeypatch):
     """Up to k = 64 the finish takes the torch Dijkstra (as fast there, and no scipy import on a
-    process's first call); above, scipy's."""
+    process's first call); above, scipy's (the streaming path's finish: the dense one solves
+    k <= 64 by _PathSolver)."""
     looked_up = []
     lookup = otl._scipy_csgraph
     monkeypatch.setattr(otl, "_scipy_csgraph", lambda: looked_up.append(1) or lookup())
@@ -486,11 +487,11 @@ def test_small_k_finishes_without_scipy(monkeypatch):
     monkeypatch.setattr(otl, "_shortest_paths", lambda *a: calls.append(a[0]) or paths(*a))
     for k in (20, 64):
         O = torch.randn(6000, k, generator=gen(15)) + torch.linspace(0, 1, k)   # needs the finish
-        r = exact(O)
+        r = exact(O, dense=False)
         check_even(r)
         check_translation(O, r)
     assert 20 in calls and max(calls) <= 64 and not looked_up
-    exact(torch.randn(6000, 100, generator=gen(15)) + torch.linspace(0, 1, 100))
+    exact(torch.randn(6000, 100, generator=gen(15)) + torch.linspace(0, 1, 100), dense=False)
     assert looked_up
 
 
@@ -899,11 +900,12 @@ def test_sample_start_leaves_bad_outputs_to_the_whole_call():
 # small k, outputs held whole: Newton steps, then the rows near a boundary (translate's default)
 # ---------------------------------------------------------------------------------------------
 
-def _dense_spy(monkeypatch):
+def _dense_spy(monkeypatch, rows=None):
     """Records, for each translate call, whether the dense path gave the result and the rows of
-    each exact solve it made."""
+    each exact solve it made (by either solver: the tie-break of the rows solved is drawn
+    right before each); rows (a list): each solve's rows appended."""
     calls, solves = [], []
-    dense, init = otl._dense_translate, otl._ExactSolver.__init__
+    dense, jitter = otl._dense_translate, otl._tie_jitter
 
     def spy(*a):
         solves.clear()
@@ -911,12 +913,14 @@ def _dense_spy(monkeypatch):
         calls.append((r is not None, list(solves)))
         return r
 
-    def counted(self, vals, *a, **kw):
-        solves.append(vals.shape[0])
-        init(self, vals, *a, **kw)
+    def counted(B, cols, seed):
+        solves.append(B.numel())
+        if rows is not None:
+            rows.append(B.clone())
+        return jitter(B, cols, seed)
 
     monkeypatch.setattr(otl, "_dense_translate", spy)
-    monkeypatch.setattr(otl._ExactSolver, "__init__", counted)
+    monkeypatch.setattr(otl, "_tie_jitter", counted)
     return calls
 
 
@@ -944,27 +948,22 @@ def test_dense_path_widens_when_T_moves_past_the_rows_kept(monkeypatch):
     solved, until none change; still exact, the streaming path's labels."""
     n, k = 20_000, 40
     O = dominant(n, k, 22)
-    calls = _dense_spy(monkeypatch)
+    solved = []
+    calls = _dense_spy(monkeypatch, solved)
     monkeypatch.setattr(otl, "_DENSE_SHARE", 0.0)
     monkeypatch.setattr(otl, "_DENSE_PER_MOVE", 2)      # (8 by default)
-    musts, solved = [], []
-    near, init = otl._near_rows, otl._ExactSolver.__init__
+    musts = []
+    near = otl._near_rows
 
     def spy(lab, margin, R, cnt_out, hi, must=None):
         musts.append(None if must is None else must.clone())
         return near(lab, margin, R, cnt_out, hi, must)
 
-    def rows_of(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, **kw):
-        solved.append(rows_global.clone())
-        init(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, **kw)
-
     monkeypatch.setattr(otl, "_near_rows", spy)
     r = exact(O)
-    monkeypatch.setattr(otl._ExactSolver, "__init__", rows_of)
-    r2 = exact(O)
     used, sizes = calls[-1]
     assert used and len(sizes) >= 2 and sizes[-1] > sizes[0]
-    assert torch.equal(r2.labels, r.labels) and len(solved) == len(sizes)
+    assert len(solved) == len(sizes)
     # a try after one that failed solves that one's rows again (with the rows that changed)
     for must, before in zip(musts[-len(sizes) + 1:], solved):
         assert must is not None and set(before.tolist()) <= set(must.tolist())
@@ -983,6 +982,86 @@ def test_dense_path_uneven_target(monkeypatch, x):
     assert calls[-1][0]
     assert (r.counts.double() - target).abs().max() <= 1
     check_translation(O, r)
+
+
+def _solve_by_paths(vals, target):
+    lo, hi = otl._count_bounds(target)
+    s = otl._PathSolver(vals, vals.shape[1], target, lo, hi)
+    history = []
+    assert s.run(history) and len(history) == 1
+    s.strictify()
+    return s, lo, hi
+
+
+@pytest.mark.parametrize("k, kind", [(10, "whole"), (37, "fractions"), (20, "uneven"), (2, "whole")])
+def test_path_solver_balances_with_strict_argmax_labels(k, kind):
+    """_PathSolver (the dense path's solve at k <= 64): counts within [floor, ceil] of the
+    target, every row's label its strict argmax at the returned dT (the moved rows' ties
+    resolved), one path per row to move at least; with whole targets (one balanced assignment
+    is a translation's) _ExactSolver's labels."""
+    n = 600
+    vals = (torch.randn(n, k, generator=gen(41)) + torch.linspace(0, 2, k)).double()
+    target = {"whole": otl.even_target(n, k), "fractions": otl.even_target(n, k),
+              "uneven": otl.uneven_target(n, k, 1.0, first=1).double()}[kind]
+    s, lo, hi = _solve_by_paths(vals, target)
+    c = torch.bincount(s.labels, minlength=k)
+    assert torch.equal(c, s.counts) and ((c >= lo) & (c <= hi)).all()
+    start = torch.bincount(vals.argmax(1), minlength=k)
+    assert s.rounds >= int((start - hi).clamp(min=0).sum()) > 0
+    S = vals - s.dT
+    own = S.gather(1, s.labels[:, None])[:, 0]
+    S[torch.arange(n), s.labels] = -math.inf
+    assert (own > S.amax(1)).all() and s.ties > 0
+    if torch.equal(lo, hi):
+        cols = torch.arange(k, dtype=torch.int16).expand(n, k).contiguous()
+        ref = otl._ExactSolver(vals, cols, torch.full((n,), -math.inf, dtype=torch.float64), k,
+                               target, lo, hi, otl._Comm(False), 8192, torch.arange(n))
+        assert ref.run(200, [], 1e-3)
+        ref.strictify()
+        assert torch.equal(ref.labels, s.labels)
+
+
+def test_dense_path_solves_few_moves_by_paths_and_many_by_the_auction(monkeypatch):
+    """At k <= _PATH_K with few rows to move ((k + 10) x their number at most _PATH_WORK) the
+    dense path's exact solve is _PathSolver's; above either, _ExactSolver's; the same labels
+    (N / k whole)."""
+    used = []
+    for cls in (otl._PathSolver, otl._ExactSolver):
+        monkeypatch.setattr(cls, "__init__", lambda self, *a, _i=cls.__init__, _c=cls, **kw:
+                            used.append(_c.__name__) or _i(self, *a, **kw))
+    O = dominant(19_980, 20, 42)
+    r = exact(O)
+    assert used == ["_PathSolver"]
+    monkeypatch.setattr(otl, "_PATH_WORK", 0)
+    used.clear()
+    r2 = exact(O)
+    assert used == ["_ExactSolver"]
+    assert torch.equal(r.labels, r2.labels)
+    check_even(r)
+    check_translation(O, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_newton_counts_on_the_k_by_n_copy_match_the_rows(monkeypatch, dtype):
+    """Up to k = _T_K a pass reads a k x N copy of the outputs: the same best columns (the first
+    of tied ones), margins, counts and best scores as max(1) over the rows; the copy is made
+    again for other outputs handed the same buffers."""
+    n, k = 5000, 20
+    O = dominant(n, k, 43)
+    O[:50, 3] = O[:50, 7] = O[:50].amax(1) + 1          # two columns tied at the max
+    O = O.to(dtype)
+    T = torch.randn(k, generator=gen(44), dtype=torch.float64) * 0.1
+    T[7] = T[3]
+    bufs = otl._newton_bufs(n, k, O.device)
+    got = [x.clone() for x in otl._newton_counts(O, T, out=bufs)]
+    assert (got[0][:50] == 3).all() and (got[1][:50] == 0).all()
+    O2 = dominant(n, k, 45).to(dtype)
+    got2 = [x.clone() for x in otl._newton_counts(O2, T, out=bufs)]
+    monkeypatch.setattr(otl, "_T_K", 0)                  # max(1) over the rows
+    for X, g in ((O, got), (O2, got2)):
+        ref = otl._newton_counts(X, T)
+        for a, b in zip(g, ref):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("k", [2, 20])
@@ -1108,18 +1187,18 @@ def test_shed_step_moves_exactly_the_excess_out_of_each_over_full_cluster():
     target = otl.even_target(n, k).double()
     T = O[:8192].median(dim=0).values.double()
     at = otl._newton_counts(O, T)
-    e = at[3].double() - target
+    e = at[2].double() - target
     d = otl._shed_step(at, e)
     over = e >= 1
     assert over.any() and (d[~over] == 0).all() and (d[over] > 0).all()
-    lab, margin = at[0], at[2]
+    lab, margin = at[0], at[1]
     for j in over.nonzero()[:, 0].tolist():     # its excess lies below its rise, alone
         assert int((margin[lab == j] < d[j]).sum()) == int(e[j])
     new = otl._newton_counts(O, T + d)
     left = lab != new[0]
     assert not (left & ~over[lab]).any()        # T rose for over-full clusters only
     assert int(left.sum()) <= int(e.clamp(min=0).floor().sum())   # (a runner-up rising too keeps some)
-    assert float((new[3].double() - target).abs().sum()) < float(e.abs().sum())
+    assert float((new[2].double() - target).abs().sum()) < float(e.abs().sum())
     # no cluster can shed (all at or under the target): None
     assert otl._shed_step(at, torch.zeros(k, dtype=torch.float64) - 1) is None
 
@@ -1147,7 +1226,7 @@ def test_newton_step_past_span_max_is_not_taken():
     T, e, at, passes, escaped = otl._newton_T(O, T0, target, 8, 0.0, span_max=1e-9)
     assert escaped and passes == 1 and torch.equal(T, T0)
     assert torch.equal(at[0], (O - T0.float()).argmax(1))
-    assert float(e.abs().sum()) == float((at[3].double() - target).abs().sum())
+    assert float(e.abs().sum()) == float((at[2].double() - target).abs().sum())
     # from the state it returned (no first pass), without the bound: steps are taken
     T2, _, _, passes2, escaped2 = otl._newton_T(O, T, target, 1, 0.0, at=at)
     assert not escaped2 and passes2 >= 1 and not torch.equal(T2, T0)
@@ -1164,7 +1243,7 @@ def test_newton_steps_bring_the_counts_near_the_target():
     T0 = O[:8192].median(dim=0).values.double()
     errs = []
     T, e, at, passes, escaped = otl._newton_T(O, T0, target, 8, 0.0, errs=errs)
-    lab, margin = at[0], at[2]
+    lab, margin = at[0], at[1]
     assert not escaped
     assert all(b < a for a, b in zip(errs, errs[1:])) and len(errs) >= 4
     assert errs[-1] < 0.05 * errs[0]
