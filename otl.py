@@ -2395,11 +2395,17 @@ def _newton_pair(n, k, device):
 
 def _gap_after(margin, lab, excess, k):
     """(a, b), one entry per cluster j: the excess_j-th smallest margin among the rows labelled
-    j and the next one (b = inf where excess_j is not below its rows), from one stable sort of
-    the rows by cluster, then by margin (_ExactSolver._shed, _shed_step, the Newton step)."""
-    order = torch.argsort(margin, stable=True)
-    order = order.index_select(0, torch.argsort(lab.index_select(0, order), stable=True))
-    ms = margin.index_select(0, order)
+    j and the next one (b = inf where excess_j is not below its rows), from the margins sorted
+    by cluster, then by value (_ExactSolver._shed, _shed_step, the Newton step).  float32
+    margins (>= 0: their bits order as int32 as their values do) in one sort of the int64
+    keys cluster << 32 | bits, half the time of two stable argsorts; others by those."""
+    if margin.dtype == torch.float32:
+        key = (lab.to(torch.int64) << 32) | (margin.view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
+        ms = (torch.sort(key).values & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    else:
+        order = torch.argsort(margin, stable=True)
+        order = order.index_select(0, torch.argsort(lab.index_select(0, order), stable=True))
+        ms = margin.index_select(0, order)
     cnt = torch.bincount(lab, minlength=k)
     first = torch.cumsum(cnt, 0) - cnt
     last = ms.numel() - 1

@@ -1251,3 +1251,20 @@ def test_newton_steps_bring_the_counts_near_the_target():
     assert float(e.abs().sum()) == errs[-1]
     S = O - T.float()
     assert torch.equal(lab, S.argmax(1)) and (margin >= 0).all()
+
+
+def test_gap_after_float32_keys_match_the_stable_sorts():
+    """_gap_after on float32 margins (one sort of cluster << 32 | bits) gives the values of the
+    two stable argsorts it uses for float64 ones: zeros, ties, excess past a cluster's rows."""
+    g = gen(46)
+    for n, k in ((5000, 10), (20_000, 128), (300, 3)):
+        m = torch.rand(n, generator=g)
+        m[:50] = 0
+        m[50:60] = m[60:70]
+        lab = torch.randint(0, k, (n,), generator=g)
+        excess = torch.randint(0, int(1.5 * n / k), (k,), generator=g)
+        excess[0] = n
+        a, b = otl._gap_after(m, lab, excess, k)
+        a64, b64 = otl._gap_after(m.double(), lab, excess, k)
+        assert torch.equal(a.double(), a64) and torch.equal(b.double(), b64)
+        assert torch.isinf(b[0])                # the excess is not below the cluster's rows
