@@ -2436,7 +2436,12 @@ def _newton_step(X, T, at, e, frac):
     iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
     if iso.numel():
         over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
-        if over.numel():      # each one's (e_j + 1)-th smallest margin, where it has the rows
+        if 0 < over.numel() <= 8:   # each one's (e_j + 1)-th smallest margin, if it has the rows
+            for j, ej in zip(over.tolist(), ec.index_select(0, over).to(torch.int64).tolist()):
+                mj = m[a1 == j]     # (a few: cheaper than _gap_after's sort of every row)
+                if ej < mj.numel():
+                    d[j] = float(mj.kthvalue(ej + 1).values)
+        elif over.numel():
             want = torch.zeros(k, dtype=torch.int64)
             want[over] = ec.index_select(0, over).to(torch.int64)
             _, b = _gap_after(m, a1, want.to(m.device), k)
