@@ -2556,6 +2556,7 @@ _FEW_CHANGED = 0.01   # (see the dense path's tries)
 _COLLAPSE_SAMPLE = 1.0   # sum |counts - target| over this share of N at the start: collapsed
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
+_R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
 # and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python costs about 40 + 3.5 k us
@@ -2707,21 +2708,23 @@ class _PathSolver:
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     """translate's exact labeler for small k on outputs held whole in one process, or None when
-    it cannot finish cheaply (then the StreamingTranslator path runs).  Steps on the counts
-    (`_newton_T`: Newton steps, and rounds of shedding where those fail) on every `stride`-th
-    row (at N >= 4 x 8,192 rows; on every 2nd row from 2 x 8,192 where more than half of the
-    rows must move at the start: outputs collapsed onto few clusters), then on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N),
-    then (once T can cross at most half of them) on the rows near a boundary only,
-    bring the counts near the target in float32 passes; the rows within a margin R of their
-    runner-up (at least 2 % of them, and 8 times the rows still to move and k) are solved
-    exactly by the same solver as the streaming path (`_ExactSolver`, with the same tie-break
-    eps x u(row, column)), the other rows keep their best column: they lead by more than R
-    and the solve moves no T_j by as much relative to another, or else one pass at the
-    solve's T finds none of them changed (both with float32's rounding).  Where rows did
-    change, the next try (up to four) takes the rows solved and the rows that changed, from
-    the solve's T where those are under 1 % of the rows solved, else again from the T before
-    that solve.  docs/labeler.md (v16, v17) has the
-    measurements."""
+    it cannot finish cheaply (then the StreamingTranslator path runs).
+
+    Steps on the counts (`_newton_T`: Newton steps, and rounds of shedding where those fail)
+    bring them near the target in float32 passes: on every `stride`-th row at N >= 4 x 8,192
+    rows (on every 2nd row from 2 x 8,192 where more than half of the rows must move at the
+    start: outputs collapsed onto few clusters), then on all rows (8 steps, up to 24 while sum
+    |counts - target| is over 1 % of N), then (once T can cross at most half of them) on the
+    rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
+    them, or 8 times the rows still to move and k; R from a strided sample of the margins) are
+    solved exactly, with the streaming path's tie-break eps x u(row, column): by shortest paths
+    (`_PathSolver`) at k <= 64 where few rows are to move, else by the streaming path's solver
+    (`_ExactSolver`).  The other rows keep their best column: they lead by more than R and the
+    solve moves no T_j by as much relative to another, or else one pass at the solve's T finds
+    none of them changed (both with float32's rounding).  Where rows did change, the next try
+    (up to four) takes the rows solved and the rows that changed, from the solve's T where
+    those are under 1 % of the rows solved, else again from the T before that solve.
+    docs/labeler.md (v16 - v18) has the measurements."""
     t0 = time.perf_counter()
     n, k = outputs.shape
     dev = outputs.device
@@ -2823,7 +2826,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             P, labP, mP, c_out, outer = pool
         nP = labP.numel()
         w = min(want, nP)
-        R = min(float(mP.kthvalue(w).values) if w < nP else math.inf, outer)
+        st = max(1, nP // _R_ROWS)     # (the margin of about w rows, from a strided sample)
+        R = min(float(mP[::st].kthvalue(-(-w // st)).values) if w < nP else math.inf, outer)
         got = _near_rows(labP, mP, R, c_out, hi, must if P is None else None)
         if got is None and pool is not None:
             pool = None     # the rows near a boundary cannot balance a cluster: all rows
