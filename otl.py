@@ -2300,7 +2300,6 @@ class _ExactSolver:
         self.counts = self._count()
 
 
-
 def _tie_shift(a, b, k, rmin, scale):
     """The shift eta * pi of T (CPU, float64) that resolves every tie a[i] -> b[i] (a row of
     cluster a with an equal score in b) to a: pi[b] > pi[a] for each (the longest chain of ties
@@ -2418,7 +2417,7 @@ def _newton_step(X, T, at, e, frac):
     """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`."""
     k = X.shape[1]
     a1, m, cnt, best = at
-    ms = m[::max(1, m.numel() // max(_H_ROWS, 64 * k))]     # (h from a strided sample of the margins)
+    ms = m[::max(1, m.numel() // max(_H_ROWS, 64 * k))]     # (h from strided margins)
     h = max(float(ms.kthvalue(max(1, int(frac * ms.numel()))).values), 1e-30)
     sel = (m < h).nonzero()[:, 0]
     b1 = a1.index_select(0, sel)
@@ -2585,8 +2584,9 @@ def _near_rows(lab, margin, R, cnt_out, hi, must=None):
 class _PathSolver:
     """The exact solve of _dense_translate for k <= _PATH_K, where few rows are left to move:
     successive shortest paths on the k clusters.  vals (n, k) float64 O - T0 of the rows near a
-    boundary (every column); target, lo, hi (k,) the counts they aim at and may end with.  dT (k,) is T - T0,
-    labels their argmax at dT, counts; run() then strictify() as _ExactSolver's.
+    boundary (every column); target, lo, hi (k,) the counts they aim at and may end with.  dT
+    (k,) is T - T0, labels their argmax at dT, counts; run() then strictify() as
+    _ExactSolver's.
 
     A row s of cluster a moves to b at the cost D_sb - dT_a + dT_b >= 0 (D_sb = V_sa - V_sb, its
     lead over b at T0, V = vals), so the cheapest move a -> b is M_ab - dT_a + dT_b with M_ab

@@ -17,10 +17,10 @@ One warm-up call, --repeat timed calls (their median is printed), then one profi
 warm-up): each solve (the sample start's, the warm start's sample, the dense path's, the main
 one; its rows) with the time and the steps of its approach (the published step rule), its
 auction rounds, its exact finish's rounds (the dense path's solve by shortest paths at
-k <= 64, otl._PathSolver: those paths, one row moved along each) and its strict argmax, the dense path's Newton steps
-(time and passes over the rows, per call), and the rest of the call (reading the outputs into
-the store, the tie-break, taking rows out of it); then the published rules' median time on the
-same input and the ratio.  On a GPU a stage's time includes its waits for the device.
+k <= 64, otl._PathSolver: those paths, one row moved along each) and its strict argmax, the
+dense path's Newton steps (time and passes over the rows, per call), and the rest of the call
+(reading the outputs into the store, the tie-break, taking rows out of it); then the published
+rules' median time on the same input and the ratio.  On a GPU a stage's time includes its waits for the device.
 
 --variants replaces them by the exact labeler and the published rules on four variants of the
 input, as real outputs come in other sizes and orders: its first 80 % of rows, its last two

@@ -994,7 +994,8 @@ def _solve_by_paths(vals, target):
     return s, lo, hi
 
 
-@pytest.mark.parametrize("k, kind", [(10, "whole"), (37, "fractions"), (20, "uneven"), (2, "whole")])
+@pytest.mark.parametrize("k, kind", [(10, "whole"), (37, "fractions"), (20, "uneven"),
+                                     (2, "whole")])
 def test_path_solver_balances_with_strict_argmax_labels(k, kind):
     """_PathSolver (the dense path's solve at k <= 64): counts within [floor, ceil] of the
     target, every row's label its strict argmax at the returned dT (the moved rows' ties
