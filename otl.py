@@ -233,7 +233,7 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
     n, k = outputs.shape
     if k <= 2 * kw.get("full_rows_up_to", 128) or n < every * k:
         return None
-    head = outputs[:probe].to(torch.float32)
+    head = outputs[:probe].to(torch.float32).contiguous()    # (median is wrong on expanded rows)
     cnt = torch.bincount((head - head.median(dim=0).values).argmax(1), minlength=k)
     if not StreamingTranslator._far(cnt.to(torch.float64), target):
         return None
@@ -2738,7 +2738,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         return None     # the streaming path names the bad row
     target = _check_target(target, n, k).to(dev)
     lo, hi = _count_bounds(target)
-    head = X[:max(n_init, 1)].to(torch.float32)
+    head = X[:max(n_init, 1)].to(torch.float32).contiguous()   # (median is wrong on expanded rows)
     eps = tie_eps * max(float(torch.maximum(head.amax(1), -head.amin(1)).median()), 1e-30)
     T = (head.median(dim=0).values.to(torch.float64) if start is None
          else start.to(device=dev, dtype=torch.float64).flatten())

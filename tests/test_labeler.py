@@ -1270,3 +1270,15 @@ def test_gap_after_float32_keys_match_the_stable_sorts():
         a64, b64 = otl._gap_after(m.double(), lab, excess, k)
         assert torch.equal(a.double(), a64) and torch.equal(b.double(), b64)
         assert torch.isinf(b[0])                # the excess is not below the cluster's rows
+
+
+@pytest.mark.parametrize("k", [10, 100])
+def test_expanded_outputs_label_as_their_contiguous_copy(k):
+    """Outputs handed as an expanded view (stride 0 over rows, every row alike: torch's median
+    over such a view returns garbage, so the dense path's column medians read a contiguous
+    copy of the first rows): the same labels and T as the same values laid out whole."""
+    C = torch.randn(1, k, generator=gen(47)).expand(64 * k + 40, k)
+    r = exact(C)
+    check_even(r)
+    ref = exact(C.contiguous())
+    assert torch.equal(r.labels, ref.labels) and torch.equal(r.T, ref.T)
