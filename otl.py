@@ -2394,10 +2394,24 @@ def _newton_pair(n, k, device):
 
 def _gap_after(margin, lab, excess, k):
     """(a, b), one entry per cluster j: the excess_j-th smallest margin among the rows labelled
-    j and the next one (b = inf where excess_j is not below its rows), from the margins sorted
-    by cluster, then by value (_ExactSolver._shed, _shed_step, the Newton step).  float32
-    margins (>= 0: their bits order as int32 as their values do) in one sort of the int64
-    keys cluster << 32 | bits, half the time of two stable argsorts; others by those."""
+    j and the next one (b = inf where excess_j is not below its rows), for the clusters with
+    excess_j > 0 (the others' entries are not for use; _ExactSolver._shed, _shed_step, the
+    Newton step).  Up to 8 such clusters: the smallest excess_j + 1 of each one's margins
+    (cheaper than sorting every row).  Else from the margins sorted by cluster, then by value:
+    float32 margins (>= 0: their bits order as int32 as their values do) in one sort of the
+    int64 keys cluster << 32 | bits, half the time of two stable argsorts; others by those."""
+    cnt = torch.bincount(lab, minlength=k)
+    few = (excess > 0).nonzero()[:, 0]
+    if few.numel() <= 8 and bool((excess <= cnt).all()):
+        a = torch.zeros(k, dtype=margin.dtype, device=margin.device)
+        b = torch.full((k,), math.inf, dtype=margin.dtype, device=margin.device)
+        for j, ej in zip(few.tolist(), excess.index_select(0, few).tolist()):
+            mj = margin[lab == j]
+            small = mj.topk(min(ej + 1, mj.numel()), largest=False).values    # ascending
+            a[j] = small[ej - 1]
+            if ej < mj.numel():
+                b[j] = small[ej]
+        return a, b
     if margin.dtype == torch.float32:
         key = (lab.to(torch.int64) << 32) | (margin.view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
         ms = (torch.sort(key).values & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
@@ -2405,7 +2419,6 @@ def _gap_after(margin, lab, excess, k):
         order = torch.argsort(margin, stable=True)
         order = order.index_select(0, torch.argsort(lab.index_select(0, order), stable=True))
         ms = margin.index_select(0, order)
-    cnt = torch.bincount(lab, minlength=k)
     first = torch.cumsum(cnt, 0) - cnt
     last = ms.numel() - 1
     a = ms.index_select(0, (first + excess - 1).clamp(0, last))
@@ -2435,12 +2448,7 @@ def _newton_step(X, T, at, e, frac):
     iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
     if iso.numel():
         over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
-        if 0 < over.numel() <= 8:   # each one's (e_j + 1)-th smallest margin, if it has the rows
-            for j, ej in zip(over.tolist(), ec.index_select(0, over).to(torch.int64).tolist()):
-                mj = m[a1 == j]     # (a few: cheaper than _gap_after's sort of every row)
-                if ej < mj.numel():
-                    d[j] = float(mj.kthvalue(ej + 1).values)
-        elif over.numel():
+        if over.numel():      # each one's (e_j + 1)-th smallest margin, where it has the rows
             want = torch.zeros(k, dtype=torch.int64)
             want[over] = ec.index_select(0, over).to(torch.int64)
             _, b = _gap_after(m, a1, want.to(m.device), k)

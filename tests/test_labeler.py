@@ -1282,3 +1282,26 @@ def test_expanded_outputs_label_as_their_contiguous_copy(k):
     check_even(r)
     ref = exact(C.contiguous())
     assert torch.equal(r.labels, ref.labels) and torch.equal(r.T, ref.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gap_after_few_clusters_as_many(dtype):
+    """_gap_after for the clusters with excess > 0, up to 8 of them one cluster at a time, more
+    by the sort of every row: each one's excess-th smallest margin and the next (inf where the
+    excess takes all its rows), as sorting that cluster's margins gives."""
+    g = gen(48)
+    n, k = 4000, 20
+    m = torch.rand(n, generator=g, dtype=torch.float64).to(dtype)
+    m[:40] = 0
+    lab = torch.randint(0, k, (n,), generator=g)
+    cnt = torch.bincount(lab, minlength=k)
+    for asked in (torch.tensor([1, 5, 7]), torch.arange(k)):
+        excess = torch.zeros(k, dtype=torch.int64)
+        excess[asked] = torch.randint(1, 60, (asked.numel(),), generator=g)
+        excess[asked[0]] = cnt[asked[0]]                  # all of its rows
+        a, b = otl._gap_after(m, lab, excess, k)
+        for j in asked.tolist():
+            ms = torch.sort(m[lab == j]).values
+            e = int(excess[j])
+            assert float(a[j]) == float(ms[e - 1])
+            assert float(b[j]) == (float(ms[e]) if e < ms.numel() else math.inf)
