@@ -574,11 +574,9 @@ INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_net_from_view0"
                "random_net_large"]
 
 
-def summary(path):
-    """Markdown tables of a results JSON: per input and k, each method's seconds, max - min and
-    std (floor), and how many times faster ours is than the published labeler."""
-    with open(path) as fh:
-        res = json.load(fh)
+def summary(res):
+    """Markdown tables of a results JSON's contents: per input and k, each method's seconds,
+    max - min and std (floor), and how many times faster ours is than the published labeler."""
     recs = [r for r in res["records"] if "error" not in r]
     on = (f"{res['machine']['gpu']}" if res["args"].get("device", "cpu") != "cpu" else
           f"{res['machine']['cpu']} ({res['machine']['torch_threads']} threads")
@@ -621,10 +619,11 @@ def summary(path):
 
 def main(args):
     if args.summary:
-        print(summary(args.summary))
+        with open(args.summary) as fh:
+            res = json.load(fh)
+        print(summary(res))
         if args.plot:       # the plot of a saved benchmark
-            with open(args.summary) as fh:
-                plot(json.load(fh)["records"], args.plot)
+            plot(res["records"], args.plot)
         return None
     args = resolve_args(args)
     utils.print_run_header(args)

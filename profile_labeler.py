@@ -20,7 +20,8 @@ auction rounds, its exact finish's rounds (the dense path's solve by shortest pa
 k <= 64, otl._PathSolver: those paths, one row moved along each) and its strict argmax, the
 dense path's Newton steps (time and passes over the rows, per call), and the rest of the call
 (reading the outputs into the store, the tie-break, taking rows out of it); then the published
-rules' median time on the same input and the ratio.  On a GPU a stage's time includes its waits for the device.
+rules' median time on the same input and the ratio.  On a GPU a stage's time includes its
+waits for the device.
 
 --variants replaces them by the exact labeler and the published rules on four variants of the
 input, as real outputs come in other sizes and orders: its first 80 % of rows, its last two
@@ -239,6 +240,15 @@ def variants_report(O, repeat, dev):
     return lines
 
 
+def report(lines, out):
+    """Print the report's lines, and write them to `out` too where given."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text + "\n")
+
+
 def main(a):
     dev = utils.pick_device(a.device)
     if a.input:
@@ -259,11 +269,7 @@ def main(a):
         torch.save(O.detach().cpu().contiguous(), a.save_input)
     if a.variants:
         lines = [header(dev, n, k, what), "", f"medians of {a.repeat} calls each", ""]
-        text = "\n".join(lines + variants_report(O, a.repeat, dev))
-        print(text)
-        if a.out:
-            with open(a.out, "w") as fh:
-                fh.write(text + "\n")
+        report(lines + variants_report(O, a.repeat, dev), a.out)
         return
 
     def call():
@@ -290,11 +296,7 @@ def main(a):
         med, ours = median(pub), median(times)
         lines += ["", f"published rules: {med:.4f} s (median of {[round(t, 4) for t in pub]}); "
                       f"published / ours {med / ours:.2f}x"]
-        text = "\n".join(lines)
-        print(text)
-        if a.out:
-            with open(a.out, "w") as fh:
-                fh.write(text + "\n")
+        report(lines, a.out)
         return
     prof = cProfile.Profile()
     utils.synchronize(dev)
@@ -316,11 +318,7 @@ def main(a):
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     lines += ["", f"torch.profiler by {key}",
               p.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=50)]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text)
+    report(lines, a.out)
 
 
 if __name__ == "__main__":
