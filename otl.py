@@ -2340,10 +2340,11 @@ def _newton_counts(X, T, out=None):
     """(best column, best - runner-up, counts, best score) of X - T, in float32 passes over
     blocks of rows into one scratch block (no N x k temporary); out: _newton_bufs to write
     them into.  Up to k = _T_K on a k x N float32 copy of X, made at the first pass and kept
-    in the scratch: a row's max is then a max across k contiguous vectors, several times
-    faster than max(1) over rows of k (which gives the value with its column, faster than
-    argmax and a gather); the column is the first at the max.  The runner-up's value alone
-    (amax): the Newton step finds its column for the few rows it needs."""
+    in the scratch: a row's max is then a max across k contiguous vectors, faster than max(1)
+    over rows of k (which gives the value with its column, faster than argmax and a gather;
+    docs/labeler.md, v18, has the timings); the column is the first at the max.  The
+    runner-up's value alone (amax): the Newton step finds its column for the few rows it
+    needs."""
     n, k = X.shape
     a1, m, best, (V, v2, keep) = _newton_bufs(n, k, X.device) if out is None else out
     block = V.shape[0]
@@ -2399,7 +2400,8 @@ def _gap_after(margin, lab, excess, k):
     Newton step).  Up to 8 such clusters: the smallest excess_j + 1 of each one's margins
     (cheaper than sorting every row).  Else from the margins sorted by cluster, then by value:
     float32 margins (>= 0: their bits order as int32 as their values do) in one sort of the
-    int64 keys cluster << 32 | bits, half the time of two stable argsorts; others by those."""
+    int64 keys cluster << 32 | bits, faster than two stable argsorts (docs/labeler.md, v18);
+    others by those."""
     cnt = torch.bincount(lab, minlength=k)
     few = (excess > 0).nonzero()[:, 0]
     if few.numel() <= 8 and bool((excess <= cnt).all()):
@@ -2566,7 +2568,7 @@ _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k 
 _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
-# and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python costs about 40 + 3.5 k us
+# and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python grows with k (docs v18)
 
 
 def _near_rows(lab, margin, R, cnt_out, hi, must=None):
