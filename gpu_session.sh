@@ -21,7 +21,10 @@
 #                                    the trained network's outputs (its k = 128 head, and its
 #                                    backbone through a fresh k = 3000 head), on the GPU and on
 #                                    the host. FAST_FLAGS: more train_otl.py flags for the fast
-#                                    run (e.g. "--labeler-device cpu")
+#                                    run (e.g. "--labeler-device cpu"); EVAL=0: the training
+#                                    alone (a call runs 10 minutes at most), then
+#   bash gpu_session.sh eval         call 3, at once: the fast run's kNN + linear evaluations (and
+#                                    PHASES=1's labeler stages on its head)
 #
 # .gpu/ (ignored: add /.gpu/ to .git/info/exclude) holds ../shared/data/EuroSAT.zip split by
 # `split -b 60000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` and a 40-per-class
@@ -46,9 +49,14 @@ bench)
     nproc; git rev-parse HEAD 2>/dev/null; } 2>&1 | tee "$OUT/machine.txt"
   # 1. training and label-pass images/s at 112 (fast) and 224 px (paper), against a plain
   #    supervised ResNet-18 loop
-  timeout 110 $PY bench_train.py --device cuda --sizes 112,224 --steps 20 --warmup 5 \
-      --out "$OUT/train_throughput_gpu.json" 2>&1 | tail -4
-  cp "$OUT/train_throughput_gpu.json" /tmp/gpu_state/ 2>/dev/null
+  #    (SKIP_THROUGHPUT=1: the last session's figures, results/gpu_h100_s2, instead)
+  if [ "${SKIP_THROUGHPUT:-0}" = 1 ]; then
+    cp results/gpu_h100_s2/train_throughput_gpu.json /tmp/gpu_state/
+  else
+    timeout 110 $PY bench_train.py --device cuda --sizes 112,224 --steps 20 --warmup 5 \
+        --out "$OUT/train_throughput_gpu.json" 2>&1 | tail -4
+    cp "$OUT/train_throughput_gpu.json" /tmp/gpu_state/ 2>/dev/null
+  fi
   # 2. the CUDA tests (skipped on CPU machines); small_data reads ../shared/data/EuroSAT.zip
   mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip
   timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_labeler.py \
@@ -82,16 +90,22 @@ train)
   sha256sum data/eurosat/split.json
   # seconds kept for what follows the fast run: its two evaluations (90), and with PAPER=1 (the
   # default) the paper preset's timing and the labeler on the trained network's outputs (150)
-  if [ "${PAPER:-1}" = 1 ]; then AFTER=240; else AFTER=90; fi
+  # (EVAL=0: the training alone, its evaluations left to `bash gpu_session.sh eval` in the next
+  # call, as one call may run 10 minutes at most: 20 s kept)
+  if [ "${EVAL:-1}" = 0 ]; then AFTER=20; PAPER=0
+  elif [ "${PAPER:-1}" = 1 ]; then AFTER=240; else AFTER=90; fi
   # epochs that fit: 2 x 21,600 training views and 2 x 21,600 label-pass views an epoch at the
   # images/s call 1 measured at 112 px, plus 10 % and 0.5 s for the labeler and the rest (the
   # first H100 run: 3.47 s an epoch against 2.99 s from the benchmark's figures); the supervised
   # twin (no label pass) only if it can run as many epochs in what is left
-  read E ESUP MM < <($PY - "$(( $(left) - AFTER ))" "${E_MAX:-100}" <<'EOF'
+  # (labelling on the host, FAST_FLAGS="--labeler-device cpu": 0.15 s for the labeler and the rest)
+  case "${FAST_FLAGS:-}" in *"--labeler-device cpu"*) REST=0.15 ;; *) REST=0.5 ;; esac
+  read E ESUP MM < <($PY - "$(( $(left) - AFTER ))" "${E_MAX:-100}" "$REST" <<'EOF'
 import json, sys
 try:
     t = json.load(open("/tmp/gpu_state/train_throughput_gpu.json"))["sizes"]["112"]
-    otl = 1.1 * (43200 / t["otl_train"]["views_per_s"] + 43200 / t["label_pass"]["views_per_s"]) + 0.5
+    otl = (1.1 * (43200 / t["otl_train"]["views_per_s"] + 43200 / t["label_pass"]["views_per_s"])
+           + float(sys.argv[3]))
     sup = 1.05 * 43200 / t["otl_train"]["views_per_s"] + 0.2
 except (OSError, KeyError, ValueError):          # no measurement: a guess
     otl, sup = 6.0, 4.0
@@ -107,15 +121,27 @@ EOF
   timeout $(( $(left) - AFTER + 20 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast \
       --preset fast --epochs "$E" --knn-monitor 20 --no-progress --max-minutes "$MM" ${FAST_FLAGS:-} \
       2>&1 | tee "$OUT/train_fast.log" | tail -12
+  [ "${EVAL:-1}" = 0 ] && { echo "trained, $(left) s left"; exit 0; }
+  ;&
+eval)
+  R=runs/gpu
   for ev in eval_knn eval_linear; do
     timeout 60 $PY $ev.py --checkpoint $R/eurosat_fast/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
   done
+  [ "${1:-}" = eval ] && { D=${D:-600}; ESUP=0; AFTER=0; PAPER=0; }
   if [ "$ESUP" -gt 0 ] && [ "$(left)" -gt $(( AFTER + 60 )) ]; then
     timeout $(( $(left) - AFTER )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
         --supervised --preset fast --epochs "$ESUP" --no-progress 2>&1 | tee "$OUT/train_fast_supervised.log" | tail -5
     for ev in eval_knn eval_linear; do
       timeout 40 $PY $ev.py --checkpoint $R/eurosat_fast_supervised/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
     done
+  fi
+  # PHASES=1: where the exact labeler's time goes on the trained head's outputs (one strong view
+  # of the training split, as a label pass hands it), on the GPU, if 40 s are left
+  if [ "${PHASES:-0}" = 1 ] && [ "$(left)" -gt 40 ]; then
+    timeout $(( $(left) - 15 )) $PY profile_labeler.py --device cuda --data data/eurosat \
+        --checkpoint $R/eurosat_fast/checkpoint.pth --phases --repeat 3 \
+        --out "$OUT/labeler_phases_gpu_trained.txt" 2>&1 | tail -30
   fi
   if [ "${PAPER:-1}" = 1 ]; then
     # the paper preset (224 px, 300 epochs) for the epochs that 0.4 minutes hold: its epoch time
@@ -133,5 +159,5 @@ EOF
   tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
   echo "done, $(left) s left"
   ;;
-*) echo "usage: bash gpu_session.sh bench | D=<seconds> bash gpu_session.sh train" >&2; exit 2 ;;
+*) echo "usage: bash gpu_session.sh bench | D=<seconds> bash gpu_session.sh train | bash gpu_session.sh eval" >&2; exit 2 ;;
 esac
