@@ -14,7 +14,7 @@
 #                                    call 2 (carry .gpu/eu_part_ab), at once after call 1 (the
 #                                    machine goes back after 30 s idle): EuroSAT from the two
 #                                    pieces, the fast preset trained for as many epochs (<= E_MAX,
-#                                    default the preset's 100) as D seconds allow at the
+#                                    default the preset's 208) as D seconds allow at the
 #                                    throughput call 1 measured, kNN + linear, the supervised twin
 #                                    when it fits too; then (PAPER=0 leaves these out) the paper
 #                                    preset for 0.4 minutes of epochs, timed, and the labeler on
@@ -100,7 +100,7 @@ train)
   # twin (no label pass) only if it can run as many epochs in what is left
   # (labelling on the host, FAST_FLAGS="--labeler-device cpu": 0.15 s for the labeler and the rest)
   case "${FAST_FLAGS:-}" in *"--labeler-device cpu"*) REST=0.15 ;; *) REST=0.5 ;; esac
-  read E ESUP MM < <($PY - "$(( $(left) - AFTER ))" "${E_MAX:-100}" "$REST" <<'EOF'
+  read E ESUP MM < <($PY - "$(( $(left) - AFTER ))" "${E_MAX:-208}" "$REST" <<'EOF'
 import json, sys
 try:
     t = json.load(open("/tmp/gpu_state/train_throughput_gpu.json"))["sizes"]["112"]
