@@ -2569,6 +2569,7 @@ _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided 
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
 # and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python grows with k (docs v18)
+_HOST_SOLVE = 1 << 18   # outputs on a GPU: the exact solve on the host up to this rows x k
 
 
 def _near_rows(lab, margin, R, cnt_out, hi, must=None):
@@ -2729,9 +2730,10 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     them, or 8 times the rows still to move and k; R from a strided sample of the margins) are
     solved exactly, with the streaming path's tie-break eps x u(row, column): by shortest paths
     (`_PathSolver`) at k <= 64 where few rows are to move, else by the streaming path's solver
-    (`_ExactSolver`).  The other rows keep their best column: they lead by more than R and the
-    solve moves no T_j by as much relative to another, or else one pass at the solve's T finds
-    none of them changed (both with float32's rounding).  Where rows did change, the next try
+    (`_ExactSolver`); where the outputs are on a GPU, on the host up to 2^18 values.  The
+    other rows keep their best column: they lead by more than R and the solve moves no T_j by
+    as much relative to another, or else one pass at the solve's T finds none of them changed
+    (both with float32's rounding).  Where rows did change, the next try
     (up to four) takes the rows solved and the rows that changed, from the solve's T where
     those are under 1 % of the rows solved, else again from the T before that solve.
     docs/labeler.md (v16 - v18) has the measurements."""
@@ -2849,28 +2851,34 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         B = Bl if P is None else P.index_select(0, Bl)
         if B.numel() * k * 10 > (1 << 30):
             return None     # (the streaming path keeps candidate lists where whole rows do not fit)
-        XB = outputs.index_select(0, B).detach().to(torch.float64)
-        cb = cols.expand(B.numel(), k)
-        vals = XB - T + eps * _tie_jitter(B, cb, seed)
+        # a small solve runs on the host where the outputs are on a GPU: its rounds are a few
+        # kernels on small arrays each, which the GPU runs no faster and waits for the host in
+        sdev = torch.device("cpu") if B.numel() * k <= _HOST_SOLVE else dev
+        Bs = B.to(sdev)
+        XB = outputs.index_select(0, B).detach().to(sdev, torch.float64)
+        cb = cols.to(sdev).expand(B.numel(), k)
+        vals = XB - T.to(sdev) + eps * _tie_jitter(Bs, cb, seed)
+        tB, loB, hiB = (t.to(sdev) for t in (target - ic, (lo - ic).clamp(min=0), hi - ic))
         if k <= _PATH_K and float(e.clamp(min=0).sum()) * (k + 10) <= _PATH_WORK:
-            solver = _PathSolver(vals, k, target - ic, (lo - ic).clamp(min=0), hi - ic)
+            solver = _PathSolver(vals, k, tB, loB, hiB)
             ok = solver.run(history)
         else:
             solver = _ExactSolver(vals, cb.contiguous(), torch.full((B.numel(),), -math.inf,
-                                  dtype=torch.float64, device=dev), k, target - ic,
-                                  (lo - ic).clamp(min=0), hi - ic, _Comm(False), 8192, B)
+                                  dtype=torch.float64, device=sdev), k, tB, loB, hiB,
+                                  _Comm(False), 8192, Bs)
             ok = solver.run(200, history, max(R / 8, eps))
         if not ok:
             return None
         solver.strictify()
-        span = float(solver.dT.max() - solver.dT.min())
+        dT, sol_labels, sol_counts = (t.to(dev) for t in (solver.dT, solver.labels, solver.counts))
+        span = float(dT.max() - dT.min())
         T_before, at_before = T, (at if P is None else None)
         if P is None:
             labels = labP
         else:
             labels = at[0]
             labels[P] = labP
-        T = T + solver.dT
+        T = T + dT
         safe = span + slack < R      # no row left out leads by less than T moved
         if not safe:
             # T moved further than the margin kept: one pass at the solve's T says whether a
@@ -2882,8 +2890,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             unsafe = out & ((at[0] != labels) | (at[1] <= slack))
             safe = not bool(unsafe.any())
         if safe:
-            labels[B] = solver.labels
-            counts = ic + solver.counts
+            labels[B] = sol_labels
+            counts = ic + sol_counts
             tc = target.cpu()
             return TranslateResult(labels=labels, T=T, counts=counts, target=tc,
                                    iterations=passes + solver.rounds + solver.phases,

@@ -444,12 +444,16 @@ def test_streaming_needs_refetch_when_candidates_fall_short():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("k, kw", [(10, {}), (40, {}), (100, {}), (300, {}),
-                                   (200, {"full_rows_up_to": 0, "max_candidates": 8, "candidates": 3})])
-def test_exact_on_cuda_equals_cpu(k, kw):
+@pytest.mark.parametrize("k, kw, host", [(10, {}, 1 << 18), (40, {}, 1 << 18), (100, {}, 1 << 18),
+                                         (100, {}, 0), (40, {}, 0), (300, {}, 1 << 18),
+                                         (200, {"full_rows_up_to": 0, "max_candidates": 8,
+                                                "candidates": 3}, 1 << 18)])
+def test_exact_on_cuda_equals_cpu(k, kw, host, monkeypatch):
     """The same labels and T on a GPU as on the CPU: the dense path (k = 10 and 40: passes on
-    the k x N copy, the solve by shortest paths; k = 100: row passes, _ExactSolver), candidates
-    (k = 300), and candidate lists so short that rows are re-read."""
+    the k x N copy, the solve by shortest paths; k = 100: row passes, _ExactSolver; its solve on
+    the host, or with host = 0 on the GPU), candidates (k = 300), and candidate lists so short
+    that rows are re-read."""
+    monkeypatch.setattr(otl, "_HOST_SOLVE", host)
     O = torch.randn(30_000, k, generator=gen(14))
     cpu = exact(O, **kw)
     gpu = exact(O.cuda(), **kw)
