@@ -2572,6 +2572,45 @@ _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolve
 _HOST_SOLVE = 1 << 18   # outputs on a GPU: the exact solve on the host up to this rows x k
 
 
+def _joiners(X, T, at, B, ic, target, R):
+    """B and ic with the rows added that a cluster short of rows in B would take first: for a
+    cluster j that needs d more rows than B holds (target - ic) and has fewer than 2 d rows in
+    B within R of it, the 2 d + 8 rows of other clusters nearest to joining it (least
+    best - (X_j - T_j), at's labels and best scores at T)."""
+    k = X.shape[1]
+    lab, best = at[0], at[3]
+    labB = lab.index_select(0, B)
+    d = (target - ic) - torch.bincount(labB, minlength=k).to(target.dtype)
+    J = (d >= 1).nonzero()[:, 0]
+    if not J.numel():
+        return B, ic
+    T32 = T.to(torch.float32)
+    XB = X.index_select(0, B).to(torch.float32)
+    gB = best.index_select(0, B)[:, None] - (XB.index_select(1, J) - T32.index_select(0, J))
+    nB = ((gB <= R) & (labB[:, None] != J)).sum(0)
+    F = J[nB < 2 * d.index_select(0, J)]
+    if not F.numel():
+        return B, ic
+    m = (2 * d.index_select(0, F) + 8).long()
+    n, extra = X.shape[0], []
+    step = max(1, (1 << 24) // n)           # N x step float32 at a time
+    for s in range(0, F.numel(), step):
+        f = F[s:s + step]
+        g = best[:, None] - (X.index_select(1, f).to(torch.float32) - T32.index_select(0, f))
+        g[lab[:, None] == f] = math.inf          # the cluster's own rows
+        mf = m[s:s + f.numel()]
+        top = g.topk(min(int(mf.max()), n), dim=0, largest=False).indices   # (M, |f|)
+        extra.append(top[torch.arange(top.shape[0], device=X.device)[:, None] < mf])
+    extra = torch.cat(extra)
+    inB = torch.zeros(X.shape[0], dtype=torch.bool, device=X.device)
+    inB[B] = True
+    extra = extra[~inB.index_select(0, extra)].unique()
+    if not extra.numel():
+        return B, ic
+    ic = ic - torch.bincount(lab.index_select(0, extra), minlength=k)
+    return torch.cat([B, extra]).sort().values, ic
+
+
 def _near_rows(lab, margin, R, cnt_out, hi, must=None):
     """(rows with margin <= R and the rows `must`, counts of the others with cnt_out added),
     where for a cluster the others would overfill the rows of it nearest a boundary join,
@@ -2727,16 +2766,17 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     start: outputs collapsed onto few clusters), then on all rows (8 steps, up to 24 while sum
     |counts - target| is over 1 % of N), then (once T can cross at most half of them) on the
     rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
-    them, or 8 times the rows still to move and k; R from a strided sample of the margins) are
+    them, or 8 times the rows still to move and k; R from a strided sample of the margins), and
+    for a cluster with too few of them near it the rows nearest to joining it (`_joiners`), are
     solved exactly, with the streaming path's tie-break eps x u(row, column): by shortest paths
     (`_PathSolver`) at k <= 64 where few rows are to move, else by the streaming path's solver
     (`_ExactSolver`); where the outputs are on a GPU, on the host up to 2^18 values.  The
     other rows keep their best column: they lead by more than R and the solve moves no T_j by
     as much relative to another, or else one pass at the solve's T finds none of them changed
-    (both with float32's rounding).  Where rows did change, the next try
-    (up to four) takes the rows solved and the rows that changed, from the solve's T where
-    those are under 1 % of the rows solved, else again from the T before that solve.
-    docs/labeler.md (v16 - v18) has the measurements."""
+    (both with float32's rounding).  Where rows did change, the next try (up to four) takes the
+    rows solved and the rows that changed, from the solve's T where those are under 1 % of the
+    rows solved, else again from the T before that solve.  docs/labeler.md (v16 - v19) has the
+    measurements."""
     t0 = time.perf_counter()
     n, k = outputs.shape
     dev = outputs.device
@@ -2849,6 +2889,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             return None
         Bl, ic = got
         B = Bl if P is None else P.index_select(0, Bl)
+        if P is None:
+            B, ic = _joiners(X, T, at, B, ic, target, R)
         if B.numel() * k * 10 > (1 << 30):
             return None     # (the streaming path keeps candidate lists where whole rows do not fit)
         # a small solve runs on the host where the outputs are on a GPU: its rounds are a few

@@ -1187,6 +1187,70 @@ def test_dense_path_collapsed_outputs_take_their_first_steps_on_every_2nd_row(mo
         assert torch.equal(r.labels, exact(O, dense=False).labels)
 
 
+def isolated(seed, n=20_000, k=50, own=397):
+    """Outputs where cluster 0 wins only its `own` rows (6 against N(0, 1) elsewhere) and every
+    other row scores about -6 there: the rows that must join it to fill it lie far from any
+    boundary."""
+    g = gen(seed)
+    O = torch.randn(n, k, generator=g)
+    O[:, 0] = -6 + 0.5 * torch.randn(n, generator=g)
+    O[:own, 0] = 6
+    return O
+
+
+def test_joiners_adds_the_rows_nearest_to_joining_a_cluster_short_of_rows():
+    """_joiners: cluster 0 needs 3 more rows than the rows near a boundary give it, none of
+    which is near it: the 2 x 3 + 8 rows of other clusters nearest to joining it are added, and
+    the counts of the rows left out follow; rows near no short cluster's boundary are not."""
+    O = isolated(0)
+    n, k = O.shape
+    T = torch.zeros(k, dtype=torch.float64)
+    at = otl._newton_counts(O, T)
+    lab, margin = at[0], at[1]
+    R = float(margin.kthvalue(n // 50).values)
+    B = (margin <= R).nonzero()[:, 0]
+    ic = torch.bincount(lab, minlength=k) - torch.bincount(lab[B], minlength=k)
+    target = torch.full((k,), n // k, dtype=torch.int64)
+    assert int((lab[B] == 0).sum()) == 0 and int(ic[0]) == 397     # cluster 0: 3 short, far
+    B2, ic2 = otl._joiners(O, T, at, B, ic, target, R)
+    assert torch.equal(B2, B2.unique()) and set(B.tolist()) <= set(B2.tolist())
+    out = torch.ones(n, dtype=torch.bool)
+    out[B2] = False
+    assert torch.equal(ic2, torch.bincount(lab[out], minlength=k))
+    d = target - ic - torch.bincount(lab[B], minlength=k)         # rows each cluster needs
+    nearest = {}
+    for j in (d >= 1).nonzero()[:, 0].tolist():
+        gap = at[3] - O[:, j]
+        gap[lab == j] = math.inf
+        nearest[j] = set(gap.topk(2 * int(d[j]) + 8, largest=False).indices.tolist())
+    assert nearest[0] <= set(B2.tolist())
+    assert set(B2.tolist()) - set(B.tolist()) <= set().union(*nearest.values())
+    everything = torch.arange(n)                                  # all rows in B: nothing to add
+    B3, ic3 = otl._joiners(O, T, at, everything, torch.zeros(k, dtype=torch.int64), target, R)
+    assert torch.equal(B3, everything) and not ic3.any()
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_dense_path_solves_once_with_the_rows_that_join_a_far_cluster(monkeypatch, seed):
+    """On outputs where a cluster's joiners are far from every boundary (isolated), the rows
+    solved include them from the first try: one solve (without _joiners: two), exact, the
+    streaming path's labels."""
+    O = isolated(seed)
+    solves = []
+    for cls in (otl._PathSolver, otl._ExactSolver):
+        init = cls.__init__
+        monkeypatch.setattr(cls, "__init__", lambda self, vals, *a, _i=init, **kw:
+                            (solves.append(vals.shape[0]), _i(self, vals, *a, **kw))[1])
+    r = exact(O)
+    assert len(solves) == 1
+    check_even(r)
+    check_translation(O, r)
+    assert torch.equal(r.labels, exact(O, dense=False).labels)
+    solves.clear()
+    monkeypatch.setattr(otl, "_joiners", lambda X, T, at, B, ic, target, R: (B, ic))
+    assert torch.equal(exact(O).labels, r.labels) and len(solves) == 2
+
+
 def test_shed_step_moves_exactly_the_excess_out_of_each_over_full_cluster():
     n, k = 20_000, 50
     O = dominant(n, k, 32)
