@@ -2149,8 +2149,12 @@ class _ExactSolver:
             else:
                 return True
             if not table and pairs is None:
-                pairs, dT_built = self._pairs(self.all_rows, tau), self.dT.clone()
-                n_pairs = int(self.comm.sum(torch.tensor([pairs[0].numel()]))[0])
+                # (tau = inf on whole rows in one process keeps all of every row's k - 1 moves:
+                # the table, without listing them first)
+                every = math.isinf(tau) and self.vals.shape[1] == k and not self.comm.on
+                pairs, dT_built = (None, None) if every else \
+                    (self._pairs(self.all_rows, tau), self.dT.clone())
+                n_pairs = n_moves if every else int(self.comm.sum(torch.tensor([pairs[0].numel()]))[0])
                 if n_pairs > n_moves // 4:      # most moves kept: the table is cheaper per round
                     table, pairs = True, None
                     self._edge_table(W, arg)

@@ -1251,6 +1251,23 @@ def test_dense_path_solves_once_with_the_rows_that_join_a_far_cluster(monkeypatc
     assert torch.equal(exact(O).labels, r.labels) and len(solves) == 2
 
 
+def test_finish_on_whole_rows_takes_the_table_without_listing_every_move(monkeypatch):
+    """When the finish's radius grows to inf on whole rows (one process), it builds the k x k
+    table of cheapest moves straight away: no list of all rows' k - 1 moves first; exact."""
+    taus, tables = [], []
+    pairs, table = otl._ExactSolver._pairs, otl._ExactSolver._edge_table
+    monkeypatch.setattr(otl._ExactSolver, "_pairs",
+                        lambda self, rows, tau: (taus.append(tau), pairs(self, rows, tau))[1])
+    monkeypatch.setattr(otl._ExactSolver, "_edge_table", lambda self, W, arg, clusters=None: (
+        tables.append(clusters is None and self.vals.shape[1] == self.k),
+        table(self, W, arg, clusters))[1])
+    O = isolated(0)
+    r = exact(O)
+    assert any(tables) and taus and not any(math.isinf(t) for t in taus)
+    check_even(r)
+    check_translation(O, r)
+
+
 def test_shed_step_moves_exactly_the_excess_out_of_each_over_full_cluster():
     n, k = 20_000, 50
     O = dominant(n, k, 32)
