@@ -25,6 +25,11 @@
 #                                    alone (a call runs 10 minutes at most), then
 #   bash gpu_session.sh eval         call 3, at once: the fast run's kNN + linear evaluations (and
 #                                    PHASES=1's labeler stages on its head)
+#   D=<seconds> bash gpu_session.sh supervised
+#                                    instead of train (carry .gpu/eu_part_ab): the fast preset's
+#                                    supervised twin for its epochs (E_SUP: fewer), kNN + linear;
+#                                    then a 10-epoch fast OTL network and the labeler on its
+#                                    outputs (stages on the GPU; the three labelers, GPU and host)
 #
 # .gpu/ (ignored: add /.gpu/ to .git/info/exclude) holds ../shared/data/EuroSAT.zip split by
 # `split -b 60000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` and a 40-per-class
@@ -80,7 +85,7 @@ bench)
   fi
   echo "bench done in $(( $(date +%s) - START )) s"
   ;;
-train)
+train|supervised)
   : "${D:?set D to the seconds this call may use}"
   ZIP=${ZIP:-/tmp/EuroSAT.zip}
   [ -f "$ZIP" ] || cat /tmp/gpu_state/eu_part_aa .gpu/eu_part_ab > "$ZIP" || { rm -f "$ZIP"; exit 3; }
@@ -88,6 +93,34 @@ train)
   $PY prepare_data.py --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16 \
       2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
   sha256sum data/eurosat/split.json
+  R=runs/gpu
+  if [ "$1" = supervised ]; then
+    # the supervised twin of the fast preset for its epochs (E_SUP: fewer), its kNN + linear;
+    # then, with 90 s left, a fast-preset OTL network for 10 epochs and the exact labeler's
+    # stages on its head's outputs (one strong view of the training split, on the GPU), and
+    # the three labelers on them on the GPU and the host
+    timeout $(( $(left) - 60 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
+        --supervised --preset fast ${E_SUP:+--epochs $E_SUP} --no-progress 2>&1 \
+        | tee "$OUT/train_fast_supervised.log" | tail -5
+    for ev in eval_knn eval_linear; do
+      timeout 40 $PY $ev.py --checkpoint $R/eurosat_fast_supervised/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
+    done
+    if [ "$(left)" -gt 90 ]; then
+      timeout 60 $PY train_otl.py --data data/eurosat --output $R/eurosat_fast10 --preset fast \
+          --epochs 10 --no-progress 2>&1 | tail -2
+      timeout $(( $(left) - 10 )) $PY profile_labeler.py --device cuda --data data/eurosat \
+          --checkpoint $R/eurosat_fast10/checkpoint.pth --phases --repeat 3 \
+          --out "$OUT/labeler_phases_gpu_fast10.txt" 2>&1 | tail -14
+      [ "$(left)" -gt 40 ] && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( $(left) - 10 )) \
+          $PY bench_labeler.py --device cuda --data data/eurosat --real-split train \
+          --checkpoint $R/eurosat_fast10/checkpoint.pth --ks 128 --real-ks 128 --skip-large \
+          --repeat 2 --cpu-too --out "$OUT/labeler_bench_gpu_fast10.json" 2>&1 | tr '\r' '\n' \
+          | grep -v "it/s\]$" | tail -8
+    fi
+    tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
+    echo "done, $(left) s left"
+    exit 0
+  fi
   # seconds kept for what follows the fast run: its two evaluations (90), and with PAPER=1 (the
   # default) the paper preset's timing and the labeler on the trained network's outputs (150)
   # (EVAL=0: the training alone, its evaluations left to `bash gpu_session.sh eval` in the next
@@ -159,5 +192,5 @@ eval)
   tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
   echo "done, $(left) s left"
   ;;
-*) echo "usage: bash gpu_session.sh bench | D=<seconds> bash gpu_session.sh train | bash gpu_session.sh eval" >&2; exit 2 ;;
+*) echo "usage: bash gpu_session.sh bench | D=<seconds> bash gpu_session.sh train|supervised | bash gpu_session.sh eval" >&2; exit 2 ;;
 esac
