@@ -63,7 +63,9 @@ bench)
     cp "$OUT/train_throughput_gpu.json" /tmp/gpu_state/ 2>/dev/null
   fi
   # 2. the CUDA tests (skipped on CPU machines); small_data reads ../shared/data/EuroSAT.zip
-  mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip
+  #    (only where no archive is there: ../shared does not travel to the GPU machine, and a
+  #    checkout beside the real archive keeps it)
+  [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
   timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_labeler.py \
       tests/test_train_otl.py tests/test_bench.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
   # 3. the labeler at 1.28M x 3000 Gaussian, ours (ALL=1: the published rules and Sinkhorn at
