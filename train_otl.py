@@ -38,8 +38,8 @@ def get_args_parser():
                    "an existing checkpoint there is resumed")
     p.add_argument("--preset", default="auto", choices=["auto", *utils.PRESETS],
                    help="defaults for every flag below that you do not give: 'paper' (the paper's "
-                   "protocol, for a GPU), 'fast' (the paper's network at 112 px for 208 epochs: 8.4 "
-                   "minutes on one H100), 'cpu' (fits make eurosat into 30 min on 2 cores), 'transfer' / "
+                   "protocol, for a GPU), 'fast' (the paper's network at 112 px for 208 epochs: "
+                   "minutes on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'transfer' / "
                    "'transfer-cpu' (a small set from another run's backbone, with --init), "
                    "'alexnet-cifar' / 'resnet50-cifar' (CIFAR-10/100, SVHN) and their '-cpu' "
                    "twins, 'study-cpu' (ablations.py's training studies on 2 cores); 'auto': the data set's protocol, paper (alexnet-cifar for CIFAR and "

@@ -42,8 +42,8 @@ PRESETS = {
     # EuroSAT's 64 px upsampled to 112 instead of 224 (4x less compute; the last stage still sees
     # 4 x 4), batch 512 with the learning rate scaled up, a short warm-up and a cosine schedule,
     # Cutout scaled with the image; k, views, LCT, strong augmentation and the per-epoch label
-    # pass are the paper's.  208 epochs: the run that met the paper's EuroSAT figures on an H100
-    # in 8.4 minutes (100 fell short).  What it gave on a GPU: docs/presets.md.
+    # pass are the paper's.  208 epochs: the run that met the paper's EuroSAT figures (100 fell
+    # short).  What it gave on a GPU: docs/presets.md.
     "fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
                  img_size=112, epochs=208, batch_size=512, lr=0.1, schedule="cosine", lr_drops=[],
                  lr_values=[], views=2, lct=True, aug="strong", cutout=8, label_every=1,
