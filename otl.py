@@ -2493,18 +2493,25 @@ def _shed_step(at, e):
     return torch.where(over, (a.to(torch.float64) + b.to(torch.float64)) / 2, 0.0)
 
 
-def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_max=math.inf,
+def _frac(k):
+    """The Newton step's share of rows for its bandwidth h at k clusters: 5 % up to k = 50, then
+    k / 1,000 up to 20 %, as the rows near each of the ~k^2 / 2 boundaries thin out with k
+    (docs/labeler.md, v20, has the measurements)."""
+    return min(0.2, max(0.05, k / 1000))
+
+
+def _newton_T(X, T, target, max_steps, tol, frac=None, errs=None, at=None, span_max=math.inf,
               bufs=None, mode=None):
     """Steps on the counts of argmax(X - T) towards the target, of two kinds:
 
     * Newton: the count of cluster a changes with T_a - T_b by about the rows on the a / b
       boundary per unit of margin, (rows of a with runner-up b and rows of b with runner-up a,
-      margin below h) / 2h, h the margin of the `frac` closest rows; that graph Laplacian L,
-      solved for L d = counts - target, gives the step (each entry within 32h; a cluster whose
-      boundary rows carry under a tenth of its imbalance, far from the others as on crowded
-      outputs, takes the shift that balances it alone instead; halved up to twice while it
-      does not lower sum |counts - target|).  The k x k solve runs on the CPU, so that T is
-      the same bits on every device.
+      margin below h) / 2h, h the margin of the `frac` closest rows (default _frac(k)); that
+      graph Laplacian L, solved for L d = counts - target, gives the step (each entry within
+      32h; a cluster whose boundary rows carry under a tenth of its imbalance, far from the
+      others as on crowded outputs, takes the shift that balances it alone instead; halved up
+      to twice while it does not lower sum |counts - target|).  The k x k solve runs on the
+      CPU, so that T is the same bits on every device.
     * shedding (`_shed_step`, an auction round): every over-full cluster gives up its excess
       to the runner-ups.  A Newton step that removes under 10 % of sum |counts - target|
       (trained networks' crowded outputs, where its linear model fails) is followed
@@ -2520,6 +2527,7 @@ def _newton_T(X, T, target, max_steps, tol, frac=0.05, errs=None, at=None, span_
     _newton_counts(X, T) at that T, passes made, escaped); errs (a list): sum |counts -
     target| at the start and after each step is appended."""
     T0 = T
+    frac = _frac(X.shape[1]) if frac is None else frac
     passes = 0
     bufs = [None, None] if bufs is None else bufs
     mode = {} if mode is None else mode
@@ -2845,7 +2853,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                     P, c_out = got
                     XP = X.index_select(0, P).to(torch.float32)
                     TP, eP, atP, p, escaped = _newton_T(
-                        XP, T, target - c_out, 12, tol, frac=min(0.5, 0.05 * n / P.numel()),
+                        XP, T, target - c_out, 12, tol, frac=min(0.5, _frac(k) * n / P.numel()),
                         span_max=R1 / 2, bufs=_newton_pair(*XP.shape, dev), mode=dict(mode))
                     passes += p
                     if not escaped:
