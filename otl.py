@@ -2432,6 +2432,14 @@ def _gap_after(margin, lab, excess, k):
     return a, torch.where(excess < cnt, nxt, math.inf)
 
 
+def _join_costs(X, T32, lab, best, cols):
+    """(rows, clusters) float32: what each row of X (labels `lab`, best scores `best` at T)
+    gives up to join each cluster in `cols`, best - (X_j - T_j); inf on the cluster's own rows."""
+    C = best[:, None] - (X.index_select(1, cols).to(torch.float32) - T32.index_select(0, cols))
+    C[lab[:, None] == cols] = math.inf
+    return C
+
+
 def _newton_step(X, T, at, e, frac):
     """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`."""
     k = X.shape[1]
@@ -2466,16 +2474,13 @@ def _newton_step(X, T, at, e, frac):
         step = max(1, (1 << 24) // n)
         for c in range(0, under.numel(), step):     # their columns read together
             ud = under[c:c + step].to(X.device)
-            # (clusters x rows) costs of joining each, its own rows at inf
-            C = best[None, :] - (X.index_select(1, ud).to(torch.float32).T
-                                 - T.index_select(0, ud).to(torch.float32)[:, None])
-            C[a1[None, :] == ud[:, None]] = math.inf
+            C = _join_costs(X, T.to(torch.float32), a1, best, ud)
             want = (-ec.index_select(0, ud.cpu())).to(torch.int64).to(X.device)
             ok = (n - cnt.index_select(0, ud)) > want
             if bool(ok.any()):      # (ok: fewer than the rows of the others, so below n)
                 top = int(want[ok].max()) + 1
-                small = C.topk(top, dim=1, largest=False).values
-                cost = small.gather(1, want.clamp(max=top - 1)[:, None])[:, 0].to(torch.float64)
+                small = C.topk(top, dim=0, largest=False).values
+                cost = small.gather(0, want.clamp(max=top - 1)[None, :])[0].to(torch.float64)
                 d[ud[ok]] = -cost[ok]
     return d
 
@@ -2608,8 +2613,7 @@ def _joiners(X, T, at, B, ic, target, R):
     step = max(1, (1 << 24) // n)           # N x step float32 at a time
     for s in range(0, F.numel(), step):
         f = F[s:s + step]
-        g = best[:, None] - (X.index_select(1, f).to(torch.float32) - T32.index_select(0, f))
-        g[lab[:, None] == f] = math.inf          # the cluster's own rows
+        g = _join_costs(X, T32, lab, best, f)
         mf = m[s:s + f.numel()]
         top = g.topk(min(int(mf.max()), n), dim=0, largest=False).indices   # (M, |f|)
         extra.append(top[torch.arange(top.shape[0], device=X.device)[:, None] < mf])
