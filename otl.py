@@ -2651,8 +2651,8 @@ class _PathSolver:
     """The exact solve of _dense_translate for k <= _PATH_K, where few rows are left to move:
     successive shortest paths on the k clusters.  vals (n, k) float64 O - T0 of the rows near a
     boundary (every column); target, lo, hi (k,) the counts they aim at and may end with.  dT
-    (k,) is T - T0, labels their argmax at dT, counts; run() then strictify() as
-    _ExactSolver's.
+    (k,) is T - T0, labels their argmax at dT, counts, all on the host (the caller moves them
+    back); run() then strictify() as _ExactSolver's.
 
     A row s of cluster a moves to b at the cost D_sb - dT_a + dT_b >= 0 (D_sb = V_sa - V_sb, its
     lead over b at T0, V = vals), so the cheapest move a -> b is M_ab - dT_a + dT_b with M_ab
@@ -2665,7 +2665,7 @@ class _PathSolver:
     few dozen rows are to move; the _ExactSolver's auction moves many at once."""
 
     def __init__(self, vals, k, target, lo, hi):
-        self.k, self.dev, self.target = k, vals.device, target.cpu()
+        self.k, self.target = k, target.cpu()
         self.vals = vals.cpu()
         self.lo, self.hi = lo.cpu(), hi.cpu()
         best, self.labels = self.vals.max(1)
@@ -2768,8 +2768,6 @@ class _PathSolver:
             tied = rows.unique()
             self.labels[tied] = (self.vals.index_select(0, tied) - self.dT).argmax(1)
             self.counts = torch.bincount(self.labels, minlength=self.k)
-        self.dT, self.labels = self.dT.to(self.dev), self.labels.to(self.dev)
-        self.counts = self.counts.to(self.dev)
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
