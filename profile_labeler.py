@@ -104,7 +104,8 @@ def stage_timer(dev):
     and its solve of the rows near a boundary) or 'main'."""
     records, where = [], ["main"]
     solvers = ((otl._ExactSolver, _METHODS), (otl._PathSolver, _PATH_METHODS))
-    saved = [(cls, name, getattr(cls, name)) for cls, names in solvers for name in names]
+    saved = [(cls, name, getattr(cls, name), stage) for cls, names in solvers
+             for name, stage in names.items()]
     saved_warm, saved_sample = otl.StreamingTranslator._warm_start, otl.sample_start_T
     saved_dense, saved_newton = otl._dense_translate, otl._newton_T
 
@@ -138,8 +139,8 @@ def stage_timer(dev):
                 where.pop()
         return wrapper
 
-    for cls, name, fn in saved:
-        setattr(cls, name, timed(fn, dict(solvers)[cls][name]))
+    for cls, name, fn, stage in saved:
+        setattr(cls, name, timed(fn, stage))
     otl.StreamingTranslator._warm_start = inside("warm start", saved_warm)
     otl.sample_start_T = inside("sample start", saved_sample)
     otl._dense_translate = inside("dense", saved_dense)
@@ -147,7 +148,7 @@ def stage_timer(dev):
     try:
         yield records
     finally:
-        for cls, name, fn in saved:
+        for cls, name, fn, _ in saved:
             setattr(cls, name, fn)
         otl.StreamingTranslator._warm_start = saved_warm
         otl.sample_start_T = saved_sample
