@@ -44,7 +44,23 @@ PY=${PY:-python3}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/gpu_state
 START=$(date +%s)
+R=runs/gpu
 left() { echo $(( D - ($(date +%s) - START) )); }
+evaluate() {    # kNN + linear on run folder $1's checkpoint, each within $2 seconds
+  for ev in eval_knn eval_linear; do
+    timeout "$2" $PY $ev.py --checkpoint "$1/checkpoint.pth" --device cuda --no-progress 2>&1 | tail -2
+  done
+}
+twin() {        # the fast preset's supervised twin within $1 seconds (more flags after), evaluated
+  local t=$1; shift
+  timeout "$t" $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
+      --supervised --preset fast "$@" --no-progress 2>&1 | tee "$OUT/train_fast_supervised.log" | tail -5
+  evaluate $R/eurosat_fast_supervised 40
+}
+pack() {        # the run folders without checkpoints and features, to $OUT
+  tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
+  echo "done, $(left) s left"
+}
 
 case "${1:-}" in
 bench)
@@ -95,18 +111,12 @@ train|supervised)
   $PY prepare_data.py --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16 \
       2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
   sha256sum data/eurosat/split.json
-  R=runs/gpu
   if [ "$1" = supervised ]; then
     # the supervised twin of the fast preset for its epochs (E_SUP: fewer), its kNN + linear;
     # then, with 90 s left, a fast-preset OTL network for 10 epochs and the exact labeler's
     # stages on its head's outputs (one strong view of the training split, on the GPU), and
     # the three labelers on them on the GPU and the host
-    timeout $(( $(left) - 60 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
-        --supervised --preset fast ${E_SUP:+--epochs $E_SUP} --no-progress 2>&1 \
-        | tee "$OUT/train_fast_supervised.log" | tail -5
-    for ev in eval_knn eval_linear; do
-      timeout 40 $PY $ev.py --checkpoint $R/eurosat_fast_supervised/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
-    done
+    twin $(( $(left) - 60 )) ${E_SUP:+--epochs $E_SUP}
     if [ "$(left)" -gt 90 ]; then
       timeout 60 $PY train_otl.py --data data/eurosat --output $R/eurosat_fast10 --preset fast \
           --epochs 10 --no-progress 2>&1 | tail -2
@@ -119,8 +129,7 @@ train|supervised)
           --repeat 2 --cpu-too --out "$OUT/labeler_bench_gpu_fast10.json" 2>&1 | tr '\r' '\n' \
           | grep -v "it/s\]$" | tail -8
     fi
-    tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
-    echo "done, $(left) s left"
+    pack
     exit 0
   fi
   # seconds kept for what follows the fast run: its two evaluations (90), and with PAPER=1 (the
@@ -152,24 +161,16 @@ print(f"epoch ~{otl:.1f} s (OTL), ~{sup:.1f} s (supervised); budget {budget:.0f}
 EOF
 )
   echo "fast preset: $E epochs; supervised twin: $ESUP epochs; $(left) s left"
-  R=runs/gpu
   timeout $(( $(left) - AFTER + 20 )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast \
       --preset fast --epochs "$E" --knn-monitor 20 --no-progress --max-minutes "$MM" ${FAST_FLAGS:-} \
       2>&1 | tee "$OUT/train_fast.log" | tail -12
   [ "${EVAL:-1}" = 0 ] && { echo "trained, $(left) s left"; exit 0; }
   ;&
 eval)
-  R=runs/gpu
-  for ev in eval_knn eval_linear; do
-    timeout 60 $PY $ev.py --checkpoint $R/eurosat_fast/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
-  done
+  evaluate $R/eurosat_fast 60
   [ "${1:-}" = eval ] && { D=${D:-600}; ESUP=0; AFTER=0; PAPER=0; }
   if [ "$ESUP" -gt 0 ] && [ "$(left)" -gt $(( AFTER + 60 )) ]; then
-    timeout $(( $(left) - AFTER )) $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
-        --supervised --preset fast --epochs "$ESUP" --no-progress 2>&1 | tee "$OUT/train_fast_supervised.log" | tail -5
-    for ev in eval_knn eval_linear; do
-      timeout 40 $PY $ev.py --checkpoint $R/eurosat_fast_supervised/checkpoint.pth --device cuda --no-progress 2>&1 | tail -2
-    done
+    twin $(( $(left) - AFTER )) --epochs "$ESUP"
   fi
   # PHASES=1: where the exact labeler's time goes on the trained head's outputs (one strong view
   # of the training split, as a label pass hands it), on the GPU, if 40 s are left
@@ -191,8 +192,7 @@ eval)
         --ks 128 --real-ks 128,3000 --trained-ks 3000 --views --skip-large --repeat 2 --cpu-too \
         --out "$OUT/labeler_bench_gpu_real.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -12
   fi
-  tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
-  echo "done, $(left) s left"
+  pack
   ;;
 *) echo "usage: bash gpu_session.sh bench | D=<seconds> bash gpu_session.sh train|supervised | bash gpu_session.sh eval" >&2; exit 2 ;;
 esac
