@@ -1027,21 +1027,27 @@ def test_path_solver_balances_with_strict_argmax_labels(k, kind):
         assert torch.equal(ref.labels, s.labels)
 
 
+def _solver_spy(monkeypatch):
+    """The dense path's solves, recorded as they start: (solver class name, rows) each."""
+    solves = []
+    for cls in (otl._PathSolver, otl._ExactSolver):
+        monkeypatch.setattr(cls, "__init__", lambda self, vals, *a, _i=cls.__init__, _c=cls, **kw:
+                            solves.append((_c.__name__, vals.shape[0])) or _i(self, vals, *a, **kw))
+    return solves
+
+
 def test_dense_path_solves_few_moves_by_paths_and_many_by_the_auction(monkeypatch):
     """At k <= _PATH_K with few rows to move ((k + 10) x their number at most _PATH_WORK) the
     dense path's exact solve is _PathSolver's; above either, _ExactSolver's; the same labels
     (N / k whole)."""
-    used = []
-    for cls in (otl._PathSolver, otl._ExactSolver):
-        monkeypatch.setattr(cls, "__init__", lambda self, *a, _i=cls.__init__, _c=cls, **kw:
-                            used.append(_c.__name__) or _i(self, *a, **kw))
+    solves = _solver_spy(monkeypatch)
     O = dominant(19_980, 20, 42)
     r = exact(O)
-    assert used == ["_PathSolver"]
+    assert [name for name, _ in solves] == ["_PathSolver"]
     monkeypatch.setattr(otl, "_PATH_WORK", 0)
-    used.clear()
+    solves.clear()
     r2 = exact(O)
-    assert used == ["_ExactSolver"]
+    assert [name for name, _ in solves] == ["_ExactSolver"]
     assert torch.equal(r.labels, r2.labels)
     check_even(r)
     check_translation(O, r)
@@ -1236,11 +1242,7 @@ def test_dense_path_solves_once_with_the_rows_that_join_a_far_cluster(monkeypatc
     solved include them from the first try: one solve (without _joiners: two), exact, the
     streaming path's labels."""
     O = isolated(seed)
-    solves = []
-    for cls in (otl._PathSolver, otl._ExactSolver):
-        init = cls.__init__
-        monkeypatch.setattr(cls, "__init__", lambda self, vals, *a, _i=init, **kw:
-                            (solves.append(vals.shape[0]), _i(self, vals, *a, **kw))[1])
+    solves = _solver_spy(monkeypatch)
     r = exact(O)
     assert len(solves) == 1
     check_even(r)
