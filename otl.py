@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -219,6 +220,15 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
 
 
+def _median0(A):
+    """A.median(dim=0).values (the lower of the two middle values) of a float tensor; on the
+    CPU by numpy's partition, faster than torch's median there (docs/labeler.md, v21)."""
+    if A.device.type != "cpu" or A.shape[0] == 0 or A.dtype not in (torch.float32, torch.float64):
+        return A.median(dim=0).values
+    i = (A.shape[0] - 1) // 2
+    return torch.from_numpy(np.asarray(np.partition(A.detach().numpy(), i, axis=0)[i]))
+
+
 def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: int = 2048,
                    **kw):
     """A start translation for the exact labeler on outputs held whole: the exact T of every
@@ -234,7 +244,7 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
     if k <= 2 * kw.get("full_rows_up_to", 128) or n < every * k:
         return None
     head = outputs[:probe].to(torch.float32).contiguous()    # (median is wrong on expanded rows)
-    cnt = torch.bincount((head - head.median(dim=0).values).argmax(1), minlength=k)
+    cnt = torch.bincount((head - _median0(head)).argmax(1), minlength=k)
     if not StreamingTranslator._far(cnt.to(torch.float64), target):
         return None
     sub = outputs[::every]
@@ -247,16 +257,22 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
         return None
 
 
-def _std(counts: torch.Tensor, target: torch.Tensor) -> float:
-    # population std of the deviations from the target (for an even target: the std of the counts);
-    # on the CPU, wherever the two live (a k-vector: the copy is nothing next to the .item())
-    return (counts.cpu().to(torch.float64) - target.cpu()).pow(2).mean().sqrt().item()
+def _std(counts, target) -> float:
+    """Population std of the deviations from the target (for an even target: the std of the
+    counts); on the CPU, wherever the two live (a k-vector: the copy is nothing next to the
+    .item()); in Python floats up to k = 256, a fraction of torch's cost per call there."""
+    c, t = counts.cpu(), target.cpu()
+    if c.numel() <= 256:
+        return math.sqrt(sum((a - b) ** 2 for a, b in zip(c.tolist(), t.tolist())) / c.numel())
+    return (c.to(torch.float64) - t).pow(2).mean().sqrt().item()
 
 
 def _std_max(target: torch.Tensor, n: int) -> float:
     """The std when all n rows fall in the cluster with the smallest target: the largest."""
-    k = target.numel()
-    return max(_std(F.one_hot(torch.argmin(target), k).to(torch.float64) * n, target), 1e-12)
+    t = target.cpu().to(torch.float64)
+    worst = torch.zeros_like(t)
+    worst[int(torch.argmin(t))] = n
+    return max(_std(worst, t), 1e-12)
 
 
 def _check_outputs(outputs: torch.Tensor, finite: bool = True) -> None:
@@ -1135,11 +1151,11 @@ class StreamingTranslator:
         params[self.k + 5] = 1.0
         if head.shape[0] > 0:
             _check_outputs_finite(head)
-            params[:self.k] = (head.median(dim=0).values.to(torch.float64) if self.start is None
+            params[:self.k] = (_median0(head).to(torch.float64) if self.start is None
                                else self.start.to(self.device))             # values of O
             # the tie-break's scale: a typical row's largest |O| (not the largest of all: one
             # outlier would make the perturbation swamp the real gaps)
-            params[self.k] = self.tie_eps * max(head.abs().amax(1).median().item(), 1e-30)
+            params[self.k] = self.tie_eps * max(float(_median0(head.abs().amax(1))), 1e-30)
             # the first rows' counts at the medians (_far, _collapsed)
             cnt = torch.bincount((head - params[:self.k].to(head.dtype)).argmax(1),
                                  minlength=self.k).to(torch.float64)
@@ -2307,16 +2323,19 @@ class _ExactSolver:
 def _tie_shift(a, b, k, rmin, scale):
     """The shift eta * pi of T (CPU, float64) that resolves every tie a[i] -> b[i] (a row of
     cluster a with an equal score in b) to a: pi[b] > pi[a] for each (the longest chain of ties
-    into a cluster), eta below half of every other margin, rmin, over (max pi + 1)."""
-    pi = torch.zeros(k, dtype=torch.float64)
+    into a cluster), eta below half of every other margin, rmin, over (max pi + 1).  (numpy: a
+    few small steps, each a fraction of torch's cost per call.)"""
+    a, b = a.cpu().numpy(), b.cpu().numpy()
+    pi = np.zeros(k)
     for _ in range(k + 1):
-        new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
-        if torch.equal(new, pi):
+        new = pi.copy()
+        np.maximum.at(new, b, pi[a] + 1)
+        if np.array_equal(new, pi):
             break
         pi = new
     if not math.isfinite(rmin):
         rmin = scale * 1e-6
-    return rmin / (2 * (float(pi.max()) + 1)) * pi
+    return torch.from_numpy(rmin / (2 * (float(pi.max()) + 1)) * pi)
 
 
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
@@ -2357,20 +2376,23 @@ def _newton_counts(X, T, out=None):
         if keep.get("of") is not X:
             keep.clear()
             keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
-                        top=torch.empty(block * k, dtype=torch.bool, device=X.device),
-                        rank=torch.empty(block * k, dtype=torch.uint8, device=X.device),
-                        first=(k - torch.arange(k, device=X.device)).to(torch.uint8)[:, None])
-        Xt, top, rank = keep["Xt"], keep["top"], keep["rank"]
+                        top=torch.empty(block * max(k, 2), dtype=torch.float32, device=X.device),
+                        first=(k - torch.arange(k, device=X.device)).to(torch.float32)[:, None])
+        Xt, top = keep["Xt"], keep["top"]
         for s in range(0, n, block):
             xb = Xt[:, s:s + block]
             r = xb.shape[1]
             v, b1, bb = V.view(-1)[:k * r].view(k, r), a1[s:s + r], best[s:s + r]
             torch.sub(xb, T32[:, None], out=v)
             torch.amax(v, 0, out=bb)
-            t = torch.ge(v, bb, out=top[:k * r].view(k, r))        # the columns at the max
-            b1.copy_(torch.mul(t.view(torch.uint8), keep["first"], out=rank[:k * r].view(k, r))
-                     .amax(0)).neg_().add_(k)                      # the first of them
-            v.scatter_(0, b1[None], -math.inf)
+            t = torch.eq(v, bb, out=top[:k * r].view(k, r))        # 1 at the max, else 0
+            torch.amax(torch.mul(t, keep["first"], out=t), 0, out=v2[:r])
+            b1.copy_(v2[:r]).neg_().add_(k)                        # the first column at the max
+            # (a float32 mask and flat indices: a bool mask, a scatter along dim 0 or a mask of
+            # another type, which torch writes through a float32-sized temporary, cost more;
+            # the indices in the mask's bytes, which it no longer needs)
+            at = torch.arange(r, out=top[:2 * r].view(torch.int64)).add_(b1, alpha=r)
+            v.view(-1).index_fill_(0, at, -math.inf)
             torch.amax(v, 0, out=v2[:r])
             torch.sub(bb, v2[:r], out=m[s:s + r])
         return a1, m, torch.bincount(a1, minlength=k), best
@@ -2450,15 +2472,21 @@ def _newton_step(X, T, at, e, frac):
     b1 = a1.index_select(0, sel)
     v = X.index_select(0, sel).to(torch.float32) - T.to(torch.float32)
     a2 = v.scatter_(1, b1[:, None], -math.inf).argmax(1)    # their runner-ups
-    W = torch.bincount(b1 * k + a2, minlength=k * k).to(torch.float64).view(k, k).cpu()
+    # (the k x k part in numpy, a fraction of torch's cost per call on so small arrays; the
+    # solve in numpy up to k = _T_K only: above, numpy's BLAS wakes threads that then slow
+    # torch's next operations many times over, docs/labeler.md v21)
+    W = torch.bincount(b1 * k + a2, minlength=k * k).cpu().numpy().reshape(k, k)
     W = (W + W.T) / (2 * h)
-    L = torch.diag(W.sum(1)) - W + torch.eye(k, dtype=torch.float64) * (1e-6 * float(W.sum()) / k + 1e-12)
+    deg = W.sum(1)
+    L = np.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
     ec = e.cpu()
-    d = torch.linalg.solve(L, ec).clamp(-32 * h, 32 * h).to(T.device)
+    d = (np.linalg.solve(L, ec.numpy()) if k <= _T_K
+         else torch.linalg.solve(torch.from_numpy(L), ec).numpy())
+    d = torch.from_numpy(d.clip(-32 * h, 32 * h)).to(T.device)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
     # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
-    rows_at = W.sum(1) * 2 * h
+    rows_at = torch.from_numpy(deg * 2 * h)
     iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
     if iso.numel():
         over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
@@ -2587,6 +2615,7 @@ _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, s
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
 # and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python grows with k (docs v18)
 _HOST_SOLVE = 1 << 18   # outputs on a GPU: the exact solve on the host up to this rows x k
+_F32_INF = 2.0 ** 128 - 2.0 ** 103   # float64 values from here on round to inf in float32
 
 
 def _joiners(X, T, at, B, ic, target, R):
@@ -2662,41 +2691,40 @@ class _PathSolver:
     (under hi; then under lo), T of every cluster settled before it raised by how much nearer
     the source it is (every cost stays >= 0: the rows keep their argmax, the moves on the path
     cost 0), and one row moved along each edge of the path.  One row a step: cheap where a
-    few dozen rows are to move; the _ExactSolver's auction moves many at once."""
+    few dozen rows are to move; the _ExactSolver's auction moves many at once.  Its arrays are
+    numpy's (torch tensors at the end): its many operations on a few hundred rows cost a
+    fraction of torch's per call (docs/labeler.md, v21)."""
 
     def __init__(self, vals, k, target, lo, hi):
         self.k, self.target = k, target.cpu()
-        self.vals = vals.cpu()
+        self.vals = vals.cpu().numpy()
         self.lo, self.hi = lo.cpu(), hi.cpu()
-        best, self.labels = self.vals.max(1)
         n = self.vals.shape[0]
-        self.D = best[:, None] - self.vals          # leads at T0, inf at the row's own column
-        self.D[torch.arange(n), self.labels] = math.inf
+        lab = self.vals.argmax(1)
+        self.D = self.vals[np.arange(n), lab][:, None] - self.vals   # leads at T0, inf at the own column
+        self.D[np.arange(n), lab] = math.inf
+        self._lab = lab
+        self.labels = torch.from_numpy(lab)
         self.counts = torch.bincount(self.labels, minlength=k)
         self.dT = torch.zeros(k, dtype=torch.float64)
         self.rounds, self.phases, self.ties = 0, 0, 0
 
     def _cheapest(self, a):
-        """(M_a, its rows): the cheapest move of cluster a's rows into each cluster."""
-        rows = (self.labels == a).nonzero()[:, 0]
-        if rows.numel() == 0:
+        """(M_a, its rows): the cheapest move of cluster a's rows into each cluster, the lowest
+        row number among equal ones."""
+        rows = np.flatnonzero(self._lab == a)
+        if rows.size == 0:
             return [math.inf] * self.k, [-1] * self.k
-        m, i = self.D.index_select(0, rows).min(0)
-        return m.tolist(), rows.index_select(0, i).tolist()
+        Da = self.D[rows]
+        i = Da.argmin(0)
+        return Da[i, np.arange(self.k)].tolist(), rows[i].tolist()
 
     def run(self, history):
         """True when balanced; False when no cluster that must give a row reaches one that can
         take it (then the streaming path solves)."""
-        k, n = self.k, self.vals.shape[0]
-        # M_ab and the row it is, the lowest row number among equal ones
-        key = (self.labels[:, None] * k + torch.arange(k)).flatten()
-        Mt = torch.full((k * k,), math.inf, dtype=torch.float64)
-        Mt.scatter_reduce_(0, key, self.D.flatten(), "amin")
-        at = self.D.flatten() == Mt.index_select(0, key)
-        At = torch.full((k * k,), n, dtype=torch.int64)
-        At.scatter_reduce_(0, key[at], torch.arange(n).repeat_interleave(k)[at], "amin")
-        M, A = Mt.view(k, k).tolist(), At.view(k, k).tolist()
-        V = self.vals.tolist()
+        k = self.k
+        M, A = map(list, zip(*(self._cheapest(a) for a in range(k))))
+        D, lab = self.D, self._lab
         c, lo, hi = self.counts.tolist(), self.lo.tolist(), self.hi.tolist()
         dT = [0.0] * k
         for give, take in ((hi, hi), (lo, lo)):
@@ -2730,13 +2758,12 @@ class _PathSolver:
                 while pred[v] >= 0:     # one row along each edge of the path, b -> v
                     b = pred[v]
                     s = A[b][v]
-                    self.labels[s] = v
-                    torch.sub(self.vals[s, v], self.vals[s], out=self.D[s])
-                    self.D[s, v] = math.inf
-                    Vs, Mv, Av = V[s], M[v], A[v]
-                    for j in range(k):      # v's cheapest moves with it
-                        d = Vs[v] - Vs[j]
-                        if d < Mv[j] and j != v:
+                    lab[s] = v
+                    D[s] = self.vals[s, v] - self.vals[s]
+                    D[s, v] = math.inf
+                    Mv, Av = M[v], A[v]
+                    for j, d in enumerate(D[s].tolist()):      # v's cheapest moves with it
+                        if d < Mv[j]:
                             Mv[j], Av[j] = d, s
                     lost.add(b)
                     v = b
@@ -2753,21 +2780,24 @@ class _PathSolver:
     def strictify(self):
         """Moved rows tie with the cluster they left: _ExactSolver.strictify's shift, on all
         rows at once (they are few)."""
-        S = self.vals - self.dT
-        own = S.gather(1, self.labels[:, None])
-        R = own - S
-        R[torch.arange(R.shape[0]), self.labels] = math.inf
-        scale = max(float(self.vals.abs().max()), float(self.dT.abs().max())) or 1.0
+        V, lab, k = self.vals, self._lab, self.k
+        dT = self.dT.numpy()
+        S = V - dT
+        ar = np.arange(V.shape[0])
+        R = S[ar, lab][:, None] - S
+        R[ar, lab] = math.inf
+        scale = max(float(np.abs(V).max(initial=0.0)), float(np.abs(dT).max())) or 1.0
         tight = R <= 64 * 2.0 ** -52 * scale
-        rmin = float(torch.where(tight, math.inf, R).amin()) if R.numel() else math.inf
-        rows, cols = tight.nonzero(as_tuple=True)
-        key = (self.labels.index_select(0, rows) * self.k + cols).unique()
+        rmin = float(np.where(tight, math.inf, R).min(initial=math.inf))
+        rows, cols = tight.nonzero()
+        # (distinct values by bincount: numpy's unique imports numpy.ma on first use, 17 ms)
+        key = torch.from_numpy(np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0])
         self.ties = key.numel()
         if self.ties:
-            self.dT = self.dT + _tie_shift(key // self.k, key % self.k, self.k, rmin, scale)
-            tied = rows.unique()
-            self.labels[tied] = (self.vals.index_select(0, tied) - self.dT).argmax(1)
-            self.counts = torch.bincount(self.labels, minlength=self.k)
+            self.dT = self.dT + _tie_shift(key // k, key % k, k, rmin, scale)
+            tied = np.bincount(rows, minlength=V.shape[0]).nonzero()[0]
+            lab[tied] = (V[tied] - self.dT.numpy()).argmax(1)
+            self.counts = torch.bincount(self.labels, minlength=k)
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
@@ -2797,16 +2827,16 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     X = outputs.detach()      # read in float32, block by block (_newton_counts)
     start = None if start is None else _check_start(start, k)
     # one pass for the largest |O| (the float32 slack below) and for non-finite values, also
-    # float64 ones beyond float32 (the largest |O| says: max propagates NaN)
-    top = torch.stack([torch.maximum(X[s:s + 65536].amax(), -X[s:s + 65536].amin())
-                       for s in range(0, n, 65536)]).amax()
-    if not bool(torch.isfinite(top.to(torch.float32))):
+    # float64 ones beyond float32 (NaN and +-inf show in the least and largest values)
+    ends = [float(v) for s in range(0, n, 65536) for v in X[s:s + 65536].aminmax()]
+    if not all(abs(v) < _F32_INF for v in ends):
         return None     # the streaming path names the bad row
+    top = max(abs(v) for v in ends)
     target = _check_target(target, n, k).to(dev)
     lo, hi = _count_bounds(target)
     head = X[:max(n_init, 1)].to(torch.float32).contiguous()   # (median is wrong on expanded rows)
-    eps = tie_eps * max(float(torch.maximum(head.amax(1), -head.amin(1)).median()), 1e-30)
-    T = (head.median(dim=0).values.to(torch.float64) if start is None
+    eps = tie_eps * max(float(_median0(head.abs().amax(1))), 1e-30)
+    T = (_median0(head).to(torch.float64) if start is None
          else start.to(device=dev, dtype=torch.float64).flatten())
     passes = 0
     m_rows = max(8192, 64 * k)
@@ -2984,7 +3014,6 @@ def _shortest_paths(k, eb, ew, indptr, sources):
     sp = _scipy_csgraph() if k > 64 else None
     src = sources.nonzero()[:, 0]
     if sp is not None:   # explicit zero weights stay edges in a csr matrix
-        import numpy as np
         csr_matrix, dijkstra = sp
         g = csr_matrix((ew.numpy(), eb.numpy(), indptr.numpy()), shape=(k, k))
         d, pred, _ = dijkstra(g, directed=True, indices=src.numpy(), min_only=True,
