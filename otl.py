@@ -2376,23 +2376,22 @@ def _newton_counts(X, T, out=None):
         if keep.get("of") is not X:
             keep.clear()
             keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
-                        top=torch.empty(block * max(k, 2), dtype=torch.float32, device=X.device),
+                        at=torch.empty(block, dtype=torch.int64, device=X.device),
                         first=(k - torch.arange(k, device=X.device)).to(torch.float32)[:, None])
-        Xt, top = keep["Xt"], keep["top"]
+        Xt, at = keep["Xt"], keep["at"]
         for s in range(0, n, block):
             xb = Xt[:, s:s + block]
             r = xb.shape[1]
             v, b1, bb = V.view(-1)[:k * r].view(k, r), a1[s:s + r], best[s:s + r]
+            torch.amax(torch.sub(xb, T32[:, None], out=v), 0, out=bb)
+            # the first column at the max, from a float32 mask in v's place (a bool mask or a
+            # mask of another type, which torch writes through a float32-sized temporary, or
+            # argmax along dim 0 cost more), then v again without it for the runner-up
+            torch.amax(v.eq_(bb).mul_(keep["first"]), 0, out=v2[:r])
+            b1.copy_(v2[:r]).neg_().add_(k)
             torch.sub(xb, T32[:, None], out=v)
-            torch.amax(v, 0, out=bb)
-            t = torch.eq(v, bb, out=top[:k * r].view(k, r))        # 1 at the max, else 0
-            torch.amax(torch.mul(t, keep["first"], out=t), 0, out=v2[:r])
-            b1.copy_(v2[:r]).neg_().add_(k)                        # the first column at the max
-            # (a float32 mask and flat indices: a bool mask, a scatter along dim 0 or a mask of
-            # another type, which torch writes through a float32-sized temporary, cost more;
-            # the indices in the mask's bytes, which it no longer needs)
-            at = torch.arange(r, out=top[:2 * r].view(torch.int64)).add_(b1, alpha=r)
-            v.view(-1).index_fill_(0, at, -math.inf)
+            at_ = torch.arange(r, out=at[:r]).add_(b1, alpha=r)       # (a scatter along dim 0
+            v.view(-1).index_fill_(0, at_, -math.inf)                  # costs more)
             torch.amax(v, 0, out=v2[:r])
             torch.sub(bb, v2[:r], out=m[s:s + r])
         return a1, m, torch.bincount(a1, minlength=k), best
