@@ -942,7 +942,16 @@ def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tens
     """A fixed uniform [0, 1) number per (global row, column), from integer hashing, so that every
     way of feeding the same outputs (dense, in batches, split over ranks) perturbs them alike.
     rows: (r,) and cols: (r, m) int64 -> (r, m) float64.  In place after the first sum: on a
-    big block, allocation costs more than the arithmetic."""
+    big block, allocation costs more than the arithmetic.  Small blocks on the CPU in numpy,
+    the same integer steps (int64 wraps around alike), at a fraction of torch's cost per call."""
+    if cols.device.type == "cpu" and cols.numel() <= _JITTER_NP:
+        x = cols.numpy().astype(np.int64) * 0x85EBCA77
+        x += rows.numpy().astype(np.int64)[:, None] * 0x9E3779B1 + (int(seed) % 1000003) * 0xC2B2AE3D
+        x ^= (x >> 16) & 0xFFFFFFFFFFFF
+        x *= 0x27D4EB2F165667C5
+        x ^= (x >> 29) & 0x7FFFFFFFF
+        x = (x >> 11) & 0x1FFFFFFFFFFFFF
+        return torch.from_numpy(x.astype(np.float64) * (1.0 / float(1 << 53)))
     x = cols.to(torch.int64) * 0x85EBCA77
     x.add_(rows.to(torch.int64)[:, None] * 0x9E3779B1 + (int(seed) % 1000003) * 0xC2B2AE3D)
     t = torch.bitwise_right_shift(x, 16)
@@ -952,6 +961,9 @@ def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tens
     x.bitwise_xor_(t.bitwise_and_(0x7FFFFFFFF))
     x.bitwise_right_shift_(11).bitwise_and_(0x1FFFFFFFFFFFFF)
     return x.to(torch.float64).mul_(1.0 / float(1 << 53))
+
+
+_JITTER_NP = 1 << 16     # _tie_jitter in numpy up to this many values on the CPU
 
 
 class _Comm:
@@ -2323,9 +2335,10 @@ class _ExactSolver:
 def _tie_shift(a, b, k, rmin, scale):
     """The shift eta * pi of T (CPU, float64) that resolves every tie a[i] -> b[i] (a row of
     cluster a with an equal score in b) to a: pi[b] > pi[a] for each (the longest chain of ties
-    into a cluster), eta below half of every other margin, rmin, over (max pi + 1).  (numpy: a
-    few small steps, each a fraction of torch's cost per call.)"""
-    a, b = a.cpu().numpy(), b.cpu().numpy()
+    into a cluster), eta below half of every other margin, rmin, over (max pi + 1).  a, b:
+    int64 tensors or numpy arrays.  (numpy: a few small steps, each a fraction of torch's cost
+    per call.)"""
+    a, b = (x.cpu().numpy() if torch.is_tensor(x) else x for x in (a, b))
     pi = np.zeros(k)
     for _ in range(k + 1):
         new = pi.copy()
@@ -2485,8 +2498,8 @@ def _newton_step(X, T, at, e, frac):
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
     # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
-    rows_at = torch.from_numpy(deg * 2 * h)
-    iso = ((rows_at < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
+    ea = np.abs(ec.numpy())
+    iso = torch.from_numpy(np.flatnonzero((deg * 2 * h < 0.1 * ea) & (ea >= 1)))
     if iso.numel():
         over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
         if over.numel():      # each one's (e_j + 1)-th smallest margin, where it has the rows
@@ -2790,8 +2803,8 @@ class _PathSolver:
         rmin = float(np.where(tight, math.inf, R).min(initial=math.inf))
         rows, cols = tight.nonzero()
         # (distinct values by bincount: numpy's unique imports numpy.ma on first use, 17 ms)
-        key = torch.from_numpy(np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0])
-        self.ties = key.numel()
+        key = np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0]
+        self.ties = key.size
         if self.ties:
             self.dT = self.dT + _tie_shift(key // k, key % k, k, rmin, scale)
             tied = np.bincount(rows, minlength=V.shape[0]).nonzero()[0]

@@ -580,6 +580,24 @@ def test_streaming_collapsed_rows_break_ties_by_global_row():
         st.result(refetch=lambda rows: O[rows])      # alone, this shard starts at row 0
 
 
+@pytest.mark.parametrize("r, m, dtype", [(5, 3, torch.int64), (435, 10, torch.int16),
+                                         (1000, 48, torch.int64), (3, 3000, torch.int16)])
+def test_tie_jitter_numpy_and_torch_agree(monkeypatch, r, m, dtype):
+    """_tie_jitter takes small CPU blocks in numpy and the rest in torch: the same numbers to the
+    bit (its integer hash wraps around in int64 alike), also on expanded column blocks."""
+    rows = torch.randint(0, 2 ** 40, (r,), generator=gen(5))
+    for cols in (torch.randint(0, 3000, (r, m), generator=gen(6)).to(dtype),
+                 torch.arange(m, dtype=dtype).expand(r, m)):
+        for seed in (0, 7, 123_456_789):
+            small = otl._tie_jitter(rows, cols, seed)
+            monkeypatch.setattr(otl, "_JITTER_NP", -1)
+            big = otl._tie_jitter(rows, cols, seed)
+            monkeypatch.setattr(otl, "_JITTER_NP", 1 << 16)
+            assert small.dtype == big.dtype == torch.float64
+            assert torch.equal(small, big)
+            assert ((small >= 0) & (small < 1)).all()
+    assert small.unique().numel() == r * m           # distinct (row, column) pairs: no collision
+
 # ---------------------------------------------------------------------------------------------
 # distributed: two gloo ranks on CPU = one process
 # ---------------------------------------------------------------------------------------------
