@@ -16,9 +16,11 @@ entry point), 2. target distributions, 3. label-consistent training, 4. the IND 
 8. weighted kNN evaluation, 9. the exact, streaming and distributed labeler (`StreamingTranslator`,
 `translate`'s default method).
 
-Needs torch only.  Imported when used, if installed: torchvision (`build_model`'s ResNet), tqdm
-(progress bars; none without it) and scipy (the exact labeler's shortest paths in C; without it a
-torch Dijkstra does the same work, more slowly).  Importing this file has no side effects.
+Needs torch only.  Used if installed: numpy (the small-k labeler's many small steps cost less on
+its arrays; without it they run on torch's), and imported when used: torchvision (`build_model`'s
+ResNet), tqdm (progress bars; none without it) and scipy (the exact labeler's shortest paths in C;
+without it a torch Dijkstra does the same work, more slowly).  Importing this file has no side
+effects.
 """
 from __future__ import annotations
 
@@ -29,8 +31,12 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
+
+try:        # the small-k labeler's many small steps (below) cost less on numpy arrays; without
+    import numpy as np      # numpy they run on torch's (otl.py needs torch alone)
+except ImportError:
+    np = None
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -223,7 +229,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
 def _median0(A):
     """A.median(dim=0).values (the lower of the two middle values) of a float tensor; on the
     CPU by numpy's partition, faster than torch's median there (docs/labeler.md, v21)."""
-    if A.device.type != "cpu" or A.shape[0] == 0 or A.dtype not in (torch.float32, torch.float64):
+    if (np is None or A.device.type != "cpu" or A.shape[0] == 0
+            or A.dtype not in (torch.float32, torch.float64)):
         return A.median(dim=0).values
     i = (A.shape[0] - 1) // 2
     return torch.from_numpy(np.asarray(np.partition(A.detach().numpy(), i, axis=0)[i]))
@@ -944,7 +951,7 @@ def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tens
     rows: (r,) and cols: (r, m) int64 -> (r, m) float64.  In place after the first sum: on a
     big block, allocation costs more than the arithmetic.  Small blocks on the CPU in numpy,
     the same integer steps (int64 wraps around alike), at a fraction of torch's cost per call."""
-    if cols.device.type == "cpu" and cols.numel() <= _JITTER_NP:
+    if np is not None and cols.device.type == "cpu" and cols.numel() <= _JITTER_NP:
         x = cols.numpy().astype(np.int64) * 0x85EBCA77
         x += rows.numpy().astype(np.int64)[:, None] * 0x9E3779B1 + (int(seed) % 1000003) * 0xC2B2AE3D
         x ^= (x >> 16) & 0xFFFFFFFFFFFF
@@ -2336,19 +2343,27 @@ def _tie_shift(a, b, k, rmin, scale):
     """The shift eta * pi of T (CPU, float64) that resolves every tie a[i] -> b[i] (a row of
     cluster a with an equal score in b) to a: pi[b] > pi[a] for each (the longest chain of ties
     into a cluster), eta below half of every other margin, rmin, over (max pi + 1).  a, b:
-    int64 tensors or numpy arrays.  (numpy: a few small steps, each a fraction of torch's cost
-    per call.)"""
-    a, b = (x.cpu().numpy() if torch.is_tensor(x) else x for x in (a, b))
-    pi = np.zeros(k)
-    for _ in range(k + 1):
-        new = pi.copy()
-        np.maximum.at(new, b, pi[a] + 1)
-        if np.array_equal(new, pi):
-            break
-        pi = new
+    int64 CPU tensors.  (On numpy arrays where numpy is installed: a few small steps, each a
+    fraction of torch's cost per call.)"""
+    if np is not None:
+        a, b, pi = a.numpy(), b.numpy(), np.zeros(k)
+        for _ in range(k + 1):
+            new = pi.copy()
+            np.maximum.at(new, b, pi[a] + 1)
+            if np.array_equal(new, pi):
+                break
+            pi = new
+        pi = torch.from_numpy(pi)
+    else:
+        pi = torch.zeros(k, dtype=torch.float64)
+        for _ in range(k + 1):
+            new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
+            if torch.equal(new, pi):
+                break
+            pi = new
     if not math.isfinite(rmin):
         rmin = scale * 1e-6
-    return torch.from_numpy(rmin / (2 * (float(pi.max()) + 1)) * pi)
+    return rmin / (2 * (float(pi.max()) + 1)) * pi
 
 
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
@@ -2484,22 +2499,25 @@ def _newton_step(X, T, at, e, frac):
     b1 = a1.index_select(0, sel)
     v = X.index_select(0, sel).to(torch.float32) - T.to(torch.float32)
     a2 = v.scatter_(1, b1[:, None], -math.inf).argmax(1)    # their runner-ups
-    # (the k x k part in numpy, a fraction of torch's cost per call on so small arrays; the
-    # solve in numpy up to k = _T_K only: above, numpy's BLAS wakes threads that then slow
-    # torch's next operations many times over, docs/labeler.md v21)
-    W = torch.bincount(b1 * k + a2, minlength=k * k).cpu().numpy().reshape(k, k)
+    W = torch.bincount(b1 * k + a2, minlength=k * k).to(torch.float64).view(k, k).cpu()
     W = (W + W.T) / (2 * h)
     deg = W.sum(1)
-    L = np.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
     ec = e.cpu()
-    d = (np.linalg.solve(L, ec.numpy()) if k <= _T_K
-         else torch.linalg.solve(torch.from_numpy(L), ec).numpy())
-    d = torch.from_numpy(d.clip(-32 * h, 32 * h)).to(T.device)
+    if np is not None and k <= _T_K:
+        # (the k x k solve in numpy: a fraction of torch's cost per call on so small arrays;
+        # up to k = _T_K only: above, numpy's BLAS wakes threads that then slow torch's next
+        # operations many times over, docs/labeler.md v21)
+        Wn, dn = W.numpy(), deg.numpy()
+        d = torch.from_numpy(np.linalg.solve(np.diag(dn + (1e-6 * float(dn.sum()) / k + 1e-12))
+                                             - Wn, ec.numpy()))
+    else:
+        L = torch.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
+        d = torch.linalg.solve(L, ec)
+    d = d.clamp(-32 * h, 32 * h).to(T.device)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
     # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
-    ea = np.abs(ec.numpy())
-    iso = torch.from_numpy(np.flatnonzero((deg * 2 * h < 0.1 * ea) & (ea >= 1)))
+    iso = ((deg * 2 * h < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
     if iso.numel():
         over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
         if over.numel():      # each one's (e_j + 1)-th smallest margin, where it has the rows
@@ -2705,7 +2723,7 @@ class _PathSolver:
     cost 0), and one row moved along each edge of the path.  One row a step: cheap where a
     few dozen rows are to move; the _ExactSolver's auction moves many at once.  Its arrays are
     numpy's (torch tensors at the end): its many operations on a few hundred rows cost a
-    fraction of torch's per call (docs/labeler.md, v21)."""
+    fraction of torch's per call (docs/labeler.md, v21); without numpy the _ExactSolver solves."""
 
     def __init__(self, vals, k, target, lo, hi):
         self.k, self.target = k, target.cpu()
@@ -2806,7 +2824,8 @@ class _PathSolver:
         key = np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0]
         self.ties = key.size
         if self.ties:
-            self.dT = self.dT + _tie_shift(key // k, key % k, k, rmin, scale)
+            self.dT = self.dT + _tie_shift(*(torch.from_numpy(x) for x in (key // k, key % k)),
+                                           k, rmin, scale)
             tied = np.bincount(rows, minlength=V.shape[0]).nonzero()[0]
             lab[tied] = (V[tied] - self.dT.numpy()).argmax(1)
             self.counts = torch.bincount(self.labels, minlength=k)
@@ -2825,8 +2844,9 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     them, or 8 times the rows still to move and k; R from a strided sample of the margins), and
     for a cluster with too few of them near it the rows nearest to joining it (`_joiners`), are
     solved exactly, with the streaming path's tie-break eps x u(row, column): by shortest paths
-    (`_PathSolver`) at k <= 64 where few rows are to move, else by the streaming path's solver
-    (`_ExactSolver`); where the outputs are on a GPU, on the host up to 2^18 values.  The
+    (`_PathSolver`, where numpy is installed) at k <= 64 where few rows are to move, else by the
+    streaming path's solver (`_ExactSolver`); where the outputs are on a GPU, on the host up to
+    2^18 values.  The
     other rows keep their best column: they lead by more than R and the solve moves no T_j by
     as much relative to another, or else one pass at the solve's T finds none of them changed
     (both with float32's rounding).  Where rows did change, the next try (up to four) takes the
@@ -2957,7 +2977,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         cb = cols.to(sdev).expand(B.numel(), k)
         vals = XB - T.to(sdev) + eps * _tie_jitter(Bs, cb, seed)
         tB, loB, hiB = (t.to(sdev) for t in (target - ic, (lo - ic).clamp(min=0), hi - ic))
-        if k <= _PATH_K and float(e.clamp(min=0).sum()) * (k + 10) <= _PATH_WORK:
+        if (np is not None and k <= _PATH_K
+                and float(e.clamp(min=0).sum()) * (k + 10) <= _PATH_WORK):
             solver = _PathSolver(vals, k, tB, loB, hiB)
             ok = solver.run(history)
         else:

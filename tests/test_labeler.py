@@ -598,6 +598,26 @@ def test_tie_jitter_numpy_and_torch_agree(monkeypatch, r, m, dtype):
             assert ((small >= 0) & (small < 1)).all()
     assert small.unique().numel() == r * m           # distinct (row, column) pairs: no collision
 
+
+def test_tie_shift_and_dense_path_without_numpy(monkeypatch):
+    """Without numpy (otl.py needs torch alone) _tie_shift's torch steps give the same shift,
+    and the dense path at small k solves by the auction instead of the numpy paths: the same
+    labels (N / k whole)."""
+    a = torch.tensor([0, 1, 2, 0, 5])
+    b = torch.tensor([1, 2, 3, 4, 4])               # chains 0 -> 1 -> 2 -> 3, 0 / 5 -> 4
+    with_np = otl._tie_shift(a, b, 6, 1e-3, 1.0)
+    assert with_np.tolist() == pytest.approx([0, 1e-3 / 8, 2e-3 / 8, 3e-3 / 8, 1e-3 / 8, 0])
+    O = dominant(19_980, 20, 42)
+    solves = _solver_spy(monkeypatch)
+    r = exact(O)
+    monkeypatch.setattr(otl, "np", None)
+    assert torch.equal(otl._tie_shift(a, b, 6, 1e-3, 1.0), with_np)
+    r2 = exact(O)
+    assert [name for name, _ in solves] == ["_PathSolver", "_ExactSolver"]
+    assert torch.equal(r.labels, r2.labels)
+    check_even(r2)
+    check_translation(O, r2)
+
 # ---------------------------------------------------------------------------------------------
 # distributed: two gloo ranks on CPU = one process
 # ---------------------------------------------------------------------------------------------
