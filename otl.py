@@ -32,13 +32,13 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 try:        # the small-k labeler's many small steps (below) cost less on numpy arrays; without
     import numpy as np      # numpy they run on torch's (otl.py needs torch alone)
 except ImportError:
     np = None
-import torch.nn as nn
-import torch.nn.functional as F
 
 __all__ = [
     "translate_published", "translation_steps", "TranslateResult", "translate", "even_target",
@@ -2418,8 +2418,8 @@ def _newton_counts(X, T, out=None):
             torch.amax(v.eq_(bb).mul_(keep["first"]), 0, out=v2[:r])
             b1.copy_(v2[:r]).neg_().add_(k)
             torch.sub(xb, T32[:, None], out=v)
-            at_ = torch.arange(r, out=at[:r]).add_(b1, alpha=r)       # (a scatter along dim 0
-            v.view(-1).index_fill_(0, at_, -math.inf)                  # costs more)
+            # that column dropped by flat indices (a scatter along dim 0 costs more)
+            v.view(-1).index_fill_(0, torch.arange(r, out=at[:r]).add_(b1, alpha=r), -math.inf)
             torch.amax(v, 0, out=v2[:r])
             torch.sub(bb, v2[:r], out=m[s:s + r])
         return a1, m, torch.bincount(a1, minlength=k), best
