@@ -618,6 +618,7 @@ def test_tie_shift_and_dense_path_without_numpy(monkeypatch):
     check_even(r2)
     check_translation(O, r2)
 
+
 # ---------------------------------------------------------------------------------------------
 # distributed: two gloo ranks on CPU = one process
 # ---------------------------------------------------------------------------------------------
