@@ -2502,17 +2502,13 @@ def _newton_step(X, T, at, e, frac):
     W = torch.bincount(b1 * k + a2, minlength=k * k).to(torch.float64).view(k, k).cpu()
     W = (W + W.T) / (2 * h)
     deg = W.sum(1)
+    L = torch.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
     ec = e.cpu()
-    if np is not None and k <= _T_K:
-        # (the k x k solve in numpy: a fraction of torch's cost per call on so small arrays;
-        # up to k = _T_K only: above, numpy's BLAS wakes threads that then slow torch's next
-        # operations many times over, docs/labeler.md v21)
-        Wn, dn = W.numpy(), deg.numpy()
-        d = torch.from_numpy(np.linalg.solve(np.diag(dn + (1e-6 * float(dn.sum()) / k + 1e-12))
-                                             - Wn, ec.numpy()))
-    else:
-        L = torch.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
-        d = torch.linalg.solve(L, ec)
+    # (the solve in numpy up to k = _T_K: a fraction of torch's cost per call on so small a
+    # system; not above: numpy's BLAS wakes threads that then slow torch's next operations
+    # many times over, docs/labeler.md v21)
+    d = (torch.from_numpy(np.linalg.solve(L.numpy(), ec.numpy()))
+         if np is not None and k <= _T_K else torch.linalg.solve(L, ec))
     d = d.clamp(-32 * h, 32 * h).to(T.device)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
@@ -2820,7 +2816,8 @@ class _PathSolver:
         tight = R <= 64 * 2.0 ** -52 * scale
         rmin = float(np.where(tight, math.inf, R).min(initial=math.inf))
         rows, cols = tight.nonzero()
-        # (distinct values by bincount: numpy's unique imports numpy.ma on first use, 17 ms)
+        # (distinct values by bincount: numpy's unique imports numpy.ma on its first use, which
+        # costs more than this whole solve; docs/labeler.md v21)
         key = np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0]
         self.ties = key.size
         if self.ties:
