@@ -2730,10 +2730,14 @@ class _PathSolver:
         self.D = self.vals[np.arange(n), lab][:, None] - self.vals   # leads at T0, inf at the own column
         self.D[np.arange(n), lab] = math.inf
         self._lab = lab
-        self.labels = torch.from_numpy(lab)
         self.counts = torch.bincount(self.labels, minlength=k)
         self.dT = torch.zeros(k, dtype=torch.float64)
         self.rounds, self.phases, self.ties = 0, 0, 0
+
+    @property
+    def labels(self):
+        """The rows' labels: a torch view of the numpy array the solve moves rows in."""
+        return torch.from_numpy(self._lab)
 
     def _cheapest(self, a):
         """(M_a, its rows): the cheapest move of cluster a's rows into each cluster, the lowest
