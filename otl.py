@@ -236,6 +236,13 @@ def _median0(A):
     return torch.from_numpy(np.asarray(np.partition(A.detach().numpy(), i, axis=0)[i]))
 
 
+def _tie_scale(head, tie_eps):
+    """The tie-break's eps from the first rows: tie_eps times a typical row's largest |O| (not
+    the largest of all: one outlier would make the perturbation swamp the real gaps); the dense
+    and the streaming path take the same, so that they break ties alike."""
+    return tie_eps * max(float(_median0(head.abs().amax(1))), 1e-30)
+
+
 def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: int = 2048,
                    **kw):
     """A start translation for the exact labeler on outputs held whole: the exact T of every
@@ -1172,9 +1179,7 @@ class StreamingTranslator:
             _check_outputs_finite(head)
             params[:self.k] = (_median0(head).to(torch.float64) if self.start is None
                                else self.start.to(self.device))             # values of O
-            # the tie-break's scale: a typical row's largest |O| (not the largest of all: one
-            # outlier would make the perturbation swamp the real gaps)
-            params[self.k] = self.tie_eps * max(float(_median0(head.abs().amax(1))), 1e-30)
+            params[self.k] = _tie_scale(head, self.tie_eps)
             # the first rows' counts at the medians (_far, _collapsed)
             cnt = torch.bincount((head - params[:self.k].to(head.dtype)).argmax(1),
                                  minlength=self.k).to(torch.float64)
@@ -2868,7 +2873,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     target = _check_target(target, n, k).to(dev)
     lo, hi = _count_bounds(target)
     head = X[:max(n_init, 1)].to(torch.float32).contiguous()   # (median is wrong on expanded rows)
-    eps = tie_eps * max(float(_median0(head.abs().amax(1))), 1e-30)
+    eps = _tie_scale(head, tie_eps)
     T = (_median0(head).to(torch.float64) if start is None
          else start.to(device=dev, dtype=torch.float64).flatten())
     passes = 0
