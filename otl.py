@@ -233,7 +233,9 @@ def _median0(A):
             or A.dtype not in (torch.float32, torch.float64)):
         return A.median(dim=0).values
     i = (A.shape[0] - 1) // 2
-    return torch.from_numpy(np.asarray(np.partition(A.detach().numpy(), i, axis=0)[i]))
+    B = np.array(A.detach().numpy().T, order="C")     # (columns as rows: partitioned faster)
+    B.partition(i, axis=-1)
+    return torch.from_numpy(np.array(B[..., i]))
 
 
 def _tie_scale(head, tie_eps):
@@ -2405,6 +2407,8 @@ def _newton_counts(X, T, out=None):
     a1, m, best, (V, v2, keep) = _newton_bufs(n, k, X.device) if out is None else out
     block = V.shape[0]
     T32 = T.to(torch.float32)
+    if _on_numpy(X, k) and n * k * torch.get_num_threads() <= _NP_PASS:
+        return _newton_counts_np(X, T32.numpy(), a1, m, best, V, v2, keep)
     if k <= _T_K:
         if keep.get("of") is not X:
             keep.clear()
@@ -2438,6 +2442,40 @@ def _newton_counts(X, T, out=None):
         torch.amax(v, 1, out=v2[:r])
         torch.sub(best[s:s + r], v2[:r], out=m[s:s + r])
     return a1, m, torch.bincount(a1, minlength=k), best
+
+
+def _newton_counts_np(X, T32, a1, m, best, V, v2, keep):
+    """_newton_counts at k <= _T_K on the host, where numpy is installed: its k x N steps on
+    numpy views of the same buffers, the same values to the bit (numpy's first use of an
+    operation in a process costs a fraction of torch's; docs/labeler.md, v22)."""
+    n, k = X.shape
+    block = V.shape[0]
+    if keep.get("of") is not X:
+        keep.clear()
+        keep.update(of=X, Xt=np.ascontiguousarray(X.T.numpy(), dtype=np.float32),
+                    at=np.empty(block, dtype=np.int64), ar=np.arange(block, dtype=np.int64),
+                    first=(k - np.arange(k, dtype=np.float32))[:, None])
+    Xt, at, ar, first = keep["Xt"], keep["at"], keep["ar"], keep["first"]
+    a1n, mn, bn, Vn, v2n = (t.numpy() for t in (a1, m, best, V, v2))
+    Tc = T32[:, None]
+    for s in range(0, n, block):
+        xb = Xt[:, s:s + block]
+        r = xb.shape[1]
+        v, b1, bb, w = Vn.reshape(-1)[:k * r].reshape(k, r), a1n[s:s + r], bn[s:s + r], v2n[:r]
+        np.subtract(xb, Tc, out=v)
+        v.max(0, out=bb)
+        np.equal(v, bb, out=v)          # the first column at the max: as the torch steps
+        v *= first
+        v.max(0, out=w)
+        np.subtract(k, w, out=w)
+        b1[...] = w
+        np.subtract(xb, Tc, out=v)
+        i = np.multiply(b1, r, out=at[:r])
+        i += ar[:r]
+        v.reshape(-1)[i] = -math.inf
+        v.max(0, out=w)
+        np.subtract(bb, w, out=mn[s:s + r])
+    return a1, m, torch.from_numpy(np.bincount(a1n, minlength=k)), best
 
 
 def _spare(bufs, at):
@@ -2494,27 +2532,53 @@ def _join_costs(X, T32, lab, best, cols):
     return C
 
 
+def _on_numpy(X, k):
+    """Whether the small-k steps on X (n, k) run on numpy views of it: on the host, k <= _T_K
+    and numpy installed (numpy has no bfloat16)."""
+    return (np is not None and k <= _T_K and X.device.type == "cpu"
+            and X.dtype in (torch.float16, torch.float32, torch.float64))
+
+
 def _newton_step(X, T, at, e, frac):
     """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`."""
     k = X.shape[1]
     a1, m, cnt, best = at
-    ms = m[::max(1, m.numel() // max(_H_ROWS, 64 * k))]     # (h from strided margins)
-    h = max(float(ms.kthvalue(max(1, int(frac * ms.numel()))).values), 1e-30)
-    sel = (m < h).nonzero()[:, 0]
-    b1 = a1.index_select(0, sel)
-    v = X.index_select(0, sel).to(torch.float32) - T.to(torch.float32)
-    a2 = v.scatter_(1, b1[:, None], -math.inf).argmax(1)    # their runner-ups
-    W = torch.bincount(b1 * k + a2, minlength=k * k).to(torch.float64).view(k, k).cpu()
+    if _on_numpy(X, k):     # (the same values as torch's steps, at a fraction of their cost)
+        mn, lab = m.numpy(), a1.numpy()
+        ms = mn[::max(1, mn.size // max(_H_ROWS, 64 * k))]
+        j = max(1, int(frac * ms.size)) - 1
+        h = max(float(np.partition(ms, j)[j]), 1e-30)
+        sel = np.flatnonzero(mn < h)
+        b1 = lab[sel]
+        v = X.numpy()[sel].astype(np.float32) - T.numpy().astype(np.float32)
+        v[np.arange(sel.size), b1] = -math.inf
+        W = np.bincount(b1 * k + v.argmax(1), minlength=k * k).astype(np.float64).reshape(k, k)
+        xp, ec = np, e.cpu().numpy()
+    else:
+        ms = m[::max(1, m.numel() // max(_H_ROWS, 64 * k))]     # (h from strided margins)
+        h = max(float(ms.kthvalue(max(1, int(frac * ms.numel()))).values), 1e-30)
+        sel = (m < h).nonzero()[:, 0]
+        b1 = a1.index_select(0, sel)
+        v = X.index_select(0, sel).to(torch.float32) - T.to(torch.float32)
+        a2 = v.scatter_(1, b1[:, None], -math.inf).argmax(1)    # their runner-ups
+        W = torch.bincount(b1 * k + a2, minlength=k * k).to(torch.float64).view(k, k).cpu()
+        xp, ec = torch, e.cpu()
+        if np is not None and k <= _T_K:    # (the same solve as on numpy's steps, any device)
+            xp, W, ec = np, W.numpy(), ec.numpy()
     W = (W + W.T) / (2 * h)
     deg = W.sum(1)
-    L = torch.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
-    ec = e.cpu()
-    # (the solve in numpy up to k = _T_K: a fraction of torch's cost per call on so small a
-    # system; not above: numpy's BLAS wakes threads that then slow torch's next operations
-    # many times over, docs/labeler.md v21)
-    d = (torch.from_numpy(np.linalg.solve(L.numpy(), ec.numpy()))
-         if np is not None and k <= _T_K else torch.linalg.solve(L, ec))
-    d = d.clamp(-32 * h, 32 * h).to(T.device)
+    L = xp.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
+    # (numpy's solve only up to k = _T_K: a fraction of torch's cost on so small a system; above,
+    # numpy's BLAS wakes threads that then slow torch's next operations many times over,
+    # docs/labeler.md v21)
+    d = xp.linalg.solve(L, ec).clip(-32 * h, 32 * h)
+    if xp is np:
+        iso = np.flatnonzero((deg * 2 * h < 0.1 * np.abs(ec)) & (np.abs(ec) >= 1))
+        d = torch.from_numpy(d).to(T.device)
+        if not iso.size:
+            return d
+        deg, ec = torch.from_numpy(deg), torch.from_numpy(ec)
+    d = d.to(T.device)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
     # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
@@ -2641,6 +2705,7 @@ _FEW_CHANGED = 0.01   # (see the dense path's tries)
 _COLLAPSE_SAMPLE = 1.0   # sum |counts - target| over this share of N at the start: collapsed
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
+_NP_PASS = 1 << 20  # and on numpy's (one thread) up to this N x k x torch's threads (v22)
 _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
@@ -2866,7 +2931,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     start = None if start is None else _check_start(start, k)
     # one pass for the largest |O| (the float32 slack below) and for non-finite values, also
     # float64 ones beyond float32 (NaN and +-inf show in the least and largest values)
-    ends = [float(v) for s in range(0, n, 65536) for v in X[s:s + 65536].aminmax()]
+    ends = ([float(f(X.numpy())) for f in (np.min, np.max)] if _on_numpy(X, k) else
+            [float(v) for s in range(0, n, 65536) for v in X[s:s + 65536].aminmax()])
     if not all(abs(v) < _F32_INF for v in ends):
         return None     # the streaming path names the bad row
     top = max(abs(v) for v in ends)

@@ -1108,11 +1108,43 @@ def test_newton_counts_on_the_k_by_n_copy_match_the_rows(monkeypatch, dtype):
     assert (got[0][:50] == 3).all() and (got[1][:50] == 0).all()
     O2 = dominant(n, k, 45).to(dtype)
     got2 = [x.clone() for x in otl._newton_counts(O2, T, out=bufs)]
+    monkeypatch.setattr(otl, "_NP_PASS", 0)              # the copy's steps in torch
+    for X, g in ((O, got), (O2, got2)):
+        for a, b in zip(g, otl._newton_counts(X, T)):
+            assert torch.equal(a, b)
     monkeypatch.setattr(otl, "_T_K", 0)                  # max(1) over the rows
     for X, g in ((O, got), (O2, got2)):
         ref = otl._newton_counts(X, T)
         for a, b in zip(g, ref):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_newton_step_numpy_and_torch_agree(monkeypatch, dtype):
+    """The Newton step's rows near a boundary on numpy views (k <= _T_K, on the host) and on
+    torch's operations: the same step to the bit, also on strided rows (a sample's)."""
+    n, k = 6000, 12
+    O = dominant(n, k, 46).to(dtype)
+    T = torch.randn(k, generator=gen(47), dtype=torch.float64) * 0.1
+    target = otl.even_target(n, k)
+    for X in (O, O[::3]):
+        at = otl._newton_counts(X, T)
+        e = at[2].to(torch.float64) - target * (X.shape[0] / n)
+        d = otl._newton_step(X, T, at, e, 0.05)
+        with monkeypatch.context() as mp:
+            mp.setattr(otl, "_on_numpy", lambda X, k: False)
+            assert torch.equal(otl._newton_step(X, T, at, e, 0.05), d)
+        assert d.abs().max() > 0
+
+
+def test_median0_on_numpy_is_torchs_median():
+    """_median0 by numpy's partition: torch's median (the lower middle value) per column, the
+    input left as it was."""
+    for A in (torch.randn(8191, 7, generator=gen(48)), torch.randn(64, 3, dtype=torch.float64),
+              torch.randn(101, generator=gen(49)), torch.randn(6, 1, generator=gen(50))):
+        before = A.clone()
+        assert torch.equal(otl._median0(A), A.median(dim=0).values)
+        assert torch.equal(A, before)
 
 
 @pytest.mark.parametrize("k", [2, 20])
