@@ -52,7 +52,11 @@ Then, for inputs held whole (not streamed), the same call once more in the same 
 seconds_warm, what a training run pays in every epoch after its first (the process's memory
 allocator and torch's kernels are warm by then; the first call pays for them, which is most of
 ours at small k), and the labels must equal the first call's.  `streamed` tells the streamed
-records.  Torch uses every core the process may run on.  Linux only.
+records.  With --fresh R (CPU, inputs held whole) each method is measured in R fresh children,
+the methods taking turns (ours, published, ours, ...: a machine whose speed drifts slows both
+alike), and the record keeps the median seconds and seconds_warm with every run's
+(seconds_runs, seconds_warm_runs): one fresh process's first call can take several times its
+usual time on a shared machine.  Torch uses every core the process may run on.  Linux only.
 With --device cuda every measurement runs in this process on the GPU (see measure_gpu): the
 Gaussian inputs come from a CUDA generator, the large case sits whole in GPU memory, the
 EuroSAT inputs' networks run on the GPU, and random_net_large is left to the CPU run.
@@ -132,6 +136,9 @@ def get_args_parser():
                    "run should label on (train_otl.py --labeler-device)")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement on a GPU "
                    "(default 3; the CPU takes one)")
+    p.add_argument("--fresh", type=int, default=1, help="on the CPU: fresh child processes per "
+                   "method and input held whole, the methods taking turns; the record keeps the "
+                   "median seconds and seconds_warm and every run's (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seeds the gaussian inputs, the network, heads "
                    "and label-pass batches")
     p.add_argument("--data", default="data/eurosat", help="prepared EuroSAT (prepare_data.py --out)")
@@ -172,6 +179,8 @@ def resolve_args(args):
         raise SystemExit(f"--net {args.net!r}: not a preset; choose from {', '.join(utils.PRESETS)}")
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
+    if args.fresh < 1:
+        raise SystemExit(f"--fresh must be >= 1, got {args.fresh}")
     args.large_inputs = [x.strip() for x in args.large_inputs.split(",") if x.strip()]
     bad = [x for x in args.large_inputs if x not in ("gaussian", "random_net")]
     if bad:
@@ -444,6 +453,23 @@ def measure_in_child(spec):
             return {"error": f"{type(e).__name__}: {e}"}
 
 
+def median_run(runs):
+    """One record of a method's fresh runs: the run of the median seconds (the upper middle one
+    for an even count), seconds_warm the median of theirs, and every run's times where there
+    were several; the first error where any run failed."""
+    bad = [r for r in runs if "error" in r]
+    if bad:
+        return {**bad[0], "failed_runs": len(bad), "fresh_runs": len(runs)}
+    if len(runs) == 1:
+        return runs[0]
+    rec = dict(sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2])
+    rec.update(fresh_runs=len(runs), seconds_runs=[r["seconds"] for r in runs])
+    warm = [r["seconds_warm"] for r in runs if "seconds_warm" in r]
+    if warm:
+        rec.update(seconds_warm=sorted(warm)[len(warm) // 2], seconds_warm_runs=warm)
+    return rec
+
+
 def real_inputs(args, skipped, keep=None):
     """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not.
     keep: a dict that gets random_net's features, its images and the manifest (for
@@ -582,6 +608,10 @@ def summary(res):
           f"{res['machine']['cpu']} ({res['machine']['torch_threads']} threads")
     on += f"{', ' if '(' in on else ' ('}torch {res['machine']['torch']})"
     lines = [f"`{res['command']}` at commit `{res['git_commit'][:7]}` on {on}", ""]
+    fresh = max((r.get("fresh_runs", 1) for r in recs), default=1)
+    if fresh > 1:
+        lines[-1:] = ["", f"Seconds: the median of {fresh} fresh processes per method, the "
+                      "methods taking turns (every run's in the JSON).", ""]
     host = any("seconds_cpu" in r for r in recs)     # --cpu-too: the same inputs on the host
     head = "| input | N | k | " + " | ".join(f"{m} s (max-min, std)" for m in METHODS) + \
         " | published / ours | second call: exact s, published s, published / ours |" + \
@@ -660,11 +690,17 @@ def main(args):
           f"{'floor':>7}{'max-min':>8}{'peak MiB':>10}  stop", flush=True)
 
     def run(name, n, k, path=None, methods=args.methods, stream=False, start=None):
+        fresh = args.fresh if args.device == "cpu" and not stream else 1
+        runs = {m: [] for m in methods}
+        for _ in range(fresh):      # the methods take turns
+            for m in methods:
+                spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path,
+                        "threads": threads, "stream": stream, "otl_sha256": out["otl_sha256"],
+                        "device": args.device, "repeat": args.repeat, "cpu_too": args.cpu_too,
+                        "start": start}
+                runs[m].append(measure_in_child(spec))
         for m in methods:
-            spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path, "threads": threads,
-                    "stream": stream, "otl_sha256": out["otl_sha256"], "device": args.device,
-                    "repeat": args.repeat, "cpu_too": args.cpu_too, "start": start}
-            rec = {"input": name, "n": n, "k": k, "method": m, **measure_in_child(spec)}
+            rec = {"input": name, "n": n, "k": k, "method": m, **median_run(runs[m])}
             out["records"].append(rec)
             utils.write_json(out, args.out)
             line = f"{name:<15}{n:>10,}{k:>6}  {m:<10}"

@@ -163,6 +163,36 @@ def test_bench_labeler_rejects_bad_sizes(tmp_path):
     assert p.returncode != 0 and "unknown" in p.stderr
     p = run_bench("--repeat", "0", "--out", str(tmp_path / "x.json"))
     assert p.returncode != 0 and "--repeat must be >= 1" in p.stderr
+    p = run_bench("--fresh", "0", "--out", str(tmp_path / "x.json"))
+    assert p.returncode != 0 and "--fresh must be >= 1" in p.stderr
+
+
+def test_bench_labeler_fresh_runs(tmp_path):
+    """--fresh 3: each method in three fresh children; the record keeps every run's seconds and
+    the median ones."""
+    out = tmp_path / "lb.json"
+    p = run_bench("--n", "600", "--ks", "10", "--skip-real", "--skip-large", "--fresh", "3",
+                  "--methods", "exact,published", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = json.loads(out.read_text())["records"]
+    assert sorted(r["method"] for r in recs) == ["exact", "published"]
+    for r in recs:
+        assert r["fresh_runs"] == 3 and len(r["seconds_runs"]) == len(r["seconds_warm_runs"]) == 3
+        assert r["seconds"] == sorted(r["seconds_runs"])[1]
+        assert r["seconds_warm"] == sorted(r["seconds_warm_runs"])[1]
+
+
+def test_median_run_keeps_the_middle_run_and_errors():
+    sys.path.insert(0, ROOT)
+    import bench_labeler
+    runs = [{"seconds": s, "seconds_warm": w, "iterations": i}
+            for s, w, i in ((0.3, 0.1, 5), (0.1, 0.3, 6), (0.2, 0.2, 7), (0.5, 0.4, 8))]
+    rec = bench_labeler.median_run(runs)
+    assert rec["seconds"] == 0.3 and rec["iterations"] == 5      # the upper middle of four
+    assert rec["seconds_warm"] == 0.3 and rec["seconds_runs"] == [0.3, 0.1, 0.2, 0.5]
+    assert bench_labeler.median_run(runs[:1]) == runs[0]
+    bad = bench_labeler.median_run(runs[:2] + [{"error": "boom"}])
+    assert bad["error"] == "boom" and bad["failed_runs"] == 1 and "seconds" not in bad
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
