@@ -242,7 +242,12 @@ def _tie_scale(head, tie_eps):
     """The tie-break's eps from the first rows: tie_eps times a typical row's largest |O| (not
     the largest of all: one outlier would make the perturbation swamp the real gaps); the dense
     and the streaming path take the same, so that they break ties alike."""
-    return tie_eps * max(float(_median0(head.abs().amax(1))), 1e-30)
+    if np is not None and head.device.type == "cpu" and head.dtype == torch.float32:
+        # (rows' largest |O| from a transposed copy: numpy's max along rows of k is slow)
+        top = torch.from_numpy(np.abs(np.array(head.numpy().T, order="C")).max(0))
+    else:
+        top = head.abs().amax(1)
+    return tie_eps * max(float(_median0(top)), 1e-30)
 
 
 def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: int = 2048,
@@ -286,6 +291,11 @@ def _std(counts, target) -> float:
 def _std_max(target: torch.Tensor, n: int) -> float:
     """The std when all n rows fall in the cluster with the smallest target: the largest."""
     t = target.cpu().to(torch.float64)
+    if t.numel() <= 256:        # (in Python floats, as _std)
+        tl = t.tolist()
+        i = tl.index(min(tl))
+        return max(math.sqrt(sum(((n if j == i else 0.0) - b) ** 2 for j, b in enumerate(tl))
+                             / len(tl)), 1e-12)
     worst = torch.zeros_like(t)
     worst[int(torch.argmin(t))] = n
     return max(_std(worst, t), 1e-12)
@@ -351,6 +361,10 @@ def _check_target(target, n: int, k: int) -> torch.Tensor:
 
 def _count_bounds(target: torch.Tensor):
     """(lo, hi) int64: the counts the exact labeler accepts, floor and ceil of the target."""
+    if np is not None and target.device.type == "cpu" and target.dtype == torch.float64:
+        t = target.numpy()      # (the same values; fewer torch operations met the first time)
+        return tuple(torch.from_numpy(f(t + s).astype(np.int64))
+                     for f, s in ((np.floor, 1e-9), (np.ceil, -1e-9)))
     return (target + 1e-9).floor().long(), (target - 1e-9).ceil().long()
 
 

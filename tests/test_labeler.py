@@ -1137,6 +1137,21 @@ def test_newton_step_numpy_and_torch_agree(monkeypatch, dtype):
         assert d.abs().max() > 0
 
 
+def test_small_helpers_on_numpy_match_torch():
+    """_count_bounds, _std_max and _tie_scale's numpy and Python steps give torch's values."""
+    for t in (otl.even_target(21_600, 10), otl.even_target(50_000, 128),
+              otl.uneven_target(1000, 7, 0.5), otl.uneven_target(5000, 300, 1.0)):
+        lo, hi = otl._count_bounds(t)
+        assert lo.dtype == hi.dtype == torch.int64
+        assert torch.equal(lo, (t + 1e-9).floor().long()) and torch.equal(hi, (t - 1e-9).ceil().long())
+        n = int(round(float(t.sum())))
+        worst = torch.zeros_like(t)
+        worst[int(torch.argmin(t))] = n
+        assert otl._std_max(t, n) == max(otl._std(worst, t), 1e-12)
+    H = torch.randn(8192, 10, generator=gen(51)) * 3
+    assert otl._tie_scale(H, 2.0 ** -26) == 2.0 ** -26 * float(H.abs().amax(1).median())
+
+
 def test_median0_on_numpy_is_torchs_median():
     """_median0 by numpy's partition: torch's median (the lower middle value) per column, the
     input left as it was."""
