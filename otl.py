@@ -242,8 +242,10 @@ def _tie_scale(head, tie_eps):
     """The tie-break's eps from the first rows: tie_eps times a typical row's largest |O| (not
     the largest of all: one outlier would make the perturbation swamp the real gaps); the dense
     and the streaming path take the same, so that they break ties alike."""
-    if np is not None and head.device.type == "cpu" and head.dtype == torch.float32:
-        # (rows' largest |O| from a transposed copy: numpy's max along rows of k is slow)
+    if (np is not None and head.device.type == "cpu" and head.dtype == torch.float32
+            and head.shape[1] <= 16):
+        # (rows' largest |O| from a transposed copy: numpy's max along rows of k is slow, and
+        # the copy costs more than torch's steps from k = 32 on; docs/labeler.md, v22)
         top = torch.from_numpy(np.abs(np.array(head.numpy().T, order="C")).max(0))
     else:
         top = head.abs().amax(1)

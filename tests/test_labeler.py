@@ -1148,8 +1148,9 @@ def test_small_helpers_on_numpy_match_torch():
         worst = torch.zeros_like(t)
         worst[int(torch.argmin(t))] = n
         assert otl._std_max(t, n) == max(otl._std(worst, t), 1e-12)
-    H = torch.randn(8192, 10, generator=gen(51)) * 3
-    assert otl._tie_scale(H, 2.0 ** -26) == 2.0 ** -26 * float(H.abs().amax(1).median())
+    for k in (10, 40):          # numpy's steps up to k = 16, torch's above
+        H = torch.randn(8192, k, generator=gen(51)) * 3
+        assert otl._tie_scale(H, 2.0 ** -26) == 2.0 ** -26 * float(H.abs().amax(1).median())
 
 
 def test_median0_on_numpy_is_torchs_median():
