@@ -2737,6 +2737,17 @@ def _joiners(X, T, at, B, ic, target, R):
     best - (X_j - T_j), at's labels and best scores at T)."""
     k = X.shape[1]
     lab, best = at[0], at[3]
+    if _on_numpy(X, k):     # the usual end (no cluster short of rows near it) on numpy views
+        Bn = B.numpy()
+        labB = lab.numpy()[Bn]
+        d = (target.numpy() - ic.numpy()) - np.bincount(labB, minlength=k)
+        J = np.flatnonzero(d >= 1)
+        if not J.size:
+            return B, ic
+        gB = best.numpy()[Bn][:, None] - (X.numpy()[np.ix_(Bn, J)].astype(np.float32)
+                                          - T.numpy().astype(np.float32)[J])
+        if not (((gB <= R) & (labB[:, None] != J)).sum(0) < 2 * d[J]).any():
+            return B, ic
     labB = lab.index_select(0, B)
     d = (target - ic) - torch.bincount(labB, minlength=k).to(target.dtype)
     J = (d >= 1).nonzero()[:, 0]
@@ -2771,21 +2782,32 @@ def _joiners(X, T, at, B, ic, target, R):
 def _near_rows(lab, margin, R, cnt_out, hi, must=None):
     """(rows with margin <= R and the rows `must`, counts of the others with cnt_out added),
     where for a cluster the others would overfill the rows of it nearest a boundary join,
-    twice its excess and 32 more; None when the rows cannot prevent that."""
+    twice its excess and 32 more; None when the rows cannot prevent that.  On numpy views of
+    them on the host, where numpy is installed (the same rows and counts)."""
     k = hi.numel()
+    host = np is not None and lab.device.type == "cpu"
+    if host:
+        lab, margin, cnt_out, hi = (t.numpy() for t in (lab, margin, cnt_out, hi))
+        must = None if must is None else must.numpy()
+        nz, count = np.flatnonzero, (lambda x: np.bincount(x, minlength=k))
+        order = lambda x: np.argsort(x, kind="stable")      # noqa: E731
+    else:
+        nz, count = (lambda x: x.nonzero()[:, 0]), (lambda x: torch.bincount(x, minlength=k))
+        order = lambda x: torch.sort(x, stable=True).indices      # noqa: E731
     inside = margin <= R
     if must is not None:
         inside[must] = True
-    cnt = torch.bincount(lab, minlength=k)
-    ic = cnt_out + cnt - torch.bincount(lab[inside], minlength=k)
-    for j in (ic > hi).nonzero()[:, 0].tolist():
-        rows = (lab == j).nonzero()[:, 0]
-        take = min(rows.numel(), 2 * int(cnt_out[j] + cnt[j] - hi[j]) + 32)
-        near = torch.sort(margin.index_select(0, rows), stable=True).indices[:take]
-        inside[rows.index_select(0, near)] = True
-    B = inside.nonzero()[:, 0]
-    ic = cnt_out + cnt - torch.bincount(lab.index_select(0, B), minlength=k)
-    return None if bool((ic > hi).any()) else (B, ic)
+    cnt = count(lab)
+    ic = cnt_out + cnt - count(lab[inside])
+    for j in nz(ic > hi).tolist():
+        rows = nz(lab == j)
+        take = min(len(rows), 2 * int(cnt_out[j] + cnt[j] - hi[j]) + 32)
+        inside[rows[order(margin[rows])[:take]]] = True
+    B = nz(inside)
+    ic = cnt_out + cnt - count(lab[B])
+    if bool((ic > hi).any()):
+        return None
+    return (torch.from_numpy(B), torch.from_numpy(ic)) if host else (B, ic)
 
 
 class _PathSolver:

@@ -1323,6 +1323,37 @@ def test_joiners_adds_the_rows_nearest_to_joining_a_cluster_short_of_rows():
     assert torch.equal(B3, everything) and not ic3.any()
 
 
+def test_near_rows_and_joiners_numpy_and_torch_agree(monkeypatch):
+    """_near_rows and _joiners on numpy views and on torch's operations: the same rows and
+    counts, with rows a try found to matter, a cluster the others would overfill, and a
+    cluster short of rows near it (isolated outputs)."""
+    O = isolated(0)
+    n, k = O.shape
+    T = torch.zeros(k, dtype=torch.float64)
+    at = otl._newton_counts(O, T)
+    lab, margin = at[0], at[1]
+    R = float(margin.kthvalue(n // 50).values)
+    target = otl.even_target(n, k)
+    lo, hi = otl._count_bounds(target)
+    cases = [(torch.zeros(k, dtype=torch.int64), hi, None),
+             (torch.zeros(k, dtype=torch.int64), hi, torch.arange(0, n, 97)),
+             (torch.bincount(lab, minlength=k) // 2, hi - 5, None)]      # others overfill
+    def both():
+        got = [otl._near_rows(lab, margin, R, c, h, must) for c, h, must in cases]
+        B, ic = got[0]
+        return got, otl._joiners(O, T, at, B, ic, target, R), otl._joiners(
+            O, T, at, torch.arange(n), torch.zeros(k, dtype=torch.int64), target, R)
+    a = both()
+    with monkeypatch.context() as mp:
+        mp.setattr(otl, "np", None)
+        b = both()
+    assert a[0][2] is not None and a[1][0].numel() > a[0][0][0].numel()   # the cases happened
+    for x, y in zip(a[0] + [a[1], a[2]], b[0] + [b[1], b[2]]):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert all(torch.equal(p, q) for p, q in zip(x, y))
+
+
 @pytest.mark.parametrize("seed", [0, 2])
 def test_dense_path_solves_once_with_the_rows_that_join_a_far_cluster(monkeypatch, seed):
     """On outputs where a cluster's joiners are far from every boundary (isolated), the rows
