@@ -2790,10 +2790,8 @@ def _near_rows(lab, margin, R, cnt_out, hi, must=None):
         lab, margin, cnt_out, hi = (t.numpy() for t in (lab, margin, cnt_out, hi))
         must = None if must is None else must.numpy()
         nz, count = np.flatnonzero, (lambda x: np.bincount(x, minlength=k))
-        order = lambda x: np.argsort(x, kind="stable")      # noqa: E731
     else:
         nz, count = (lambda x: x.nonzero()[:, 0]), (lambda x: torch.bincount(x, minlength=k))
-        order = lambda x: torch.sort(x, stable=True).indices      # noqa: E731
     inside = margin <= R
     if must is not None:
         inside[must] = True
@@ -2802,7 +2800,9 @@ def _near_rows(lab, margin, R, cnt_out, hi, must=None):
     for j in nz(ic > hi).tolist():
         rows = nz(lab == j)
         take = min(len(rows), 2 * int(cnt_out[j] + cnt[j] - hi[j]) + 32)
-        inside[rows[order(margin[rows])[:take]]] = True
+        near = (np.argsort(margin[rows], kind="stable") if host
+                else torch.sort(margin[rows], stable=True).indices)
+        inside[rows[near[:take]]] = True
     B = nz(inside)
     ic = cnt_out + cnt - count(lab[B])
     if bool((ic > hi).any()):
