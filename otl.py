@@ -286,8 +286,13 @@ def _std(counts, target) -> float:
     .item()); in Python floats up to k = 256, a fraction of torch's cost per call there."""
     c, t = counts.cpu(), target.cpu()
     if c.numel() <= 256:
-        return math.sqrt(sum((a - b) ** 2 for a, b in zip(c.tolist(), t.tolist())) / c.numel())
+        return _std_of(c.tolist(), t.tolist())
     return (c.to(torch.float64) - t).pow(2).mean().sqrt().item()
+
+
+def _std_of(counts, target) -> float:
+    """_std of two lists of numbers."""
+    return math.sqrt(sum((a - b) ** 2 for a, b in zip(counts, target)) / len(counts))
 
 
 def _std_max(target: torch.Tensor, n: int) -> float:
@@ -295,9 +300,9 @@ def _std_max(target: torch.Tensor, n: int) -> float:
     t = target.cpu().to(torch.float64)
     if t.numel() <= 256:        # (in Python floats, as _std)
         tl = t.tolist()
-        i = tl.index(min(tl))
-        return max(math.sqrt(sum(((n if j == i else 0.0) - b) ** 2 for j, b in enumerate(tl))
-                             / len(tl)), 1e-12)
+        worst = [0.0] * len(tl)
+        worst[tl.index(min(tl))] = float(n)
+        return max(_std_of(worst, tl), 1e-12)
     worst = torch.zeros_like(t)
     worst[int(torch.argmin(t))] = n
     return max(_std(worst, t), 1e-12)
@@ -2555,32 +2560,47 @@ def _on_numpy(X, k):
             and X.dtype in (torch.float16, torch.float32, torch.float64))
 
 
+def _nz(x):
+    """The indices of a bool vector's true entries, on numpy's or torch's array alike (the
+    steps that run on numpy views at small k on the host, torch's elsewhere)."""
+    if np is not None and isinstance(x, np.ndarray):
+        return np.flatnonzero(x)
+    return x.nonzero()[:, 0]
+
+
+def _count(x, k):
+    """bincount(x, minlength=k), numpy's or torch's as x is."""
+    if np is not None and isinstance(x, np.ndarray):
+        return np.bincount(x, minlength=k)
+    return torch.bincount(x, minlength=k)
+
+
+def _f32(x):
+    """x as float32, numpy's or torch's as x is."""
+    if np is not None and isinstance(x, np.ndarray):
+        return x.astype(np.float32)
+    return x.to(torch.float32)
+
+
 def _newton_step(X, T, at, e, frac):
     """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`."""
     k = X.shape[1]
     a1, m, cnt, best = at
-    if _on_numpy(X, k):     # (the same values as torch's steps, at a fraction of their cost)
-        mn, lab = m.numpy(), a1.numpy()
-        ms = mn[::max(1, mn.size // max(_H_ROWS, 64 * k))]
-        j = max(1, int(frac * ms.size)) - 1
-        h = max(float(np.partition(ms, j)[j]), 1e-30)
-        sel = np.flatnonzero(mn < h)
-        b1 = lab[sel]
-        v = X.numpy()[sel].astype(np.float32) - T.numpy().astype(np.float32)
-        v[np.arange(sel.size), b1] = -math.inf
-        W = np.bincount(b1 * k + v.argmax(1), minlength=k * k).astype(np.float64).reshape(k, k)
-        xp, ec = np, e.cpu().numpy()
-    else:
-        ms = m[::max(1, m.numel() // max(_H_ROWS, 64 * k))]     # (h from strided margins)
-        h = max(float(ms.kthvalue(max(1, int(frac * ms.numel()))).values), 1e-30)
-        sel = (m < h).nonzero()[:, 0]
-        b1 = a1.index_select(0, sel)
-        v = X.index_select(0, sel).to(torch.float32) - T.to(torch.float32)
-        a2 = v.scatter_(1, b1[:, None], -math.inf).argmax(1)    # their runner-ups
-        W = torch.bincount(b1 * k + a2, minlength=k * k).to(torch.float64).view(k, k).cpu()
-        xp, ec = torch, e.cpu()
-        if np is not None and k <= _T_K:    # (the same solve as on numpy's steps, any device)
-            xp, W, ec = np, W.numpy(), ec.numpy()
+    host = _on_numpy(X, k)      # (numpy views: the same values, a fraction of torch's cost)
+    mx, ax, Xx, Tx = (t.numpy() if host else t for t in (m, a1, X, T))
+    ms = mx[::max(1, len(mx) // max(_H_ROWS, 64 * k))]     # (h from strided margins)
+    j = max(1, int(frac * len(ms)))
+    h = max(float(np.partition(ms, j - 1)[j - 1] if host else ms.kthvalue(j).values), 1e-30)
+    sel = _nz(mx < h)
+    b1 = ax[sel]
+    v = _f32(Xx[sel]) - _f32(Tx)
+    v[np.arange(len(sel)) if host else torch.arange(len(sel), device=X.device), b1] = -math.inf
+    W = _count(b1 * k + v.argmax(1), k * k)     # their runner-ups
+    W = W.astype(np.float64) if host else W.to(torch.float64).cpu()
+    xp, ec = torch, e.cpu()
+    if np is not None and k <= _T_K:    # (the solve on the host in numpy, any device)
+        xp, W, ec = np, np.asarray(W), ec.numpy()
+    W = W.reshape(k, k)
     W = (W + W.T) / (2 * h)
     deg = W.sum(1)
     L = xp.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
@@ -2588,18 +2608,15 @@ def _newton_step(X, T, at, e, frac):
     # numpy's BLAS wakes threads that then slow torch's next operations many times over,
     # docs/labeler.md v21)
     d = xp.linalg.solve(L, ec).clip(-32 * h, 32 * h)
-    if xp is np:
-        iso = np.flatnonzero((deg * 2 * h < 0.1 * np.abs(ec)) & (np.abs(ec) >= 1))
-        d = torch.from_numpy(d).to(T.device)
-        if not iso.size:
-            return d
-        deg, ec = torch.from_numpy(deg), torch.from_numpy(ec)
-    d = d.to(T.device)
+    d = (torch.from_numpy(d) if xp is np else d).to(T.device)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
     # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
-    iso = ((deg * 2 * h < 0.1 * ec.abs()) & (ec.abs() >= 1)).nonzero()[:, 0]
-    if iso.numel():
+    iso = (deg * 2 * h < 0.1 * abs(ec)) & (abs(ec) >= 1)
+    if bool(iso.any()):
+        if xp is np:
+            deg, ec, iso = (torch.from_numpy(x) for x in (deg, ec, iso))
+        iso = iso.nonzero()[:, 0]
         over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
         if over.numel():      # each one's (e_j + 1)-th smallest margin, where it has the rows
             want = torch.zeros(k, dtype=torch.int64)
@@ -2737,29 +2754,21 @@ def _joiners(X, T, at, B, ic, target, R):
     best - (X_j - T_j), at's labels and best scores at T)."""
     k = X.shape[1]
     lab, best = at[0], at[3]
-    if _on_numpy(X, k):     # the usual end (no cluster short of rows near it) on numpy views
-        Bn = B.numpy()
-        labB = lab.numpy()[Bn]
-        d = (target.numpy() - ic.numpy()) - np.bincount(labB, minlength=k)
-        J = np.flatnonzero(d >= 1)
-        if not J.size:
-            return B, ic
-        gB = best.numpy()[Bn][:, None] - (X.numpy()[np.ix_(Bn, J)].astype(np.float32)
-                                          - T.numpy().astype(np.float32)[J])
-        if not (((gB <= R) & (labB[:, None] != J)).sum(0) < 2 * d[J]).any():
-            return B, ic
-    labB = lab.index_select(0, B)
-    d = (target - ic) - torch.bincount(labB, minlength=k).to(target.dtype)
-    J = (d >= 1).nonzero()[:, 0]
-    if not J.numel():
+    host = _on_numpy(X, k)      # (numpy views: fewer torch operations a first call meets)
+    Bx, labx, bestx, Xx, Tx, tx, icx = (t.numpy() if host else t
+                                        for t in (B, lab, best, X, T, target, ic))
+    labB = labx[Bx]
+    d = (tx - icx) - _count(labB, k)
+    J = _nz(d >= 1)
+    if not len(J):
         return B, ic
+    gB = bestx[Bx][:, None] - (_f32(Xx[Bx][:, J]) - _f32(Tx)[J])
+    F = J[((gB <= R) & (labB[:, None] != J)).sum(0) < 2 * d[J]]
+    if not len(F):
+        return B, ic
+    if host:
+        F, d = torch.from_numpy(F), torch.from_numpy(d)
     T32 = T.to(torch.float32)
-    XB = X.index_select(0, B).to(torch.float32)
-    gB = best.index_select(0, B)[:, None] - (XB.index_select(1, J) - T32.index_select(0, J))
-    nB = ((gB <= R) & (labB[:, None] != J)).sum(0)
-    F = J[nB < 2 * d.index_select(0, J)]
-    if not F.numel():
-        return B, ic
     m = (2 * d.index_select(0, F) + 8).long()
     n, extra = X.shape[0], []
     step = max(1, (1 << 24) // n)           # N x step float32 at a time
@@ -2789,22 +2798,19 @@ def _near_rows(lab, margin, R, cnt_out, hi, must=None):
     if host:
         lab, margin, cnt_out, hi = (t.numpy() for t in (lab, margin, cnt_out, hi))
         must = None if must is None else must.numpy()
-        nz, count = np.flatnonzero, (lambda x: np.bincount(x, minlength=k))
-    else:
-        nz, count = (lambda x: x.nonzero()[:, 0]), (lambda x: torch.bincount(x, minlength=k))
     inside = margin <= R
     if must is not None:
         inside[must] = True
-    cnt = count(lab)
-    ic = cnt_out + cnt - count(lab[inside])
-    for j in nz(ic > hi).tolist():
-        rows = nz(lab == j)
+    cnt = _count(lab, k)
+    ic = cnt_out + cnt - _count(lab[inside], k)
+    for j in _nz(ic > hi).tolist():
+        rows = _nz(lab == j)
         take = min(len(rows), 2 * int(cnt_out[j] + cnt[j] - hi[j]) + 32)
         near = (np.argsort(margin[rows], kind="stable") if host
                 else torch.sort(margin[rows], stable=True).indices)
         inside[rows[near[:take]]] = True
-    B = nz(inside)
-    ic = cnt_out + cnt - count(lab[B])
+    B = _nz(inside)
+    ic = cnt_out + cnt - _count(lab[B], k)
     if bool((ic > hi).any()):
         return None
     return (torch.from_numpy(B), torch.from_numpy(ic)) if host else (B, ic)

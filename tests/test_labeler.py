@@ -1291,16 +1291,22 @@ def isolated(seed, n=20_000, k=50, own=397):
     return O
 
 
+def isolated_at_zero():
+    """isolated(0), T = 0, its _newton_counts and the margin R of its 2 % of rows nearest a
+    boundary."""
+    O = isolated(0)
+    T = torch.zeros(O.shape[1], dtype=torch.float64)
+    at = otl._newton_counts(O, T)
+    return O, T, at, float(at[1].kthvalue(O.shape[0] // 50).values)
+
+
 def test_joiners_adds_the_rows_nearest_to_joining_a_cluster_short_of_rows():
     """_joiners: cluster 0 needs 3 more rows than the rows near a boundary give it, none of
     which is near it: the 2 x 3 + 8 rows of other clusters nearest to joining it are added, and
     the counts of the rows left out follow; rows near no short cluster's boundary are not."""
-    O = isolated(0)
+    O, T, at, R = isolated_at_zero()
     n, k = O.shape
-    T = torch.zeros(k, dtype=torch.float64)
-    at = otl._newton_counts(O, T)
     lab, margin = at[0], at[1]
-    R = float(margin.kthvalue(n // 50).values)
     B = (margin <= R).nonzero()[:, 0]
     ic = torch.bincount(lab, minlength=k) - torch.bincount(lab[B], minlength=k)
     target = torch.full((k,), n // k, dtype=torch.int64)
@@ -1327,12 +1333,9 @@ def test_near_rows_and_joiners_numpy_and_torch_agree(monkeypatch):
     """_near_rows and _joiners on numpy views and on torch's operations: the same rows and
     counts, with rows a try found to matter, a cluster the others would overfill, and a
     cluster short of rows near it (isolated outputs)."""
-    O = isolated(0)
+    O, T, at, R = isolated_at_zero()
     n, k = O.shape
-    T = torch.zeros(k, dtype=torch.float64)
-    at = otl._newton_counts(O, T)
     lab, margin = at[0], at[1]
-    R = float(margin.kthvalue(n // 50).values)
     target = otl.even_target(n, k)
     lo, hi = otl._count_bounds(target)
     cases = [(torch.zeros(k, dtype=torch.int64), hi, None),
