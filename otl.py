@@ -2404,7 +2404,7 @@ def _newton_block(k):
 def _newton_bufs(n, k, device, scratch=None):
     """Buffers for _newton_counts: (best column, margin, best score, scratch), scratch = (a
     block of scores, a block's runner-up scores, a dict for the k x N copy of the outputs at
-    k <= _T_K), shareable.  Reused pass after pass instead of allocated anew: fewer pages
+    k <= _T_K and the passes' constants), shareable.  Reused pass after pass instead of allocated anew: fewer pages
     touched for the first time (docs/labeler.md, v17)."""
     e = dict(device=device)
     if scratch is None:
@@ -2419,10 +2419,10 @@ def _newton_counts(X, T, out=None):
     """(best column, best - runner-up, counts, best score) of X - T, in float32 passes over
     blocks of rows into one scratch block (no N x k temporary); out: _newton_bufs to write
     them into.  Up to k = _T_K on a k x N float32 copy of X, made at the first pass and kept
-    in the scratch: a row's max is then a max across k contiguous vectors, faster than max(1)
-    over rows of k (which gives the value with its column, faster than argmax and a gather;
-    docs/labeler.md, v18, has the timings); the column is the first at the max.  The
-    runner-up's value alone (amax): the Newton step finds its column for the few rows it
+    in the scratch: a row's max is then a max across k contiguous vectors (docs/labeler.md,
+    v18); above, over rows of k.  Either way the max's value by amax and its column, the first
+    at the max, from a float32 mask (cheaper than max(1) with the column or argmax; v18, v23).
+    The runner-up's value alone (amax): the Newton step finds its column for the few rows it
     needs."""
     n, k = X.shape
     a1, m, best, (V, v2, keep) = _newton_bufs(n, k, X.device) if out is None else out
@@ -2453,15 +2453,24 @@ def _newton_counts(X, T, out=None):
             torch.amax(v, 0, out=v2[:r])
             torch.sub(bb, v2[:r], out=m[s:s + r])
         return a1, m, torch.bincount(a1, minlength=k), best
+    if keep.get("first_row") is None:
+        keep.update(first_row=(k - torch.arange(k, device=X.device)).to(torch.float32),
+                    row0=torch.arange(block, device=X.device) * k)
+    first, row0 = keep["first_row"], keep["row0"]
     for s in range(0, n, block):
         xb = X[s:s + block]
         r = xb.shape[0]
-        v, b1 = V[:r], a1[s:s + r]
+        v, b1, bb = V[:r], a1[s:s + r], best[s:s + r]
         torch.sub(xb, T32, out=v)       # (casts float16 / float64 blocks to float32)
-        torch.max(v, 1, out=(best[s:s + r], b1))
-        v.scatter_(1, b1[:, None], -math.inf)
+        # the row's max by amax and its first column from the float32 mask, as above: max(1)
+        # with its column took 1.5 - 1.9x the time of a pass at k = 100 - 128 (v23)
+        torch.amax(v, 1, out=bb)
+        torch.amax(v.eq_(bb[:, None]).mul_(first), 1, out=v2[:r])
+        b1.copy_(v2[:r]).neg_().add_(k)
+        torch.sub(xb, T32, out=v)
+        v.view(-1).index_fill_(0, torch.add(row0[:r], b1), -math.inf)
         torch.amax(v, 1, out=v2[:r])
-        torch.sub(best[s:s + r], v2[:r], out=m[s:s + r])
+        torch.sub(bb, v2[:r], out=m[s:s + r])
     return a1, m, torch.bincount(a1, minlength=k), best
 
 

@@ -1092,31 +1092,46 @@ def test_dense_path_solves_few_moves_by_paths_and_many_by_the_auction(monkeypatc
     check_translation(O, r)
 
 
+def _counts_reference(X, T):
+    """_newton_counts by its definition, on one float32 N x k matrix."""
+    S = X.to(torch.float32) - T.to(torch.float32)
+    best = S.amax(1)
+    col = (S == best[:, None]).to(torch.float32).argmax(1)     # the first column at the max
+    S[torch.arange(S.shape[0]), col] = -math.inf
+    return col, best - S.amax(1), torch.bincount(col, minlength=X.shape[1]), best
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_newton_counts_on_the_k_by_n_copy_match_the_rows(monkeypatch, dtype):
-    """Up to k = _T_K a pass reads a k x N copy of the outputs: the same best columns (the first
-    of tied ones), margins, counts and best scores as max(1) over the rows; the copy is made
-    again for other outputs handed the same buffers."""
-    n, k = 5000, 20
+@pytest.mark.parametrize("k", [20, 40])
+def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
+    """Every way of a pass (numpy's and torch's steps on a k x N copy up to k = _T_K, torch's
+    over the rows) gives the definition's best columns (the first of tied ones), margins,
+    counts and best scores, over several blocks; the copy is made again for other outputs
+    handed the same buffers.  (float16 and float64 outputs with float32 values: the passes
+    read float32.)"""
+    n = 5000
+    monkeypatch.setattr(otl, "_newton_block", lambda k: 1024)   # 4 whole blocks and a short one
     O = dominant(n, k, 43)
-    O[:50, 3] = O[:50, 7] = O[:50].amax(1) + 1          # two columns tied at the max
+    for rows in (slice(0, 50), slice(2100, 2150), slice(4990, 5000)):
+        O[rows, 3] = O[rows, 7] = O[rows].amax(1) + 1          # two columns tied at the max
     O = O.to(dtype)
+    O2 = dominant(n, k, 45).to(dtype)
     T = torch.randn(k, generator=gen(44), dtype=torch.float64) * 0.1
     T[7] = T[3]
-    bufs = otl._newton_bufs(n, k, O.device)
-    got = [x.clone() for x in otl._newton_counts(O, T, out=bufs)]
-    assert (got[0][:50] == 3).all() and (got[1][:50] == 0).all()
-    O2 = dominant(n, k, 45).to(dtype)
-    got2 = [x.clone() for x in otl._newton_counts(O2, T, out=bufs)]
-    monkeypatch.setattr(otl, "_NP_PASS", 0)              # the copy's steps in torch
-    for X, g in ((O, got), (O2, got2)):
-        for a, b in zip(g, otl._newton_counts(X, T)):
-            assert torch.equal(a, b)
-    monkeypatch.setattr(otl, "_T_K", 0)                  # max(1) over the rows
-    for X, g in ((O, got), (O2, got2)):
-        ref = otl._newton_counts(X, T)
-        for a, b in zip(g, ref):
-            assert torch.equal(a, b)
+    ways = [{}, {"_NP_PASS": 0}, {"_T_K": 0}]
+    for way in ways:
+        with monkeypatch.context() as mp:
+            for name, value in way.items():
+                mp.setattr(otl, name, value)
+            bufs = otl._newton_bufs(n, k, O.device)
+            for X in (O, O2, O):
+                got = otl._newton_counts(X, T, out=bufs)
+                for a, b in zip(got, _counts_reference(X, T)):
+                    assert torch.equal(a, b), way
+            tied = torch.zeros(n, dtype=torch.bool)
+            tied[:50] = tied[2100:2150] = tied[4990:] = True
+            assert (got[0][tied] == 3).all() and (got[1][tied] == 0).all()
+            assert got[1][~tied].min() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
