@@ -1406,6 +1406,33 @@ def test_finish_on_whole_rows_takes_the_table_without_listing_every_move(monkeyp
     check_translation(O, r)
 
 
+@pytest.mark.parametrize("tau0", [0.01, math.inf])
+def test_exact_solver_on_whole_rows_in_order_equals_it_on_shuffled_columns(tau0):
+    """Whole rows with their columns in order (the dense path's solve) take the solver's
+    shortcuts (the own column is the label; the k x k table filled by row): the same labels and
+    translation as on the same rows with each row's columns shuffled; tau0 = inf builds the
+    table at once, 0.01 lists the cheap moves first."""
+    n, k = 3000, 70
+    O = dominant(n, k, 48).double()
+    perm = torch.stack([torch.randperm(k, generator=gen(49 + i)) for i in range(n)])
+    t = otl.even_target(n, k)
+    got = []
+    for vals, cols in ((O, torch.arange(k).expand(n, k)), (O.gather(1, perm), perm)):
+        solver = otl._ExactSolver(vals.clone(), cols.to(torch.int16).contiguous(),
+                                  torch.full((n,), -math.inf, dtype=torch.float64), k, t,
+                                  t.floor().long(), t.ceil().long(), otl._Comm(False), 1024,
+                                  torch.arange(n))
+        assert solver.natural == (vals is O)
+        assert solver.run(200, [], tau0)
+        solver.strictify()      # (moved rows sit on ties until then)
+        got.append((solver.labels.clone(), solver.dT.clone(), solver.phases))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert got[0][2] > 0        # the finish ran
+    counts = torch.bincount(got[0][0], minlength=k)
+    assert int(counts.max() - counts.min()) <= 1
+    assert torch.equal(got[0][0], (O - got[0][1]).argmax(1))
+
+
 def test_shed_step_moves_exactly_the_excess_out_of_each_over_full_cluster():
     n, k = 20_000, 50
     O = dominant(n, k, 32)
