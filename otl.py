@@ -1771,8 +1771,9 @@ class _ExactSolver:
         self.counts = self._count()
 
     def _natural(self, cols):
-        """Whether cols holds every column in order (whole rows, as _dense_translate's): then a
-        row's own column is its label and a block's moves index the k x k table by row alone."""
+        """Whether cols holds every column in order (whole rows, as _dense_translate's): then
+        a slot's column is its position (no gathers of dT by column, a row's own column is its
+        label) and a block's moves fill the k x k table by row alone."""
         k = self.k
         return cols.shape[1] == k and bool((cols == torch.arange(k, device=cols.device)
                                             .to(cols.dtype)).all())
@@ -1811,9 +1812,13 @@ class _ExactSolver:
         """best score, its column, the runner-up (or the bound on dropped columns), unsafe."""
         out = [[], [], [], []]
         for vr, cr, thb in self._blocks(rows):
-            best, arg, second = _top2_(vr - self._gathered(self.dT, cr))
+            if self.natural:
+                best, arg, second = _top2_(vr - self.dT)
+                out[1].append(arg[:, 0])
+            else:
+                best, arg, second = _top2_(vr - self._gathered(self.dT, cr))
+                out[1].append(cr.gather(1, arg)[:, 0].long())
             out[0].append(best)
-            out[1].append(cr.gather(1, arg)[:, 0].long())
             out[2].append(torch.maximum(second, thb))
             out[3].append(best <= thb)
         if not out[0]:
@@ -2626,7 +2631,7 @@ def _newton_step(X, T, at, e, frac):
     h = max(float(np.partition(ms, j - 1)[j - 1] if host else ms.kthvalue(j).values), 1e-30)
     sel = _nz(mx < h)
     b1 = ax[sel]
-    v = _f32(Xx[sel]) - _f32(Tx)
+    v = _f32(Xx[sel] if host else X.index_select(0, sel)) - _f32(Tx)   # (a third of X[sel]'s time)
     v[np.arange(len(sel)) if host else torch.arange(len(sel), device=X.device), b1] = -math.inf
     W = _count(b1 * k + v.argmax(1), k * k)     # their runner-ups
     W = W.astype(np.float64) if host else W.to(torch.float64).cpu()
