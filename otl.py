@@ -2433,8 +2433,8 @@ def _newton_block(k):
 def _newton_bufs(n, k, device, scratch=None):
     """Buffers for _newton_counts: (best column, margin, best score, scratch), scratch = (a
     block of scores, a block's runner-up scores, a dict for the k x N copy of the outputs at
-    k <= _T_K and the passes' constants), shareable.  Reused pass after pass instead of allocated anew: fewer pages
-    touched for the first time (docs/labeler.md, v17)."""
+    k <= _T_K and the passes' constants), shareable.  Reused pass after pass instead of
+    allocated anew: fewer pages touched for the first time (docs/labeler.md, v17)."""
     e = dict(device=device)
     if scratch is None:
         block = min(n, _newton_block(k))
