@@ -2459,46 +2459,34 @@ def _newton_counts(X, T, out=None):
     T32 = T.to(torch.float32)
     if _on_numpy(X, k) and n * k * torch.get_num_threads() <= _NP_PASS:
         return _newton_counts_np(X, T32.numpy(), a1, m, best, V, v2, keep)
-    if k <= _T_K:
-        if keep.get("of") is not X:
-            keep.clear()
-            keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
-                        at=torch.empty(block, dtype=torch.int64, device=X.device),
-                        first=(k - torch.arange(k, device=X.device)).to(torch.float32)[:, None])
-        Xt, at = keep["Xt"], keep["at"]
-        for s in range(0, n, block):
-            xb = Xt[:, s:s + block]
-            r = xb.shape[1]
-            v, b1, bb = V.view(-1)[:k * r].view(k, r), a1[s:s + r], best[s:s + r]
-            torch.amax(torch.sub(xb, T32[:, None], out=v), 0, out=bb)
-            # the first column at the max, from a float32 mask in v's place (a bool mask or a
-            # mask of another type, which torch writes through a float32-sized temporary, or
-            # argmax along dim 0 cost more), then v again without it for the runner-up
-            torch.amax(v.eq_(bb).mul_(keep["first"]), 0, out=v2[:r])
-            b1.copy_(v2[:r]).neg_().add_(k)
-            torch.sub(xb, T32[:, None], out=v)
-            # that column dropped by flat indices (a scatter along dim 0 costs more)
-            v.view(-1).index_fill_(0, torch.arange(r, out=at[:r]).add_(b1, alpha=r), -math.inf)
-            torch.amax(v, 0, out=v2[:r])
-            torch.sub(bb, v2[:r], out=m[s:s + r])
-        return a1, m, torch.bincount(a1, minlength=k), best
-    if keep.get("first_row") is None:
-        keep.update(first_row=(k - torch.arange(k, device=X.device)).to(torch.float32),
-                    row0=torch.arange(block, device=X.device) * k)
-    first, row0 = keep["first_row"], keep["row0"]
+    kn = k <= _T_K      # (the k x N copy: rows are its columns, reduced along dim 0)
+    if kn and keep.get("of") is not X:
+        keep.clear()
+        keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
+                    at=torch.empty(block, dtype=torch.int64, device=X.device),
+                    first=(k - torch.arange(k, device=X.device)).to(torch.float32)[:, None])
+    elif not kn and "first" not in keep:
+        keep.update(at=torch.empty(block, dtype=torch.int64, device=X.device),
+                    first=(k - torch.arange(k, device=X.device)).to(torch.float32))
+    d, Tb = (0, T32[:, None]) if kn else (1, T32)
+    at, first = keep["at"], keep["first"]
     for s in range(0, n, block):
-        xb = X[s:s + block]
-        r = xb.shape[0]
-        v, b1, bb = V[:r], a1[s:s + r], best[s:s + r]
-        torch.sub(xb, T32, out=v)       # (casts float16 / float64 blocks to float32)
-        # the row's max by amax and its first column from the float32 mask, as above: max(1)
-        # with its column took 1.5 - 1.9x the time of a pass at k = 100 - 128 (v23)
-        torch.amax(v, 1, out=bb)
-        torch.amax(v.eq_(bb[:, None]).mul_(first), 1, out=v2[:r])
+        xb = keep["Xt"][:, s:s + block] if kn else X[s:s + block]
+        r = xb.shape[1 - d]
+        v = V.view(-1)[:k * r].view(k, r) if kn else V[:r]
+        b1, bb = a1[s:s + r], best[s:s + r]
+        torch.amax(torch.sub(xb, Tb, out=v), d, out=bb)   # (casts float16 / float64 to float32)
+        # the first column at the max, from a float32 mask in v's place (a bool mask or a
+        # mask of another type, which torch writes through a float32-sized temporary, or
+        # argmax cost more; over rows, max(1) with its column 1.5 - 1.9x a pass at k = 100 -
+        # 128, v23), then v again without it for the runner-up
+        torch.amax(v.eq_(bb if kn else bb[:, None]).mul_(first), d, out=v2[:r])
         b1.copy_(v2[:r]).neg_().add_(k)
-        torch.sub(xb, T32, out=v)
-        v.view(-1).index_fill_(0, torch.add(row0[:r], b1), -math.inf)
-        torch.amax(v, 1, out=v2[:r])
+        torch.sub(xb, Tb, out=v)
+        # that column dropped by flat indices (a scatter along dim 0 costs more)
+        flat = torch.arange(r, out=at[:r]).mul_(v.stride(1 - d)).add_(b1, alpha=v.stride(d))
+        v.view(-1).index_fill_(0, flat, -math.inf)
+        torch.amax(v, d, out=v2[:r])
         torch.sub(bb, v2[:r], out=m[s:s + r])
     return a1, m, torch.bincount(a1, minlength=k), best
 
