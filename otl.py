@@ -2346,7 +2346,11 @@ class _ExactSolver:
         with equal score in b) has pi[b] > pi[a], and add eta * pi to T with eta below half of
         every other margin over (max pi + 1): ties resolve to the current labels, nothing else
         changes.  One look at every row (its best, runner-up and margin) finds the few rows
-        with a tie; only those are looked at column by column, and only they can change."""
+        with a tie; only those are looked at column by column, and only they can change.
+        Equal is up to 64 float64 ulps of the largest |value| at first; where eta would not
+        exceed twice that (a pair of scores a little further apart than that, as the
+        finish's sums of many steps left on a CIFAR-10 network's outputs at k = 3000:
+        docs/labeler.md, v24), those pairs count as ties too, until it does."""
         k, dev = self.k, self.dev
         # ties are equal up to float64 rounding of the values involved
         parts = [self.dT.abs().max()]    # one wait for the device, not two a block
@@ -2357,10 +2361,35 @@ class _ExactSolver:
         tol = 64 * 2.0 ** -52 * scale
         best, arg, second, _ = self._eval_all()
         margin = best - second          # over the runner-up and the dropped columns' bound
+        for _ in range(64):
+            key, tied, rmin, gap = self._ties(margin, arg, tol)
+            self.ties = key.numel()
+            if self.ties == 0:
+                return
+            pi, cycle = _tie_order(key // k, key % k, k)
+            r = min(rmin, gap)
+            # eta = r / (2 (max pi + 1)) must clear the ties' rounding (tol) with room; a
+            # margin over a dropped column's bound (gap) is not a pair that could count as a tie
+            if cycle or rmin >= gap or not math.isfinite(r) or r > 4 * (float(pi.max()) + 1) * tol:
+                break
+            tol = rmin      # the nearest pair that was not a tie is one now
+        # (a cycle of ties, such as identical rows without the tie-break have, has no order:
+        # the rows then take their argmax at the shift of k + 1 steps, balanced or not)
+        self.dT = self.dT + _tie_shift(pi, r, scale).to(dev)
+        # a row outside `tied` leads by at least r > 2 eta max(pi): it keeps its label
+        self.labels[tied] = self._eval(tied)[1]
+        self.counts = self._count()
+
+    def _ties(self, margin, arg, tol):
+        """strictify's look at the rows at a tolerance: the tied pairs a * k + b (ascending, of
+        all ranks), the tied rows (local), the least score difference over tol of any row to
+        another of its candidates (rmin), and the least margin over a dropped column's bound
+        (gap); all ranks agree on all but the rows."""
+        k, dev = self.k, self.dev
         near = (margin <= tol) | (arg != self.labels)
         rmin = float(torch.where(near, math.inf, margin).amin()) if margin.numel() else math.inf
         tied = near.nonzero()[:, 0]     # the rest: every other score is more than tol below
-        ta, tb = [], []
+        ta, tb, gmin = [], [], math.inf
         for s, (vr, cr, thb) in zip(range(0, tied.numel(), self.chunk), self._blocks(tied)):
             cr, lab = cr.long(), self.labels.index_select(0, tied[s:s + self.chunk])
             S = vr - self._gathered(self.dT, cr)
@@ -2373,10 +2402,10 @@ class _ExactSolver:
             if R.numel():
                 rmin = min(rmin, float(torch.where(valid & ~tight, R, math.inf).amin()))
             # dropped columns: score <= thb
-            gap = (own[:, 0] - thb)
-            gap = gap[torch.isfinite(gap)]
-            if gap.numel():
-                rmin = min(rmin, float(gap.min()))
+            g = (own[:, 0] - thb)
+            g = g[torch.isfinite(g)]
+            if g.numel():
+                gmin = min(gmin, float(g.min()))
         # the tied pairs a * k + b, ascending, of all ranks (across ranks as a k x k sum; in
         # one process without any k x k array: a k = 3000 one is 72 MB to copy both ways)
         key = (torch.cat(ta) * k + torch.cat(tb) if ta else
@@ -2385,42 +2414,40 @@ class _ExactSolver:
             adj = torch.zeros(k * k, dtype=torch.int64, device=dev)
             adj[key] = 1
             key = (self.comm.sum(adj) > 0).nonzero()[:, 0]
-        key = key.unique().cpu()
-        rmin = float(self.comm.min(torch.tensor([rmin], dtype=torch.float64))[0])
-        self.ties = key.numel()
-        if self.ties == 0:
-            return
-        self.dT = self.dT + _tie_shift(key // k, key % k, k, rmin, scale).to(dev)
-        # a row outside `tied` leads by at least rmin > 2 eta max(pi): it keeps its label
-        self.labels[tied] = self._eval(tied)[1]
-        self.counts = self._count()
+        rmin, gmin = self.comm.min(torch.tensor([rmin, gmin], dtype=torch.float64)).tolist()
+        return key.unique().cpu(), tied, rmin, gmin
 
 
-def _tie_shift(a, b, k, rmin, scale):
-    """The shift eta * pi of T (CPU, float64) that resolves every tie a[i] -> b[i] (a row of
-    cluster a with an equal score in b) to a: pi[b] > pi[a] for each (the longest chain of ties
-    into a cluster), eta below half of every other margin, rmin, over (max pi + 1).  a, b:
-    int64 CPU tensors.  (On numpy arrays where numpy is installed: a few small steps, each a
-    fraction of torch's cost per call.)"""
+def _tie_order(a, b, k):
+    """(pi, cycle): pi (k,) float64 with pi[b[i]] > pi[a[i]] for every tie a[i] -> b[i] (a row
+    of cluster a with an equal score in b), the longest chain of ties into each cluster; cycle:
+    the ties form one (no such pi; pi is then what k + 1 steps reached).  a, b: int64 CPU
+    tensors.  (On numpy arrays where numpy is installed: a few small steps, each a fraction of
+    torch's cost per call.)"""
     if np is not None:
         a, b, pi = a.numpy(), b.numpy(), np.zeros(k)
         for _ in range(k + 1):
             new = pi.copy()
             np.maximum.at(new, b, pi[a] + 1)
             if np.array_equal(new, pi):
-                break
+                return torch.from_numpy(pi), False
             pi = new
-        pi = torch.from_numpy(pi)
-    else:
-        pi = torch.zeros(k, dtype=torch.float64)
-        for _ in range(k + 1):
-            new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
-            if torch.equal(new, pi):
-                break
-            pi = new
-    if not math.isfinite(rmin):
-        rmin = scale * 1e-6
-    return rmin / (2 * (float(pi.max()) + 1)) * pi
+        return torch.from_numpy(pi), True
+    pi = torch.zeros(k, dtype=torch.float64)
+    for _ in range(k + 1):
+        new = pi.clone().scatter_reduce(0, b, pi[a] + 1, "amax")
+        if torch.equal(new, pi):
+            return pi, False
+        pi = new
+    return pi, True
+
+
+def _tie_shift(pi, r, scale):
+    """The shift eta * pi of T that resolves the ties _tie_order ordered: eta = r / (2 (max pi +
+    1)), r the least margin that is not a tie (any shift where there is none)."""
+    if not math.isfinite(r):
+        r = scale * 1e-6
+    return r / (2 * (float(pi.max()) + 1)) * pi
 
 
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
@@ -2957,16 +2984,23 @@ class _PathSolver:
         R = S[ar, lab][:, None] - S
         R[ar, lab] = math.inf
         scale = max(float(np.abs(V).max(initial=0.0)), float(np.abs(dT).max())) or 1.0
-        tight = R <= 64 * 2.0 ** -52 * scale
-        rmin = float(np.where(tight, math.inf, R).min(initial=math.inf))
-        rows, cols = tight.nonzero()
-        # (distinct values by bincount: numpy's unique imports numpy.ma on its first use, which
-        # costs more than this whole solve; docs/labeler.md v21)
-        key = np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0]
+        tol = 64 * 2.0 ** -52 * scale      # (raised as _ExactSolver.strictify raises it)
+        for _ in range(64):
+            tight = R <= tol
+            rmin = float(np.where(tight, math.inf, R).min(initial=math.inf))
+            rows, cols = tight.nonzero()
+            # (distinct values by bincount: numpy's unique imports numpy.ma on its first use,
+            # which costs more than this whole solve; docs/labeler.md v21)
+            key = np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0]
+            if not key.size:
+                break
+            pi, cycle = _tie_order(*(torch.from_numpy(x) for x in (key // k, key % k)), k)
+            if cycle or not math.isfinite(rmin) or rmin > 4 * (float(pi.max()) + 1) * tol:
+                break
+            tol = rmin
         self.ties = key.size
         if self.ties:
-            self.dT = self.dT + _tie_shift(*(torch.from_numpy(x) for x in (key // k, key % k)),
-                                           k, rmin, scale)
+            self.dT = self.dT + _tie_shift(pi, rmin, scale)
             tied = np.bincount(rows, minlength=V.shape[0]).nonzero()[0]
             lab[tied] = (V[tied] - self.dT.numpy()).argmax(1)
             self.counts = torch.bincount(self.labels, minlength=k)

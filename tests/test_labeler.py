@@ -600,18 +600,21 @@ def test_tie_jitter_numpy_and_torch_agree(monkeypatch, r, m, dtype):
 
 
 def test_tie_shift_and_dense_path_without_numpy(monkeypatch):
-    """Without numpy (otl.py needs torch alone) _tie_shift's torch steps give the same shift,
-    and the dense path at small k solves by the auction instead of the numpy paths: the same
-    labels (N / k whole)."""
+    """Without numpy (otl.py needs torch alone) _tie_order's torch steps give the same order
+    (and say so for a cycle of ties), and the dense path at small k solves by the auction instead
+    of the numpy paths: the same labels (N / k whole)."""
     a = torch.tensor([0, 1, 2, 0, 5])
     b = torch.tensor([1, 2, 3, 4, 4])               # chains 0 -> 1 -> 2 -> 3, 0 / 5 -> 4
-    with_np = otl._tie_shift(a, b, 6, 1e-3, 1.0)
+    with_np = otl._tie_shift(otl._tie_order(a, b, 6)[0], 1e-3, 1.0)
     assert with_np.tolist() == pytest.approx([0, 1e-3 / 8, 2e-3 / 8, 3e-3 / 8, 1e-3 / 8, 0])
+    cycle = (torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0]))
+    assert otl._tie_order(*cycle, 6)[1] and not otl._tie_order(a, b, 6)[1]
     O = dominant(19_980, 20, 42)
     solves = _solver_spy(monkeypatch)
     r = exact(O)
     monkeypatch.setattr(otl, "np", None)
-    assert torch.equal(otl._tie_shift(a, b, 6, 1e-3, 1.0), with_np)
+    assert torch.equal(otl._tie_shift(otl._tie_order(a, b, 6)[0], 1e-3, 1.0), with_np)
+    assert otl._tie_order(*cycle, 6)[1] and not otl._tie_order(a, b, 6)[1]
     r2 = exact(O)
     assert [name for name, _ in solves] == ["_PathSolver", "_ExactSolver"]
     assert torch.equal(r.labels, r2.labels)
@@ -1064,6 +1067,36 @@ def test_path_solver_balances_with_strict_argmax_labels(k, kind):
         assert ref.run(200, [], 1e-3)
         ref.strictify()
         assert torch.equal(ref.labels, s.labels)
+
+
+@pytest.mark.parametrize("solver", ["exact", "paths", "exact_lists"])
+def test_strictify_counts_near_ties_past_rounding_as_ties(solver):
+    """A tie that rounding left 70 ulps off (beyond the 64 of a first look) next to a pair 70
+    ulps apart the other way: a shift sized by that pair would not clear the tie, and the row
+    would change cluster (counts off balance, as on a CIFAR-10 network's outputs at k = 3000).
+    strictify counts the near pair as a tie too: the labels stay, each its strict argmax."""
+    u = 2.0 ** -52                      # an ulp of the largest |value|, 1
+    vals = torch.tensor([[0.0, 70 * u, -1.0],      # labelled 0, 70 ulps better in 1: a tie
+                         [-1.0, 0.0, -70 * u],     # labelled 1, 70 ulps ahead of 2
+                         [-1.0, -1.0, 0.0]], dtype=torch.float64)
+    labels, target = torch.tensor([0, 1, 2]), otl.even_target(3, 3)
+    lo, hi = otl._count_bounds(target)
+    if solver == "paths":
+        s = otl._PathSolver(vals.clone(), 3, target, lo, hi)
+        s._lab[:] = labels.numpy()
+        s.dT, s.counts = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.int64)
+    else:     # whole rows in order, or each row's columns in another order (candidate lists)
+        order = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0]]) if solver == "exact_lists" \
+            else torch.arange(3).expand(3, 3)
+        s = otl._ExactSolver(vals.gather(1, order), order.to(torch.int16).contiguous(),
+                             torch.full((3,), -math.inf, dtype=torch.float64), 3, target, lo,
+                             hi, otl._Comm(False), 8192, torch.arange(3), labels=labels.clone())
+    s.strictify()
+    assert s.labels.tolist() == [0, 1, 2] and s.counts.tolist() == [1, 1, 1]
+    S = vals - s.dT
+    assert torch.equal(S.argmax(1), labels) and s.ties == 2
+    S[torch.arange(3), labels] = -math.inf
+    assert ((vals - s.dT).gather(1, labels[:, None])[:, 0] > S.amax(1)).all()
 
 
 def _solver_spy(monkeypatch):
