@@ -2074,7 +2074,8 @@ class _ExactSolver:
     # outputs tau must grow until most moves are kept, and rebuilding the graph from all of them
     # every round dominated; then it switches to a k x k table of each cluster pair's cheapest
     # base V_ia - V_ib (independent of T) and its row, of which a round recomputes only the
-    # clusters that gained or lost a row (_edge_table, _table_edges).
+    # clusters that gained or lost a row (_edge_table) and which the shortest paths read
+    # directly (_table_paths).
     def _moves(self, rows):
         """Every candidate move of `rows` (local, ascending, or self.all_rows), block by block:
         (rows r, candidate clusters cr, labels lab, base V_ia - V_ib, valid: another cluster
@@ -2180,56 +2181,18 @@ class _ExactSolver:
                 else:
                     dst.scatter_reduce_(0, key.view(-1), src.reshape(-1), "amin")
 
-    def _table_edges(self, W, arg, tau, keys=None):
-        """The cluster graph at the current dT on the edges that cost at most tau (_graph's
-        five arrays).  keys: the ascending a * k + b of W's finite entries (_table_keys), so
-        that only those are costed instead of all k * k (one process; None: all)."""
-        k = self.k
-        if self.comm.on:   # ranks agree on the global cheapest move, then on its lowest row id
-            Wg = self.comm.min(W.clone())
-            ag = self.comm.min(torch.where(W == Wg, arg, torch.iinfo(torch.int64).max))
-        else:
-            Wg, ag = W, arg
-        if keys is not None:   # the same sums on the finite entries only (_finish: one process)
-            cost = Wg.index_select(0, keys) + self.dT.index_select(0, keys % k) - \
-                self.dT.index_select(0, keys // k)
-            sel = (cost <= tau).nonzero()[:, 0]
-            e = keys.index_select(0, sel)
-        else:
-            cost = (Wg.view(k, k) + self.dT[None, :] - self.dT[:, None]).view(-1)
-            sel = e = (cost <= tau).nonzero()[:, 0]        # row-major: a csr matrix as it stands
-        return self._graph(e, cost.index_select(0, sel), ag.index_select(0, e))
-
-    def _table_keys(self, W, keys=None, touched=None):
-        """The ascending a * k + b of W's finite entries: all of them (keys None), or `keys`
-        with the rows of the (k,) mask `touched` taken again from W (the only rows
-        _edge_table changed), merged without a sort."""
-        k = self.k
-        if keys is None:
-            return torch.isfinite(W).nonzero()[:, 0]
-        old = keys[~touched.index_select(0, keys // k)]
-        rows = touched.nonzero()[:, 0]
-        i, b = torch.isfinite(W.view(k, k).index_select(0, rows)).nonzero(as_tuple=True)
-        new = rows.index_select(0, i) * k + b                # ascending, disjoint from old
-        pos = torch.searchsorted(old, new) + torch.arange(new.numel(), device=new.device)
-        out = torch.empty(old.numel() + new.numel(), dtype=torch.int64, device=new.device)
-        rest = torch.ones(out.numel(), dtype=torch.bool, device=new.device)
-        rest[pos] = False
-        out[pos] = new
-        out[rest] = old
-        return out
-
     def _finish(self, history, tau0, max_phases=10000):
         """Rounds of shortest paths on one of two graphs: while the moves that cost at most tau
         are few, a list of them (built in one pass; a round re-reads only the moved rows, and a
         distance is trusted below tau minus how far T has moved since); once they are more than
         a quarter of all candidate moves (real networks' crowded outputs), the k x k table of
         every cluster pair's cheapest move, of which a round recomputes only the clusters that
-        gained or lost a row (there a distance below tau is exact)."""
+        gained or lost a row and searches the table itself (_table_paths: no edge list; there a
+        distance below tau is exact)."""
         k, dev = self.k, self.dev
         W = torch.full((k * k,), math.inf, dtype=torch.float64, device=dev)
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
-        pairs, tau, dT_built, table, keys = None, float(tau0), None, False, None
+        pairs, tau, dT_built, table = None, float(tau0), None, False
         n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])   # candidate slots, all ranks
         lo, hi = self.lo.cpu(), self.hi.cpu()
         while self.phases < max_phases:
@@ -2241,28 +2204,39 @@ class _ExactSolver:
             else:
                 return True
             if not table and pairs is None:
-                # (tau = inf on whole rows in one process keeps all of every row's k - 1 moves:
-                # the table, without listing them first)
-                every = math.isinf(tau) and self.vals.shape[1] == k and not self.comm.on
+                # (whole rows in one process: the table at once where tau = inf keeps all of
+                # every row's k - 1 moves, and at k > _TABLE_AT_ONCE, where listing the moves
+                # under a growing tau cost more than the table's rounds: docs/labeler.md, v24)
+                every = (self.vals.shape[1] == k and not self.comm.on
+                         and (math.isinf(tau) or k > _TABLE_AT_ONCE))
                 pairs, dT_built = (None, None) if every else \
                     (self._pairs(self.all_rows, tau), self.dT.clone())
                 n_pairs = n_moves if every else int(self.comm.sum(torch.tensor([pairs[0].numel()]))[0])
                 if n_pairs > n_moves // 4:      # most moves kept: the table is cheaper per round
-                    table, pairs = True, None
+                    # (it holds every candidate move: its distances are exact at any length)
+                    table, pairs, tau = True, None, math.inf
                     self._edge_table(W, arg)
-                    keys = None if self.comm.on else self._table_keys(W)
             if table:
                 trust = tau
-                ek, er, eb, ew, indptr = self._table_edges(W, arg, tau, keys)
+                if self.comm.on:   # ranks agree on the global cheapest move, then its lowest row id
+                    Wg = self.comm.min(W.clone())
+                    ag = self.comm.min(torch.where(W == Wg, arg, torch.iinfo(torch.int64).max))
+                else:
+                    Wg, ag = W, arg
+                # (on a GPU the table comes to the host each round: 8 bytes an entry, once)
+                d, pred = _table_paths(Wg.view(k, k).cpu(), self.dT.cpu(), give > 0, take > 0)
+                # the row of edge pred[x] -> x: the table's own
+                at = pred.clamp(min=0) * k + torch.arange(k)
+                row_of = ag.index_select(0, at.to(dev)).cpu()
             else:
                 trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
                 ek, er, eb, ew, indptr = self._list_edges(pairs, W, arg)
-            d, pred = _shortest_paths(k, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
-            if ek.numel():   # the row of edge pred[x] -> x, looked up where the edges are
-                at = torch.searchsorted(ek, pred.to(dev) * k + torch.arange(k, device=dev))
-                row_of = er.index_select(0, at.clamp(max=ek.numel() - 1)).cpu()
-            else:
-                row_of = torch.zeros(k, dtype=torch.int64)
+                d, pred = _shortest_paths(k, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
+                if ek.numel():   # the row of edge pred[x] -> x, looked up where the edges are
+                    at = torch.searchsorted(ek, pred.to(dev) * k + torch.arange(k, device=dev))
+                    row_of = er.index_select(0, at.clamp(max=ek.numel() - 1)).cpu()
+                else:
+                    row_of = torch.zeros(k, dtype=torch.int64)
             # route one row along each path, nearest needy clusters first, no row on two paths
             dl, pl, rl = d.tolist(), pred.tolist(), row_of.tolist()
             gl, tl = give.tolist(), take.tolist()
@@ -2314,8 +2288,6 @@ class _ExactSolver:
                 touched = torch.zeros(k, dtype=torch.bool, device=dev)
                 touched[torch.tensor([a for _, a, _ in moves] + [b for _, _, b in moves], device=dev)] = True
                 self._edge_table(W, arg, touched)
-                if keys is not None:
-                    keys = self._table_keys(W, keys, touched)
                 continue
             # the moved rows' moves are relative to their new cluster: replace them, kept up to tau
             # (from now on T only rises, so a move left out costs more than trust then too)
@@ -2796,6 +2768,7 @@ _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided 
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
 # and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python grows with k (docs v18)
+_TABLE_AT_ONCE = 256     # whole rows at larger k: the finish's table at once (docs/labeler.md, v24)
 _HOST_SOLVE = 1 << 18   # outputs on a GPU: the exact solve on the host up to this rows x k
 _F32_INF = 2.0 ** 128 - 2.0 ** 103   # float64 values from here on round to inf in float32
 
@@ -3210,6 +3183,70 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         want = max(want, int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
         tries += 1
     return None
+
+
+def _table_paths(W, dT, sources, needy):
+    """Dijkstra on the finish's k x k table itself (CPU tensors): W[a, b] the cheapest base of
+    a move a -> b (inf: none), its cost at dT max(W[a, b] + dT[b] - dT[a], 0) (the sums of
+    _graph's edges); distances from the nearest
+    `sources` cluster and predecessors (-1: none), like _shortest_paths.  Each settled cluster
+    costs its row of W, computed as it is settled, so a round builds no edge list (that took
+    most of a round's time at k = 3000, where the search took a twentieth: docs/labeler.md,
+    v24); it stops once every `needy` cluster is settled, the unsettled ones left at inf (no
+    needy path runs through them, and none is nearer than the last needy one).  numpy's
+    vector steps where installed, else torch's."""
+    k = W.shape[0]
+    use_np = np is not None
+    if use_np:
+        Wn, dTn = W.numpy(), dT.to(torch.float64).numpy()
+        d = np.full(k, np.inf)
+        pred = np.full(k, -1, dtype=np.int64)
+        src, left = np.flatnonzero(sources.numpy()), needy.numpy().copy()
+        row, better = np.empty(k), np.empty(k, dtype=bool)
+    else:
+        Wn, dTn = W, dT.to(torch.float64)
+        d = torch.full((k,), math.inf, dtype=torch.float64)
+        pred = torch.full((k,), -1, dtype=torch.int64)
+        src, left = sources.nonzero()[:, 0], needy.clone()
+        row = torch.empty(k, dtype=torch.float64)
+    d[src] = 0.0
+    todo = d.copy() if use_np else d.clone()     # the unsettled clusters' d, inf once settled
+    settled = np.zeros(k, dtype=bool) if use_np else torch.zeros(k, dtype=torch.bool)
+    n_left = int(left.sum())
+    for _ in range(k):
+        u = int(todo.argmin())
+        du = float(todo[u])
+        if not math.isfinite(du):
+            break
+        todo[u] = math.inf
+        settled[u] = True
+        if left[u]:
+            n_left -= 1
+            if n_left == 0:
+                break
+        if use_np:
+            np.add(Wn[u], dTn, out=row)
+            row -= dTn[u]
+            np.maximum(row, 0.0, out=row)
+            row += du
+            np.less(row, d, out=better)
+            np.copyto(d, row, where=better)
+            np.copyto(todo, row, where=better)
+            pred[better] = u
+        else:
+            torch.add(Wn[u], dTn, out=row)
+            row -= dTn[u]
+            row.clamp_(min=0.0)
+            row += du
+            better = row < d
+            d[better] = row[better]
+            todo[better] = row[better]
+            pred[better] = u
+    if use_np:
+        d[~settled], pred[~settled] = np.inf, -1
+        return torch.from_numpy(d), torch.from_numpy(pred)
+    d[~settled], pred[~settled] = math.inf, -1
+    return d, pred
 
 
 def _shortest_paths(k, eb, ew, indptr, sources):

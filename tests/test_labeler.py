@@ -816,29 +816,41 @@ def test_reverse_rounds_start_once_a_collapsed_solve_has_spread(monkeypatch):
     assert r.refetched > 0 and len(calls) >= 1
 
 
-def test_table_edges_on_the_finite_entries_equal_the_dense_ones():
-    """The finish's k x k table: the finite entries' keys kept up to date row by row (as rounds
-    touch clusters) equal a fresh scan, and the graph costed on them alone is the dense one."""
-    k, g = 60, gen(31)
-    W = torch.randn(k * k, generator=g, dtype=torch.float64).abs()
-    W[torch.rand(k * k, generator=g) < 0.7] = math.inf
-    arg = torch.randint(0, 10_000, (k * k,), generator=g)
-    s = object.__new__(otl._ExactSolver)
-    s.k, s.comm = k, otl._Comm(False)
-    keys = s._table_keys(W)
-    for step in range(5):
-        touched = torch.rand(k, generator=g) < 0.2
-        rows = W.view(k, k)[touched]
-        rows[:] = torch.where(torch.rand(rows.shape, generator=g) < 0.5, math.inf,
-                              torch.rand(rows.shape, generator=g, dtype=torch.float64))
-        W.view(k, k)[touched] = rows
-        keys = s._table_keys(W, keys, touched)
-        assert torch.equal(keys, torch.isfinite(W).nonzero()[:, 0]), step
-        s.dT = torch.randn(k, generator=g, dtype=torch.float64) * 0.3
-        sparse, dense = s._table_edges(W, arg, 0.8, keys), s._table_edges(W, arg, 0.8)
-        assert sparse[0].numel() > 0
-        for a, b in zip(sparse, dense):
-            assert torch.equal(a, b), step
+@pytest.mark.parametrize("numpy_steps", [True, False])
+def test_table_paths_against_bellman_ford(monkeypatch, numpy_steps):
+    """The finish's Dijkstra on the k x k table itself (costs max(W[a, b] + dT[b] - dT[a], 0),
+    inf: no move; ties and zero costs included): Bellman-Ford's distances, each predecessor on
+    a shortest path; stopped at the last needy cluster, every cluster nearer than it exact and
+    the rest left at inf; numpy's steps and torch's alike."""
+    if not numpy_steps:
+        monkeypatch.setattr(otl, "np", None)
+    k = 70
+    for seed in range(6):
+        g = gen(100 + seed)
+        W = torch.randint(0, 4, (k, k), generator=g).double() if seed % 2 else \
+            torch.rand(k, k, generator=g, dtype=torch.float64)
+        W[torch.rand(k, k, generator=g) < 0.6] = math.inf
+        W.fill_diagonal_(math.inf)
+        dT = torch.rand(k, generator=g, dtype=torch.float64) * 0.5
+        W = W + dT[:, None] - dT[None, :]     # costs at dT: W again (a bit rounded), so >= 0 mostly
+        src = torch.rand(k, generator=g) < 0.1
+        src[0] = True
+        C = (W + dT[None, :] - dT[:, None]).clamp(min=0)
+        ref = torch.where(src, 0.0, math.inf).double()
+        for _ in range(k):
+            ref = torch.minimum(ref, (ref[:, None] + C).amin(0))
+        needy = ~src & torch.isfinite(ref) & (torch.rand(k, generator=g) < 0.15)
+        for want in (~src, needy):
+            d, pred = otl._table_paths(W, dT, src, want)
+            far = float(ref[want].max()) if want.any() else math.inf
+            done = torch.isfinite(d)
+            assert torch.equal(d[done], ref[done]) and (ref[~done] >= far).all(), seed
+            assert done[want].all() and (done | (ref >= far)).all()
+            for v in done.nonzero()[:, 0].tolist():
+                if not src[v]:
+                    u = int(pred[v])
+                    assert done[u] and float(d[u] + C[u, v]) == float(d[v])
+            assert (pred[~done] == -1).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1422,9 +1434,13 @@ def test_dense_path_solves_once_with_the_rows_that_join_a_far_cluster(monkeypatc
     assert torch.equal(exact(O).labels, r.labels) and len(solves) == 2
 
 
-def test_finish_on_whole_rows_takes_the_table_without_listing_every_move(monkeypatch):
+@pytest.mark.parametrize("at_once", [False, True])
+def test_finish_on_whole_rows_takes_the_table_without_listing_every_move(monkeypatch, at_once):
     """When the finish's radius grows to inf on whole rows (one process), it builds the k x k
-    table of cheapest moves straight away: no list of all rows' k - 1 moves first; exact."""
+    table of cheapest moves straight away: no list of all rows' k - 1 moves first; exact.  At
+    k > _TABLE_AT_ONCE (at_once: the threshold lowered to 0) it lists no moves at all."""
+    if at_once:
+        monkeypatch.setattr(otl, "_TABLE_AT_ONCE", 0)
     taus, tables = [], []
     pairs, table = otl._ExactSolver._pairs, otl._ExactSolver._edge_table
     monkeypatch.setattr(otl._ExactSolver, "_pairs",
@@ -1434,7 +1450,8 @@ def test_finish_on_whole_rows_takes_the_table_without_listing_every_move(monkeyp
         table(self, W, arg, clusters))[1])
     O = isolated(0)
     r = exact(O)
-    assert any(tables) and taus and not any(math.isinf(t) for t in taus)
+    assert any(tables) and not any(math.isinf(t) for t in taus)
+    assert not taus if at_once else taus
     check_even(r)
     check_translation(O, r)
 
