@@ -2213,10 +2213,12 @@ class _ExactSolver:
                     (self._pairs(self.all_rows, tau), self.dT.clone())
                 n_pairs = n_moves if every else int(self.comm.sum(torch.tensor([pairs[0].numel()]))[0])
                 if n_pairs > n_moves // 4:      # most moves kept: the table is cheaper per round
-                    # (it holds every candidate move: its distances are exact at any length)
-                    table, pairs, tau = True, None, math.inf
+                    table, pairs = True, None
                     self._edge_table(W, arg)
             if table:
+                # (the search reads every entry, also moves dearer than tau: a distance up to
+                # tau runs over cheaper moves only, so those are the distances of the graph
+                # of moves up to tau, and only they are routed)
                 trust = tau
                 if self.comm.on:   # ranks agree on the global cheapest move, then its lowest row id
                     Wg = self.comm.min(W.clone())
