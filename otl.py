@@ -3189,14 +3189,14 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
 
 def _table_paths(W, dT, sources, needy):
     """Dijkstra on the finish's k x k table itself (CPU tensors): W[a, b] the cheapest base of
-    a move a -> b (inf: none), its cost at dT max(W[a, b] + dT[b] - dT[a], 0) (the sums of
-    _graph's edges); distances from the nearest
-    `sources` cluster and predecessors (-1: none), like _shortest_paths.  Each settled cluster
-    costs its row of W, computed as it is settled, so a round builds no edge list (that took
-    most of a round's time at k = 3000, where the search took a twentieth: docs/labeler.md,
-    v24); it stops once every `needy` cluster is settled, the unsettled ones left at inf (no
-    needy path runs through them, and none is nearer than the last needy one).  numpy's
-    vector steps where installed, else torch's."""
+    a move a -> b (inf: none), its cost at dT max((W[a, b] + dT[b]) - dT[a], 0) (the sums the
+    list's edges take); distances from the nearest `sources` cluster and predecessors (-1:
+    none), like _shortest_paths.  A settled cluster's row of costs is computed as it is
+    settled, so a round builds no edge list (that took most of a round's time at k = 3000,
+    where the search took a twentieth: docs/labeler.md, v24); it stops once every `needy`
+    cluster is settled, the unsettled ones left at inf (no needy path runs through them, and
+    none is nearer than the last needy one).  numpy's vector steps where installed, else
+    torch's."""
     k = W.shape[0]
     use_np = np is not None
     if use_np:
