@@ -2181,18 +2181,50 @@ class _ExactSolver:
                 else:
                     dst.scatter_reduce_(0, key.view(-1), src.reshape(-1), "amin")
 
+    def _table_edges(self, W, arg, tau, keys):
+        """The cluster graph at the current dT on the table's moves that cost at most tau
+        (_graph's five arrays), costing only its finite entries, whose ascending a * k + b are
+        `keys` (_table_keys; one process): a sparse table's rounds (candidate lists) are
+        cheaper so than _table_paths' look at every entry."""
+        k = self.k
+        cost = W.index_select(0, keys) + self.dT.index_select(0, keys % k) - \
+            self.dT.index_select(0, keys // k)
+        sel = (cost <= tau).nonzero()[:, 0]
+        e = keys.index_select(0, sel)
+        return self._graph(e, cost.index_select(0, sel), arg.index_select(0, e))
+
+    def _table_keys(self, W, keys=None, touched=None):
+        """The ascending a * k + b of W's finite entries: all of them (keys None), or `keys`
+        with the rows of the (k,) mask `touched` taken again from W (the only rows
+        _edge_table changed), merged without a sort."""
+        k = self.k
+        if keys is None:
+            return torch.isfinite(W).nonzero()[:, 0]
+        old = keys[~touched.index_select(0, keys // k)]
+        rows = touched.nonzero()[:, 0]
+        i, b = torch.isfinite(W.view(k, k).index_select(0, rows)).nonzero(as_tuple=True)
+        new = rows.index_select(0, i) * k + b                # ascending, disjoint from old
+        pos = torch.searchsorted(old, new) + torch.arange(new.numel(), device=new.device)
+        out = torch.empty(old.numel() + new.numel(), dtype=torch.int64, device=new.device)
+        rest = torch.ones(out.numel(), dtype=torch.bool, device=new.device)
+        rest[pos] = False
+        out[pos] = new
+        out[rest] = old
+        return out
+
     def _finish(self, history, tau0, max_phases=10000):
         """Rounds of shortest paths on one of two graphs: while the moves that cost at most tau
         are few, a list of them (built in one pass; a round re-reads only the moved rows, and a
         distance is trusted below tau minus how far T has moved since); once they are more than
         a quarter of all candidate moves (real networks' crowded outputs), the k x k table of
         every cluster pair's cheapest move, of which a round recomputes only the clusters that
-        gained or lost a row and searches the table itself (_table_paths: no edge list; there a
-        distance below tau is exact)."""
+        gained or lost a row (there a distance below tau is exact): searched on its finite
+        entries where they are few (_table_edges), else on the table itself (_table_paths: no
+        edge list)."""
         k, dev = self.k, self.dev
         W = torch.full((k * k,), math.inf, dtype=torch.float64, device=dev)
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
-        pairs, tau, dT_built, table = None, float(tau0), None, False
+        pairs, tau, dT_built, table, keys = None, float(tau0), None, False, None
         n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])   # candidate slots, all ranks
         lo, hi = self.lo.cpu(), self.hi.cpu()
         while self.phases < max_phases:
@@ -2215,7 +2247,10 @@ class _ExactSolver:
                 if n_pairs > n_moves // 4:      # most moves kept: the table is cheaper per round
                     table, pairs = True, None
                     self._edge_table(W, arg)
-            if table:
+                    if not self.comm.on:     # (a sparse table: its finite entries' keys)
+                        keys = self._table_keys(W)
+                        keys = keys if keys.numel() * _TABLE_SPARSE <= k * k else None
+            if table and keys is None:
                 # (the search reads every entry, also moves dearer than tau: a distance up to
                 # tau runs over cheaper moves only, so those are the distances of the graph
                 # of moves up to tau, and only they are routed)
@@ -2231,8 +2266,12 @@ class _ExactSolver:
                 at = pred.clamp(min=0) * k + torch.arange(k)
                 row_of = ag.index_select(0, at.to(dev)).cpu()
             else:
-                trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
-                ek, er, eb, ew, indptr = self._list_edges(pairs, W, arg)
+                if table:
+                    trust = tau
+                    ek, er, eb, ew, indptr = self._table_edges(W, arg, tau, keys)
+                else:
+                    trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
+                    ek, er, eb, ew, indptr = self._list_edges(pairs, W, arg)
                 d, pred = _shortest_paths(k, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
                 if ek.numel():   # the row of edge pred[x] -> x, looked up where the edges are
                     at = torch.searchsorted(ek, pred.to(dev) * k + torch.arange(k, device=dev))
@@ -2290,6 +2329,8 @@ class _ExactSolver:
                 touched = torch.zeros(k, dtype=torch.bool, device=dev)
                 touched[torch.tensor([a for _, a, _ in moves] + [b for _, _, b in moves], device=dev)] = True
                 self._edge_table(W, arg, touched)
+                if keys is not None:
+                    keys = self._table_keys(W, keys, touched)
                 continue
             # the moved rows' moves are relative to their new cluster: replace them, kept up to tau
             # (from now on T only rises, so a move left out costs more than trust then too)
@@ -2771,6 +2812,7 @@ _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, s
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
 # and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python grows with k (docs v18)
 _TABLE_AT_ONCE = 256     # whole rows at larger k: the finish's table at once (docs/labeler.md, v24)
+_TABLE_SPARSE = 6        # a table with at most k * k / 6 moves is searched on them (docs v24)
 _HOST_SOLVE = 1 << 18   # outputs on a GPU: the exact solve on the host up to this rows x k
 _F32_INF = 2.0 ** 128 - 2.0 ** 103   # float64 values from here on round to inf in float32
 

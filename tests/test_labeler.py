@@ -816,6 +816,37 @@ def test_reverse_rounds_start_once_a_collapsed_solve_has_spread(monkeypatch):
     assert r.refetched > 0 and len(calls) >= 1
 
 
+def test_sparse_table_keys_and_edges_search_as_the_table_itself():
+    """The finish's sparse k x k table (candidate lists): the finite entries' keys kept up to
+    date row by row (as rounds touch clusters) equal a fresh scan, and Dijkstra on the edges
+    costed from them alone gives _table_paths' distances on the whole table."""
+    k, g = 60, gen(31)
+    W = torch.randn(k * k, generator=g, dtype=torch.float64).abs()
+    W[torch.rand(k * k, generator=g) < 0.7] = math.inf
+    arg = torch.randint(0, 10_000, (k * k,), generator=g)
+    s = object.__new__(otl._ExactSolver)
+    s.k, s.comm = k, otl._Comm(False)
+    keys = s._table_keys(W)
+    for step in range(5):
+        touched = torch.rand(k, generator=g) < 0.2
+        rows = W.view(k, k)[touched]
+        rows[:] = torch.where(torch.rand(rows.shape, generator=g) < 0.5, math.inf,
+                              torch.rand(rows.shape, generator=g, dtype=torch.float64))
+        W.view(k, k)[touched] = rows
+        keys = s._table_keys(W, keys, touched)
+        assert torch.equal(keys, torch.isfinite(W).nonzero()[:, 0]), step
+        s.dT = torch.rand(k, generator=g, dtype=torch.float64) * 0.1
+        ek, er, eb, ew, indptr = s._table_edges(W, arg, math.inf, keys)
+        assert torch.equal(ek, keys) and torch.equal(er, arg[keys])
+        src = torch.rand(k, generator=g) < 0.1
+        src[0] = True
+        d, _ = otl._shortest_paths(k, eb, ew, indptr, src)
+        assert torch.equal(d, otl._table_paths(W.view(k, k), s.dT, src, ~src)[0]), step
+        ek, _, _, ew, _ = s._table_edges(W, arg, 0.5, keys)     # only the moves up to tau
+        cost = (W + s.dT.repeat(k) - s.dT.repeat_interleave(k))[keys]
+        assert torch.equal(ek, keys[cost <= 0.5]) and (ew <= 0.5).all()
+
+
 @pytest.mark.parametrize("numpy_steps", [True, False])
 def test_table_paths_against_bellman_ford(monkeypatch, numpy_steps):
     """The finish's Dijkstra on the k x k table itself (costs max(W[a, b] + dT[b] - dT[a], 0),
@@ -1452,6 +1483,24 @@ def test_finish_on_whole_rows_takes_the_table_without_listing_every_move(monkeyp
     r = exact(O)
     assert any(tables) and not any(math.isinf(t) for t in taus)
     assert not taus if at_once else taus
+    check_even(r)
+    check_translation(O, r)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_table_finish_on_candidate_lists_sparse_or_dense(monkeypatch, sparse):
+    """Candidate lists whose finish takes the k x k table search it on its finite entries'
+    edges (_table_edges) where they are at most k * k / _TABLE_SPARSE, else on the table
+    itself (_table_paths): both exact, the labels a translation's."""
+    monkeypatch.setattr(otl, "_TABLE_SPARSE", 0 if sparse else 10 ** 9)
+    used = []
+    edges, paths = otl._ExactSolver._table_edges, otl._table_paths
+    monkeypatch.setattr(otl._ExactSolver, "_table_edges",
+                        lambda self, *a: used.append("sparse") or edges(self, *a))
+    monkeypatch.setattr(otl, "_table_paths", lambda *a: used.append("dense") or paths(*a))
+    O = isolated(0, k=300)
+    r = exact(O, dense=False)
+    assert used and set(used) == {"sparse" if sparse else "dense"}
     check_even(r)
     check_translation(O, r)
 
