@@ -2383,9 +2383,9 @@ class _ExactSolver:
                 return
             pi, cycle = _tie_order(key // k, key % k, k)
             r = min(rmin, gap)
-            # eta = r / (2 (max pi + 1)) must clear the ties' rounding (tol) with room; a
-            # margin over a dropped column's bound (gap) is not a pair that could count as a tie
-            if cycle or rmin >= gap or not math.isfinite(r) or r > 4 * (float(pi.max()) + 1) * tol:
+            # (a margin over a dropped column's bound, gap, is not a pair that could count as
+            # a tie)
+            if rmin >= gap or _ties_clear(pi, cycle, rmin, tol):
                 break
             tol = rmin      # the nearest pair that was not a tie is one now
         # (a cycle of ties, such as identical rows without the tie-break have, has no order:
@@ -2455,6 +2455,14 @@ def _tie_order(a, b, k):
             return pi, False
         pi = new
     return pi, True
+
+
+def _ties_clear(pi, cycle, rmin, tol):
+    """Both strictify's test that their tolerance tol may stay: the shift of the tie order pi,
+    eta = rmin / (2 (max pi + 1)) (rmin the least margin that is not a tie), clears the ties'
+    rounding (tol) with room, or raising tol would not help (a cycle of ties, no such
+    margin)."""
+    return cycle or not math.isfinite(rmin) or rmin > 4 * (float(pi.max()) + 1) * tol
 
 
 def _tie_shift(pi, r, scale):
@@ -3012,7 +3020,7 @@ class _PathSolver:
             if not key.size:
                 break
             pi, cycle = _tie_order(*(torch.from_numpy(x) for x in (key // k, key % k)), k)
-            if cycle or not math.isfinite(rmin) or rmin > 4 * (float(pi.max()) + 1) * tol:
+            if _ties_clear(pi, cycle, rmin, tol):
                 break
             tol = rmin
         self.ties = key.size
