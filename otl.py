@@ -2250,11 +2250,13 @@ class _ExactSolver:
                     if not self.comm.on:     # (a sparse table: its finite entries' keys)
                         keys = self._table_keys(W)
                         keys = keys if keys.numel() * _TABLE_SPARSE <= k * k else None
+            # (the table holds every move: a distance up to tau is exact; the list every move
+            # cheaper than tau less how far T has moved since it was built)
+            trust = tau if table else tau - float((self.dT - dT_built).max())
             if table and keys is None:
                 # (the search reads every entry, also moves dearer than tau: a distance up to
                 # tau runs over cheaper moves only, so those are the distances of the graph
                 # of moves up to tau, and only they are routed)
-                trust = tau
                 if self.comm.on:   # ranks agree on the global cheapest move, then its lowest row id
                     Wg = self.comm.min(W.clone())
                     ag = self.comm.min(torch.where(W == Wg, arg, torch.iinfo(torch.int64).max))
@@ -2266,12 +2268,8 @@ class _ExactSolver:
                 at = pred.clamp(min=0) * k + torch.arange(k)
                 row_of = ag.index_select(0, at.to(dev)).cpu()
             else:
-                if table:
-                    trust = tau
-                    ek, er, eb, ew, indptr = self._table_edges(W, arg, tau, keys)
-                else:
-                    trust = tau - float((self.dT - dT_built).max())   # every move cheaper is kept
-                    ek, er, eb, ew, indptr = self._list_edges(pairs, W, arg)
+                ek, er, eb, ew, indptr = (self._table_edges(W, arg, tau, keys) if table
+                                          else self._list_edges(pairs, W, arg))
                 d, pred = _shortest_paths(k, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
                 if ek.numel():   # the row of edge pred[x] -> x, looked up where the edges are
                     at = torch.searchsorted(ek, pred.to(dev) * k + torch.arange(k, device=dev))
