@@ -2361,9 +2361,9 @@ class _ExactSolver:
         changes.  One look at every row (its best, runner-up and margin) finds the few rows
         with a tie; only those are looked at column by column, and only they can change.
         Equal is up to 64 float64 ulps of the largest |value| at first; where eta would not
-        exceed twice that (a pair of scores a little further apart than that, as the
-        finish's sums of many steps left on a CIFAR-10 network's outputs at k = 3000:
-        docs/labeler.md, v24), those pairs count as ties too, until it does."""
+        exceed twice that (a pair of scores a little further apart than that: the finish's
+        sums of many steps can leave ties so; docs/labeler.md, v24), those pairs count as
+        ties too, until it does."""
         k, dev = self.k, self.dev
         # ties are equal up to float64 rounding of the values involved
         parts = [self.dT.abs().max()]    # one wait for the device, not two a block
@@ -3240,11 +3240,10 @@ def _table_paths(W, dT, sources, needy):
     a move a -> b (inf: none), its cost at dT max((W[a, b] + dT[b]) - dT[a], 0) (the sums the
     list's edges take); distances from the nearest `sources` cluster and predecessors (-1:
     none), like _shortest_paths.  A settled cluster's row of costs is computed as it is
-    settled, so a round builds no edge list (that took most of a round's time at k = 3000,
-    where the search took a twentieth: docs/labeler.md, v24); it stops once every `needy`
-    cluster is settled, the unsettled ones left at inf (no needy path runs through them, and
-    none is nearer than the last needy one).  numpy's vector steps where installed, else
-    torch's."""
+    settled, so a round builds no edge list (docs/labeler.md, v24, has what that cost); it
+    stops once every `needy` cluster is settled, the unsettled ones left at inf (no needy path
+    runs through them, and none is nearer than the last needy one).  numpy's vector steps
+    where installed, else torch's."""
     k = W.shape[0]
     use_np = np is not None
     if use_np:
