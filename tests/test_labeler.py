@@ -59,9 +59,11 @@ def test_exact_balance_gaussian_50k(k):
     assert wrong <= 0.01 * O.shape[0]   # only rows within eps, where the tie-break decides
 
 
-@pytest.mark.parametrize("k", [10, 128, 1000])
-def test_exact_balance_collapsed_50k(k):
-    O = torch.randn(1, k, generator=gen(k)).expand(50_000, k).contiguous()
+@pytest.mark.parametrize("k, n", [(10, 50_000), (128, 50_000), (1000, 20_000)])
+def test_exact_balance_collapsed(k, n):
+    """Every row the same (a dead network: its bias alone): all solved whole, as the tie-break
+    decides (docs/labeler.md, v25: the slowest input for its size; k = 1000 at 20,000 rows)."""
+    O = torch.randn(1, k, generator=gen(k)).expand(n, k).contiguous()
     r = exact(O)
     check_even(r)
     check_translation(O, r)   # every row is a tie: the perturbation decides
