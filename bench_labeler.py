@@ -40,7 +40,8 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   each image comes back about 26 times (1.28M rows), each time as if augmented,
                   with the few dominant clusters, heavy rows and near-ties of real outputs.
                   Streamed and compared like gaussian_large; needs --data.
-Measured for every (input, k, method), each in a fresh child process (spawn) that first builds or
+Measured for every (input, k, method), each in a fresh child process (forked from a server that
+has imported torch and done nothing else; before 2026-11-27, spawned) that first builds or
 loads its input: wall seconds of the labeling call (scipy, which the exact labeler's finish
 imports on first use, is imported before it: a cost a process pays once, which benchmarks
 before 2026-11-25 counted in ours wherever the finish ran; docs/labeler.md), its
@@ -437,6 +438,15 @@ def measure_gpu(spec):
     return rec
 
 
+def _child_context():
+    """Children forked from a server that has imported torch and nothing else (no tensor made, no
+    thread started): a fresh process for the labeler, without the 3 - 4 s of importing torch
+    again in each one (docs/labeler.md, v25)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
 def measure_in_child(spec):
     if spec.get("device", "cpu") != "cpu":   # GPU: in this process (see measure_gpu)
         try:
@@ -444,7 +454,7 @@ def measure_in_child(spec):
         except Exception as e:  # recorded, never replaced by numbers
             torch.cuda.empty_cache()
             return {"error": f"{type(e).__name__}: {e}"}
-    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+    with cf.ProcessPoolExecutor(1, mp_context=_child_context()) as ex:
         try:
             return ex.submit(measure, spec).result()
         except cf.process.BrokenProcessPool:
