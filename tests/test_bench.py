@@ -115,8 +115,8 @@ def test_bench_labeler_trained_backbone(small_data, tmp_path, views):
                            "args": {"data": str(small_data), "img_size": 16, "cutout": 4},
                            "epoch": 0}, ckpt)
     out = tmp_path / "lb.json"
-    # (each record is a child process that imports torch: with --views, one fresh head and
-    # both methods; without, two heads and ours only)
+    # (each record costs a child process: with --views, one fresh head and both methods;
+    # without, two heads and ours only)
     p = run_bench("--n", "300", "--ks", "10", "--real-ks", "10", "--data", str(small_data),
                   "--real-split", "train", "--skip-large",
                   "--methods", "exact,published" if views else "exact",
