@@ -53,6 +53,7 @@ evaluate() {    # kNN + linear on run folder $1's checkpoint, each within $2 sec
 }
 twin() {        # the fast preset's supervised twin within $1 seconds (more flags after), evaluated
   local t=$1; shift
+  [ "$t" -gt 0 ] || { echo "no time left for the supervised twin ($t s)"; return 0; }
   timeout "$t" $PY train_otl.py --data data/eurosat --output $R/eurosat_fast_supervised \
       --supervised --preset fast "$@" --no-progress 2>&1 | tee "$OUT/train_fast_supervised.log" | tail -5
   evaluate $R/eurosat_fast_supervised 40

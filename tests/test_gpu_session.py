@@ -27,8 +27,12 @@ def test_supervised_stage_trains_the_twin_evaluates_it_and_profiles_the_labeler(
     assert out.index(twin) < out.index("eval_knn.py") < out.index("profile_labeler.py")
     fewer = dry("supervised", tmp_path, D="400", E_SUP="50").stdout
     assert "--supervised --preset fast --epochs 50 --no-progress" in fewer
-    short = dry("supervised", tmp_path, D="60").stdout     # no time for the labeler's part
+    # no time for the labeler's part (D = 80: the twin gets D - 60 s less what has passed, and
+    # at D = 60 a second's tick made that -1 and timeout refused it)
+    short = dry("supervised", tmp_path, D="80").stdout
     assert twin in short and "profile_labeler.py" not in short
+    none = dry("supervised", tmp_path, D="50").stdout      # not even the twin: said, not attempted
+    assert "no time left for the supervised twin" in none and twin not in none
 
 
 def test_eval_stage_evaluates_the_fast_run_and_profiles_its_head_on_request(tmp_path):
