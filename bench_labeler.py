@@ -439,9 +439,9 @@ def measure_gpu(spec):
 
 
 def _child_context():
-    """Children forked from a server that has imported torch and nothing else (no tensor made, no
-    thread started): a fresh process for the labeler, without the 3 - 4 s of importing torch
-    again in each one (docs/labeler.md, v25)."""
+    """Children forked from a server that has imported torch and done nothing else (no tensor
+    made; a fork carries only the forking thread): a fresh process for the labeler, without the
+    3 - 4 s of importing torch again in each one (docs/labeler.md, v25)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])
     return ctx
