@@ -2134,8 +2134,14 @@ class _ExactSolver:
             W0[key], arg[key] = math.inf, BIG
         e, order = e.sort()                       # row-major: a csr matrix as it stands
         ew, er = ew.index_select(0, order), er.index_select(0, order)
-        ew = ew + self.dT.index_select(0, e % k) - self.dT.index_select(0, e // k)
-        return self._graph(e, ew, er)
+        return self._graph(e, self._at_dT(e, ew), er)
+
+    def _at_dT(self, e, base):
+        """The cost at the current dT of moves a * k + b = e whose base is `base`:
+        (base + dT[b]) - dT[a], summed in that order wherever the finish costs a move (also
+        _table_paths)."""
+        k = self.k
+        return base + self.dT.index_select(0, e % k) - self.dT.index_select(0, e // k)
 
     def _graph(self, e, cost, er):
         """The cluster graph for _shortest_paths from its edges a * k + b (ascending), their
@@ -2186,9 +2192,7 @@ class _ExactSolver:
         (_graph's five arrays), costing only its finite entries, whose ascending a * k + b are
         `keys` (_table_keys; one process): a sparse table's rounds (candidate lists) are
         cheaper so than _table_paths' look at every entry."""
-        k = self.k
-        cost = W.index_select(0, keys) + self.dT.index_select(0, keys % k) - \
-            self.dT.index_select(0, keys // k)
+        cost = self._at_dT(keys, W.index_select(0, keys))
         sel = (cost <= tau).nonzero()[:, 0]
         e = keys.index_select(0, sel)
         return self._graph(e, cost.index_select(0, sel), arg.index_select(0, e))
