@@ -28,6 +28,7 @@ import heapq
 import math
 import numbers
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -164,6 +165,8 @@ class TranslateResult:
     stop_reason: str = ""
     refetched: int = 0            # exact method: rows re-read in full (their candidates fell short)
     ties: int = 0                 # exact method: tied moves made strict at the end
+    ties_left: int = 0            # exact method: rows left on a tie that float64 could not order
+                                  # (their labels keep the counts balanced; see strictify)
     active: int = 0               # exact method: rows solved (the others kept their best cluster)
 
 
@@ -1093,7 +1096,8 @@ class StreamingTranslator:
        rows that a round updates only for the clusters that gained or lost a row), with T moved
        by the path lengths so every row stays at its argmax; several disjoint paths per round;
     3. strict argmax: moved rows sit exactly on a tie; T is nudged along the order of those ties
-       by less than half of any other margin, so each row's label becomes its strict argmax.
+       by less than half of any other margin, so each row's label becomes its strict argmax
+       (where float64 cannot order the ties, the balanced labels stay on them: `ties_left`).
 
     The counts end within 1 of the target (floor or ceil of it; for an even target, max - min
     <= 1).  A row whose best candidate could be beaten by a dropped column (theta) is re-read in
@@ -1233,7 +1237,11 @@ class StreamingTranslator:
         self.T0, self.eps = params[:self.k].clone(), params[self.k].item()
         self.T0f = self.T0.to(torch.float32)     # exact for float32 outputs (medians of them)
         self.T0abs = float(self.T0.abs().max())   # float64 outputs: T0f errs by 2^-24 of this
-        self.window = math.inf if self.all_cols else params[self.k + 1].item()
+        # at least 2 eps: columns within eps of a row's best can still win by the tie-break, so
+        # they must be candidates (on collapsed outputs the gaps, and so the window, are 0, and
+        # a T0 that is not the medians, such as sample_start_T's, leaves only the columns whose
+        # float32 O - T0 happens to round highest, with theta above them all: every row unsafe)
+        self.window = math.inf if self.all_cols else max(params[self.k + 1].item(), 2 * self.eps)
         self.radius0 = max(params[self.k + 2].item(), self.eps)
         self.far = params[self.k + 4].item() > 0
         for p in pieces:
@@ -1343,14 +1351,28 @@ class StreamingTranslator:
         if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
             _check_outputs_finite(X, self.n)        # -inf never makes a candidate, so it may stay
         thr = rmax - self.window
+        # hits per row, and the rows with more than w, which keep their best w by exact value
+        # with the tie-break; when those rows hold most of their columns they are taken whole
+        # below, so their hits are cleared first (on collapsed outputs, every column of every
+        # row is a hit: listing them one by one cost most of the extraction)
+        # (hits counted only on the rows with more than w / 8 words holding one: a sum over
+        # every int8 of the mask cost more than the rest of the extraction)
         W = M.view(-1).view(torch.int64)
+        maybe = (W.view(n, kp // 8).ne(0).sum(1) * 8 > w).nonzero()[:, 0]
+        cnt = torch.zeros(n, dtype=torch.int64, device=dev)      # hits, exact where > w
+        cnt.index_copy_(0, maybe, M.index_select(0, maybe).sum(1, dtype=torch.int32).neg_().long())
+        many = cnt > w
+        oi = many.nonzero()[:, 0]
+        whole = oi.numel() > 0 and int(cnt.index_select(0, oi).sum()) > 0.3 * oi.numel() * k
+        if whole:
+            M.index_fill_(0, oi, 0)
         fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
         hit = W.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # (c,) word * 8 + byte
         g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)  # flat positions in M, ascending
         rr = torch.div(g, kp, rounding_mode="floor")            # rows, ascending
         cc = g.sub_(rr * kp)
-        cnt = torch.bincount(rr, minlength=n)
-        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt).index_select(0, rr)
+        listed = torch.bincount(rr, minlength=n)                # hits per row listed (none on rows taken whole)
+        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(listed, 0) - listed).index_select(0, rr)
         self.n += n
         # fl(X - T0) errs by at most 2^-24 |S| (float64 outputs: T0f errs by 2^-24 |T0| too): a
         # per-row allowance keeps theta a true bound on every dropped column, whatever the blocks
@@ -1358,7 +1380,6 @@ class StreamingTranslator:
         t0abs = self.T0abs if X.dtype == torch.float64 else 0.0
         theta = thr64 + 2.0 ** -22 * (thr64.abs() + t0abs) + self.eps
         theta[cnt >= k] = -math.inf                             # nothing was dropped
-        many = cnt > w
         # flat (n * w) tables with one spare slot at the end for the entries not kept
         vals = torch.full((n * w + 1,), -math.inf, dtype=torch.float64, device=dev)
         cols = torch.zeros(n * w + 1, dtype=self.cdtype, device=dev)
@@ -1368,16 +1389,15 @@ class StreamingTranslator:
             return X.reshape(-1).index_select(0, r * k + c).to(torch.float64) - self.T0.index_select(0, c)
 
         val = exact(rr, cc)
-        if many.any():   # more than w near the top: keep the best w of them, bound the rest
-            oi = many.nonzero()[:, 0]
-            e = many.index_select(0, rr).nonzero()[:, 0]        # their entries
+        if oi.numel() > 0:   # more than w near the top: keep the best w of them, bound the rest
             # exact values with the tie-break, so that exactly tied outputs (a collapsed network)
             # keep different columns on different rows
             first = self.n - n + self.row_offset                # global number of row 0 here
-            if e.numel() > 0.3 * oi.numel() * k:                # most of these rows: take them whole
+            if whole:                                           # most of these rows' columns
                 PC = torch.arange(k, device=dev).expand(oi.numel(), k)
                 P = self._whole_rows(X.index_select(0, oi), oi + first)
             else:
+                e = many.index_select(0, rr).nonzero()[:, 0]    # their entries
                 re, ce, pe = rr.index_select(0, e), cc.index_select(0, e), pos.index_select(0, e)
                 slot = torch.cumsum(many, 0).index_select(0, re) - 1
                 P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64, device=dev)
@@ -1392,7 +1412,8 @@ class StreamingTranslator:
             om = (oi[:, None] * w + torch.arange(w, device=dev)).view(-1)
             vals.index_copy_(0, om, exact(oi.repeat_interleave(w), kept_cols))
             cols.index_copy_(0, om, kept_cols.to(self.cdtype))
-            at = torch.where(many.index_select(0, rr), n * w, at)   # the rest: the spare slot
+            if not whole:
+                at = torch.where(many.index_select(0, rr), n * w, at)   # the rest: the spare slot
         vals.index_copy_(0, at, val)                                    # exact
         cols.index_copy_(0, at, cc.to(self.cdtype))
         vals, cols = vals[:n * w].view(n, w), cols[:n * w].view(n, w)
@@ -1477,11 +1498,17 @@ class StreamingTranslator:
         std = _std(counts.cpu(), target)
         std_max = _std_max(target, n_total)
         ok = bool(((counts >= lo) & (counts <= hi)).all())
+        if not ok:   # (not seen since v26; it was silent before)
+            warnings.warn(
+                f"the exact labeler ended with counts {int(counts.min())} - {int(counts.max())}, "
+                "outside the target's bounds (stop_reason 'max_iter'); the labels are usable but "
+                "not balanced.  With tie_eps=0 identical rows cannot be split; otherwise please "
+                "report the outputs that did this", RuntimeWarning)
         res = TranslateResult(labels=labels, T=self.T0 + dT, counts=counts, target=target,
                               iterations=rounds + phases, std_history=history, std=std,
                               std_max=std_max, seconds=time.perf_counter() - self.t0,
                               stop_reason="balanced" if ok else "max_iter", refetched=refetched,
-                              ties=solver.ties, active=n_act)
+                              ties=solver.ties, ties_left=solver.ties_left, active=n_act)
         return res
 
     def _warm_rows(self):
@@ -1668,7 +1695,7 @@ class StreamingTranslator:
             theta = torch.full((rows.numel(),), -math.inf, dtype=torch.float64, device=dev)
             solver = _ExactSolver(vals, cols, theta, k, target, lo, hi, comm, self.block,
                                   rows_global, dT=solver.dT, rounds=solver.rounds, phases=solver.phases)
-        solver.strictify()
+        solver.strictify(keep_balance=self.eps > 0)
         return solver, refetched
 
     def _recut(self, solver, pos, rows, refetch):
@@ -1697,7 +1724,8 @@ class StreamingTranslator:
         """O - T0 + eps u for every column of the rows X, whose global numbers are `grows`: the
         values the candidates hold once result() has added the tie-break."""
         cols = torch.arange(self.k, device=self.device).expand(X.shape[0], self.k)
-        return X.to(torch.float64) - self.T0 + self.eps * _tie_jitter(grows, cols, self.seed)
+        V = X.to(torch.float64).sub_(self.T0)     # in place: the same sums, fewer n x k buffers
+        return V.add_(_tie_jitter(grows, cols, self.seed).mul_(self.eps))
 
     def _full_rows(self, X, rows, dT):
         """Candidates of `rows` (local indices) from their full outputs X, chosen against the
@@ -1713,7 +1741,21 @@ class StreamingTranslator:
         vals = (X.gather(1, ti).to(torch.float64) - self.T0.index_select(0, ti.reshape(-1)).view(ti.shape)
                 + self.eps * _tie_jitter(rows + self.offset, ti, self.seed))
         b, scale = tv[:, w], float(self.T0.abs().max()) + float(dT.abs().max()) + self.eps
-        theta = torch.where(torch.isfinite(b), b + self.eps + 2.0 ** -50 * (b.abs() + scale), b)
+        slack = 2.0 ** -50 * (b.abs() + scale)
+        theta = torch.where(torch.isfinite(b), b + self.eps + slack, b)
+        # Where the w-th best leads the (w+1)-th by more than eps, these are the best w with the
+        # tie-break too.  Elsewhere the cut falls among outputs within eps of one another (every
+        # column of a collapsed row), where the tie-break decides: those rows' best w are chosen
+        # on their exact values with it, every column hashed (as the stream chose them)
+        tied = (tv[:, w - 1] - b <= self.eps + 2 * slack).nonzero()[:, 0]
+        if tied.numel():
+            V = self._whole_rows(X.index_select(0, tied), rows.index_select(0, tied) + self.offset)
+            tv2, ti2 = (V - dT).topk(w + 1, dim=1)
+            ti2 = ti2[:, :w]
+            b2 = tv2[:, w]
+            vals[tied] = V.gather(1, ti2)
+            ti[tied] = ti2
+            theta[tied] = torch.where(torch.isfinite(b2), b2 + 2.0 ** -50 * (b2.abs() + scale), b2)
         return vals, ti.to(self.cdtype), theta
 
     def _cut(self, S, dT, cols=None, theta=None):
@@ -1762,6 +1804,7 @@ class _ExactSolver:
         self.dev = vals.device
         self.dT = torch.zeros(k, dtype=torch.float64, device=self.dev) if dT is None else dT
         self.rounds, self.phases, self.ties, self._last_eval = rounds, phases, 0, None
+        self.ties_left = 0    # rows strictify left on a tie (see there)
         self.f0 = 1.0     # the approach's first step is 1 / f0 of the published rule's
         self.reverse = False   # reverse auction rounds (_attract) on candidate lists
         self.all_rows = torch.arange(vals.shape[0], device=self.dev)
@@ -2216,7 +2259,7 @@ class _ExactSolver:
         out[rest] = old
         return out
 
-    def _finish(self, history, tau0, max_phases=10000):
+    def _finish(self, history, tau0, max_phases=None):
         """Rounds of shortest paths on one of two graphs: while the moves that cost at most tau
         are few, a list of them (built in one pass; a round re-reads only the moved rows, and a
         distance is trusted below tau minus how far T has moved since); once they are more than
@@ -2224,8 +2267,13 @@ class _ExactSolver:
         every cluster pair's cheapest move, of which a round recomputes only the clusters that
         gained or lost a row (there a distance below tau is exact): searched on its finite
         entries where they are few (_table_edges), else on the table itself (_table_paths: no
-        edge list)."""
+        edge list).  Every round moves a row from a cluster over its bound to one under it, so
+        the rounds are at most the rows; max_phases (default: twice the rows, a guard only)
+        stops it unbalanced.  (It was 10,000 until v26, which rows collapsed onto a few tight
+        groups reached: docs/labeler.md.)"""
         k, dev = self.k, self.dev
+        if max_phases is None:
+            max_phases = self.phases + 2 * int(self.counts.sum()) + 1000
         W = torch.full((k * k,), math.inf, dtype=torch.float64, device=dev)
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
         pairs, tau, dT_built, table, keys = None, float(tau0), None, False, None
@@ -2358,11 +2406,13 @@ class _ExactSolver:
         return self._finish(history, tau0)
 
     # -- 3. strict argmax --------------------------------------------------------------------
-    def strictify(self):
+    def strictify(self, keep_balance=True):
         """Moved rows sit on exact ties.  Order the clusters so that every tie a -> b (a row of a
         with equal score in b) has pi[b] > pi[a], and add eta * pi to T with eta below half of
         every other margin over (max pi + 1): ties resolve to the current labels, nothing else
-        changes.  One look at every row (its best, runner-up and margin) finds the few rows
+        changes.  keep_balance: where that shift would take balanced counts out of their bounds
+        (no shift orders the ties), keep the labels and T, the rows on their ties (ties_left);
+        False (no tie-break: identical rows then stay together, as documented) shifts anyway.  One look at every row (its best, runner-up and margin) finds the few rows
         with a tie; only those are looked at column by column, and only they can change.
         Equal is up to 64 float64 ulps of the largest |value| at first; where eta would not
         exceed twice that (a pair of scores a little further apart than that: the finish's
@@ -2391,11 +2441,25 @@ class _ExactSolver:
                 break
             tol = rmin      # the nearest pair that was not a tie is one now
         # (a cycle of ties, such as identical rows without the tie-break have, has no order:
-        # the rows then take their argmax at the shift of k + 1 steps, balanced or not)
+        # the rows then take their argmax at the shift of k + 1 steps)
+        dT, old = self.dT, self.labels.index_select(0, tied)
+        balanced = self._within()
         self.dT = self.dT + _tie_shift(pi, r, scale).to(dev)
         # a row outside `tied` leads by at least r > 2 eta max(pi): it keeps its label
         self.labels[tied] = self._eval(tied)[1]
         self.counts = self._count()
+        if keep_balance and balanced and not self._within():
+            # Scores closer than float64 resolves at their size (thousands of rows spread over
+            # the clusters by the tie-break alone, beside others: docs/labeler.md, v26): no shift
+            # orders these ties.  Balance comes first: the rows keep their labels, on a tie.
+            self.dT = dT
+            self.labels[tied] = old
+            self.counts = self._count()
+            self.ties_left = int(self.comm.sum(torch.tensor([tied.numel()]))[0])
+
+    def _within(self):
+        """Whether every count is within its bounds (lo, hi), on all ranks alike."""
+        return bool(((self.counts >= self.lo) & (self.counts <= self.hi)).all())
 
     def _ties(self, margin, arg, tol):
         """strictify's look at the rows at a tolerance: the tied pairs a * k + b (ascending, of
@@ -2926,7 +2990,7 @@ class _PathSolver:
         self._lab = lab
         self.counts = torch.bincount(self.labels, minlength=k)
         self.dT = torch.zeros(k, dtype=torch.float64)
-        self.rounds, self.phases, self.ties = 0, 0, 0
+        self.rounds, self.phases, self.ties, self.ties_left = 0, 0, 0, 0
 
     @property
     def labels(self):
@@ -3001,9 +3065,9 @@ class _PathSolver:
         history.append(_std(self.counts, self.target))
         return True
 
-    def strictify(self):
+    def strictify(self, keep_balance=True):
         """Moved rows tie with the cluster they left: _ExactSolver.strictify's shift, on all
-        rows at once (they are few)."""
+        rows at once (they are few); keep_balance as there."""
         V, lab, k = self.vals, self._lab, self.k
         dT = self.dT.numpy()
         S = V - dT
@@ -3027,10 +3091,20 @@ class _PathSolver:
             tol = rmin
         self.ties = key.size
         if self.ties:
+            dT, c0 = self.dT, self.counts
             self.dT = self.dT + _tie_shift(pi, rmin, scale)
             tied = np.bincount(rows, minlength=V.shape[0]).nonzero()[0]
+            old = lab[tied].copy()
             lab[tied] = (V[tied] - self.dT.numpy()).argmax(1)
             self.counts = torch.bincount(self.labels, minlength=k)
+            if keep_balance and self._within(c0) and not self._within(self.counts):
+                # (no shift orders these ties: _ExactSolver.strictify keeps the labels too)
+                self.dT, self.counts = dT, c0
+                lab[tied] = old
+                self.ties_left = tied.size
+
+    def _within(self, counts):
+        return bool(((counts >= self.lo) & (counts <= self.hi)).all())
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
@@ -3191,7 +3265,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             ok = solver.run(200, history, max(R / 8, eps))
         if not ok:
             return None
-        solver.strictify()
+        solver.strictify(keep_balance=eps > 0)
         dT, sol_labels, sol_counts = (t.to(dev) for t in (solver.dT, solver.labels, solver.counts))
         span = float(dT.max() - dT.min())
         T_before, at_before = T, (at if P is None else None)
@@ -3220,7 +3294,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                                    std_history=history, std=_std(counts.cpu(), tc),
                                    std_max=_std_max(tc, n),
                                    seconds=time.perf_counter() - t0, stop_reason="balanced",
-                                   refetched=0, ties=solver.ties, active=B.numel())
+                                   refetched=0, ties=solver.ties, ties_left=solver.ties_left,
+                                   active=B.numel())
         # with the rows solved and the rows that changed (a cluster T moved far for: the rows
         # that move with it), from the solve's T where they are few (under 1 % of the rows
         # solved: the counts are off by little there), else again from the T before the solve

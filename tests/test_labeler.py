@@ -61,12 +61,32 @@ def test_exact_balance_gaussian_50k(k):
 
 @pytest.mark.parametrize("k, n", [(10, 50_000), (128, 50_000), (1000, 20_000)])
 def test_exact_balance_collapsed(k, n):
-    """Every row the same (a dead network: its bias alone): all solved whole, as the tie-break
-    decides (docs/labeler.md, v25: the slowest input for its size; k = 1000 at 20,000 rows)."""
+    """Every row the same (a dead network: its bias alone), where the tie-break alone decides
+    (docs/labeler.md, v25 - v26; k = 1000 at 20,000 rows)."""
     O = torch.randn(1, k, generator=gen(k)).expand(n, k).contiguous()
     r = exact(O)
     check_even(r)
     check_translation(O, r)   # every row is a tie: the perturbation decides
+    if k > 128:
+        # candidate lists: they hold the columns the tie-break ranks first, so no row is read
+        # again (before v26, from sample_start_T's T, every row was, many times over)
+        assert r.refetched == 0
+
+
+@pytest.mark.parametrize("k, n", [(200, 4000), (300, 3000)])
+def test_exact_balance_half_collapsed(k, n):
+    """Half of the rows the same, the others Gaussian: the shared row must end tied over most
+    clusters, its copies spread by the tie-break at scores closer than float64 can order at
+    their size; balance is kept (before v26 strictify's shift left these counts up to 5 apart,
+    reported as stop_reason "max_iter"), and the rows it leaves on a tie are counted."""
+    g = gen(0)
+    half = torch.randn(1, k, generator=g).expand(n // 2, k)
+    O = torch.cat([half, torch.randn(n - n // 2, k, generator=g)])
+    O = O[torch.randperm(n, generator=g)].contiguous()
+    r = exact(O)
+    check_even(r)
+    assert 0 <= r.ties_left <= r.active
+    check_translation(O, r)
 
 
 @pytest.mark.parametrize("x", [0.5, 1.0, 2.0])
@@ -1142,6 +1162,29 @@ def test_strictify_counts_near_ties_past_rounding_as_ties(solver):
     assert torch.equal(S.argmax(1), labels) and s.ties == 2
     S[torch.arange(3), labels] = -math.inf
     assert ((vals - s.dT).gather(1, labels[:, None])[:, 0] > S.amax(1)).all()
+
+
+@pytest.mark.parametrize("solver", ["exact", "paths"])
+def test_strictify_keeps_balance_when_no_shift_orders_the_ties(solver):
+    """Two equal rows in two clusters tie both ways (a cycle: no shift of T orders them, as
+    with rows whose tie-break values float64 cannot tell apart at their size).  The shift would
+    send both to one cluster; strictify keeps the balanced labels instead and counts the rows
+    left on a tie (before v26: counts [2, 0])."""
+    vals = torch.zeros(2, 2, dtype=torch.float64)
+    labels, target = torch.tensor([0, 1]), otl.even_target(2, 2)
+    lo, hi = otl._count_bounds(target)
+    if solver == "paths":
+        s = otl._PathSolver(vals.clone(), 2, target, lo, hi)
+        s._lab[:] = labels.numpy()
+        s.counts = torch.ones(2, dtype=torch.int64)
+    else:
+        s = otl._ExactSolver(vals.clone(), torch.arange(2, dtype=torch.int16).expand(2, 2).contiguous(),
+                             torch.full((2,), -math.inf, dtype=torch.float64), 2, target, lo,
+                             hi, otl._Comm(False), 8192, torch.arange(2), labels=labels.clone())
+    s.strictify()
+    assert s.labels.tolist() == [0, 1] and s.counts.tolist() == [1, 1]
+    assert s.ties == 2 and s.ties_left == 2
+    assert torch.equal(s.dT, torch.zeros(2, dtype=torch.float64))
 
 
 def _solver_spy(monkeypatch):
