@@ -2412,7 +2412,8 @@ class _ExactSolver:
         every other margin over (max pi + 1): ties resolve to the current labels, nothing else
         changes.  keep_balance: where that shift would take balanced counts out of their bounds
         (no shift orders the ties), keep the labels and T, the rows on their ties (ties_left);
-        False (no tie-break: identical rows then stay together, as documented) shifts anyway.  One look at every row (its best, runner-up and margin) finds the few rows
+        False (no tie-break: identical rows then stay together, as documented) shifts anyway.
+        One look at every row (its best, runner-up and margin) finds the few rows
         with a tie; only those are looked at column by column, and only they can change.
         Equal is up to 64 float64 ulps of the largest |value| at first; where eta would not
         exceed twice that (a pair of scores a little further apart than that: the finish's
