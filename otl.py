@@ -378,6 +378,11 @@ def _count_bounds(target: torch.Tensor):
     return (target + 1e-9).floor().long(), (target - 1e-9).ceil().long()
 
 
+def _within(counts, lo, hi) -> bool:
+    """Whether every count is within its bounds [lo, hi] (_count_bounds)."""
+    return bool(((counts >= lo) & (counts <= hi)).all())
+
+
 def even_target(n: int, k: int) -> torch.Tensor:
     """The even target n_i = N / k (float: N need not be a multiple of k)."""
     return torch.full((k,), n / k, dtype=torch.float64)
@@ -1497,7 +1502,7 @@ class StreamingTranslator:
         counts = ic + solver.counts
         std = _std(counts.cpu(), target)
         std_max = _std_max(target, n_total)
-        ok = bool(((counts >= lo) & (counts <= hi)).all())
+        ok = _within(counts, lo, hi)
         if not ok:   # (not seen since v26; it was silent before)
             warnings.warn(
                 f"the exact labeler ended with counts {int(counts.min())} - {int(counts.max())}, "
@@ -1750,11 +1755,8 @@ class StreamingTranslator:
         tied = (tv[:, w - 1] - b <= self.eps + 2 * slack).nonzero()[:, 0]
         if tied.numel():
             V = self._whole_rows(X.index_select(0, tied), rows.index_select(0, tied) + self.offset)
-            tv2, ti2 = (V - dT).topk(w + 1, dim=1)
-            ti2 = ti2[:, :w]
-            b2 = tv2[:, w]
-            vals[tied] = V.gather(1, ti2)
-            ti[tied] = ti2
+            vals[tied], c2, b2 = self._cut(V, dT)
+            ti[tied] = c2.long()
             theta[tied] = torch.where(torch.isfinite(b2), b2 + 2.0 ** -50 * (b2.abs() + scale), b2)
         return vals, ti.to(self.cdtype), theta
 
@@ -2444,12 +2446,12 @@ class _ExactSolver:
         # (a cycle of ties, such as identical rows without the tie-break have, has no order:
         # the rows then take their argmax at the shift of k + 1 steps)
         dT, old = self.dT, self.labels.index_select(0, tied)
-        balanced = self._within()
+        balanced = _within(self.counts, self.lo, self.hi)   # (global counts: all ranks alike)
         self.dT = self.dT + _tie_shift(pi, r, scale).to(dev)
         # a row outside `tied` leads by at least r > 2 eta max(pi): it keeps its label
         self.labels[tied] = self._eval(tied)[1]
         self.counts = self._count()
-        if keep_balance and balanced and not self._within():
+        if keep_balance and balanced and not _within(self.counts, self.lo, self.hi):
             # Scores closer than float64 resolves at their size (thousands of rows spread over
             # the clusters by the tie-break alone, beside others: docs/labeler.md, v26): no shift
             # orders these ties.  Balance comes first: the rows keep their labels, on a tie.
@@ -2457,10 +2459,6 @@ class _ExactSolver:
             self.labels[tied] = old
             self.counts = self._count()
             self.ties_left = int(self.comm.sum(torch.tensor([tied.numel()]))[0])
-
-    def _within(self):
-        """Whether every count is within its bounds (lo, hi), on all ranks alike."""
-        return bool(((self.counts >= self.lo) & (self.counts <= self.hi)).all())
 
     def _ties(self, margin, arg, tol):
         """strictify's look at the rows at a tolerance: the tied pairs a * k + b (ascending, of
@@ -3098,14 +3096,12 @@ class _PathSolver:
             old = lab[tied].copy()
             lab[tied] = (V[tied] - self.dT.numpy()).argmax(1)
             self.counts = torch.bincount(self.labels, minlength=k)
-            if keep_balance and self._within(c0) and not self._within(self.counts):
+            lo, hi = self.lo, self.hi
+            if keep_balance and _within(c0, lo, hi) and not _within(self.counts, lo, hi):
                 # (no shift orders these ties: _ExactSolver.strictify keeps the labels too)
                 self.dT, self.counts = dT, c0
                 lab[tied] = old
                 self.ties_left = tied.size
-
-    def _within(self, counts):
-        return bool(((counts >= self.lo) & (counts <= self.hi)).all())
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
