@@ -32,7 +32,8 @@
 #                                    outputs (stages on the GPU; the three labelers, GPU and host)
 #
 # .gpu/ (ignored: add /.gpu/ to .git/info/exclude) holds ../shared/data/EuroSAT.zip split by
-# `split -b 60000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` and a 40-per-class
+# `split -b 55000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` (with the tree and the small
+# archive, the first piece must stay under the 64 MiB a call carries) and a 40-per-class
 # EuroSAT_small.zip for the tests' small_data fixture.  Outputs go to $OUT (what comes back).
 # ZIP=<path> names a whole archive already on the machine instead.  On a machine with the
 # archive beside the checkout, `make train-bench-gpu labeler-bench-gpu` and
