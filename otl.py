@@ -1358,24 +1358,37 @@ class StreamingTranslator:
         thr = rmax - self.window
         # hits per row, and the rows with more than w, which keep their best w by exact value
         # with the tie-break; when those rows hold most of their columns they are taken whole
-        # below, so their hits are cleared first (on collapsed outputs, every column of every
-        # row is a hit: listing them one by one cost most of the extraction)
-        # (hits counted only on the rows with more than w / 8 words holding one: a sum over
-        # every int8 of the mask cost more than the rest of the extraction)
+        # below, and their hits are not listed (on collapsed outputs every column of every row
+        # is a hit: listing them one by one cost most of the extraction).  The mask is read as
+        # int64 words, 8 columns each: the words with a hit are listed, then the hits in them,
+        # except on the rows with a hit in 9 / 10 of their words or more ("dense"), which are
+        # counted by a sum over their int8 mask and listed only if not taken whole.  (A sum over
+        # every row's mask, as v26 made, cost more than the rest of the extraction on Gaussian
+        # outputs; docs/labeler.md, v27.)
         W = M.view(-1).view(torch.int64)
-        maybe = (W.view(n, kp // 8).ne(0).sum(1) * 8 > w).nonzero()[:, 0]
-        cnt = torch.zeros(n, dtype=torch.int64, device=dev)      # hits, exact where > w
-        cnt.index_copy_(0, maybe, M.index_select(0, maybe).sum(1, dtype=torch.int32).neg_().long())
+        kw = kp // 8
+        fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
+        frow = torch.div(fw, kw, rounding_mode="floor")
+        dense = torch.bincount(frow, minlength=n) * 10 >= 9 * kw
+        di = dense.nonzero()[:, 0]
+        if di.numel():
+            fw = fw[~dense.index_select(0, frow)]
+        rr, cc = self._hits(W, fw, kp)
+        cnt = torch.bincount(rr, minlength=n)                   # hits per row
+        if di.numel():
+            cnt.index_copy_(0, di, M.index_select(0, di).sum(1, dtype=torch.int32).neg_().long())
         many = cnt > w
         oi = many.nonzero()[:, 0]
         whole = oi.numel() > 0 and int(cnt.index_select(0, oi).sum()) > 0.3 * oi.numel() * k
-        if whole:
-            M.index_fill_(0, oi, 0)
-        fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
-        hit = W.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # (c,) word * 8 + byte
-        g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)  # flat positions in M, ascending
-        rr = torch.div(g, kp, rounding_mode="floor")            # rows, ascending
-        cc = g.sub_(rr * kp)
+        if whole:                                               # rows taken whole: not listed
+            keep = ~many.index_select(0, rr)
+            if not bool(keep.all()):
+                rr, cc = rr[keep], cc[keep]
+        back = di if not whole else di[~many.index_select(0, di)]   # dense rows still to list
+        if back.numel():
+            d_rr, d_cc = self._hits(W, (back[:, None] * kw + torch.arange(kw, device=dev)).view(-1), kp)
+            order = torch.cat([rr * kp + cc, d_rr * kp + d_cc]).sort().indices
+            rr, cc = torch.cat([rr, d_rr])[order], torch.cat([cc, d_cc])[order]
         listed = torch.bincount(rr, minlength=n)                # hits per row listed (none on rows taken whole)
         pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(listed, 0) - listed).index_select(0, rr)
         self.n += n
@@ -1423,6 +1436,15 @@ class StreamingTranslator:
         cols.index_copy_(0, at, cc.to(self.cdtype))
         vals, cols = vals[:n * w].view(n, w), cols[:n * w].view(n, w)
         self._store(vals, cols, theta)
+
+    @staticmethod
+    def _hits(W, fw, kp):
+        """(rows, columns) of the hits in the int64 words fw (ascending) of the int8 mask W, in
+        row-major order; kp columns a row."""
+        hit = W.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # (c,) word * 8 + byte
+        g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)  # flat positions in M, ascending
+        rr = torch.div(g, kp, rounding_mode="floor")            # rows, ascending
+        return rr, g.sub_(rr * kp)
 
     def _store(self, vals, cols, theta):
         self.vals.append(vals)

@@ -317,6 +317,50 @@ def test_reread_rows_keep_exact_values_and_a_true_bound():
         assert bool(((theta - t0)[fin] <= 2 * st.eps).all())
 
 
+@pytest.mark.parametrize("dense_rows", [1, 10])
+def test_extraction_counts_dense_rows_apart_and_lists_them_unless_whole(monkeypatch, dense_rows):
+    """A block's candidates where some rows have 95 % of their columns tied at their best
+    (counted by a sum over their mask, not listed hit by hit) beside rows with a few more hits
+    than the width, and rows with one clear best: with one such row it is listed after the
+    others (the rows over the width hold under 3 / 10 of their columns on average: not whole),
+    with ten the block's rows over the width are taken whole.  Either way every row keeps exact
+    values, theta bounds every dropped column, and a row with more hits than the width keeps
+    the best `width` columns that its whole row gives."""
+    n0, k = 1000, 300
+    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0, n_init=n0)
+    st.add(torch.randn(n0, k, generator=gen(40)))
+    w = st.width
+    T0 = st.T0.to(torch.float32)
+    X = torch.randn(64, k, generator=gen(41)) + T0
+    X[torch.arange(64), torch.arange(64) * 4] += 6.0                  # one clear best a row
+    tied = int(0.95 * k)
+    X[20:20 + dense_rows, :tied] = T0[:tied] + 8.0                    # dense: tied at the top
+    many = torch.arange(40, 50)
+    X[many, :w + 4] = T0[:w + 4] + 8.0 + torch.randn(10, w + 4, generator=gen(43)) * 1e-3
+    calls = []
+    hits = otl.StreamingTranslator._hits
+    monkeypatch.setattr(otl.StreamingTranslator, "_hits",
+                        staticmethod(lambda *a: calls.append(1) or hits(*a)))
+    first = st.n + st.row_offset
+    st._extract_block(X)
+    vals, cols, theta = st.vals[-1], st.cols[-1].long(), st.theta[-1]
+    whole = dense_rows * tied + 10 * (w + 4) > 0.3 * (dense_rows + 10) * k
+    assert whole == (dense_rows == 10)
+    assert len(calls) == (1 if whole else 2)     # the dense rows listed apart unless taken whole
+    S = X.double() - st.T0
+    kept = torch.isfinite(vals)
+    assert torch.equal(vals[kept], S.gather(1, cols)[kept])               # exact values
+    mask = torch.zeros(64, k, dtype=torch.bool)
+    mask[kept.nonzero()[:, 0], cols[kept]] = True
+    dropped = S.masked_fill(mask, -math.inf).amax(1)
+    assert bool((dropped <= theta).all())
+    over = torch.cat([torch.arange(20, 20 + dense_rows), many])           # more hits than w
+    _, ref_cols, _ = st._cut(st._whole_rows(X[over], over + first),
+                             torch.zeros(k, dtype=torch.float64))
+    assert bool(kept[over].all())
+    assert torch.equal(cols[over].sort(1).values, ref_cols.long().sort(1).values)
+
+
 def test_auction_has_its_own_rounds_after_a_long_approach():
     """The approach's steps count in the solver's rounds; the auction still gets its own
     max_rounds after them (it used to be skipped once the approach had taken max_rounds)."""

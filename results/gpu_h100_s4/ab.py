@@ -2,8 +2,10 @@
 
     python .gpu/ab/ab.py OUT.json name=path.py [name=path.py ...]
 
-Inputs: Gaussian 1.28M x 3000, 64,000 x 3000 and 50,000 x 1000 (torch.randn on the GPU, seed 0)
-and every .gpu/ab/*.pt (saved (N, k) float32 outputs), moved to the GPU.  Each version: one
+Inputs: Gaussian 1.28M x 3000, 64,000 x 3000 and 50,000 x 1000 (torch.randn on the GPU, seed 0;
+SIZES=640000x3000,... others; on a machine without CUDA, on the CPU: 5,000 x 300 unless SIZES)
+and every saved (N, k) float32 output in PT (a glob, default .gpu/ab/*.pt; PT= none), moved
+to the device.  Each version: one
 warm-up call, then `REPS` calls, versions alternating; the published rules once warm on the
 .pt inputs (the first version's module) for reference.
 """
@@ -44,14 +46,18 @@ def main():
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inputs = []
     g = torch.Generator(device=dev).manual_seed(0)
-    sizes = ((1_280_000, 3000), (64_000, 3000), (50_000, 1000))
-    for n, k in sizes if dev.type == "cuda" else ((5000, 300),):    # (a smoke test on the CPU)
+    sizes = ((1_280_000, 3000), (64_000, 3000), (50_000, 1000)) if dev.type == "cuda" else ((5000, 300),)
+    if os.environ.get("SIZES"):
+        sizes = [tuple(int(v) for v in s.split("x")) for s in os.environ["SIZES"].split(",")]
+    for n, k in sizes:
         inputs.append((f"gaussian_{n}x{k}", lambda n=n, k=k: torch.randn(n, k, device=dev,
                                                                        generator=g)))
-    for p in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.pt"))):
+    pattern = os.environ.get("PT", os.path.join(os.path.dirname(__file__), "*.pt"))
+    for p in sorted(glob.glob(pattern)) if pattern else []:
         inputs.append((os.path.basename(p)[:-3],
                        lambda p=p: torch.load(p, weights_only=True).to(dev, torch.float32)))
-    rec = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+    rec = {"command": " ".join(["python"] + sys.argv), "sizes": os.environ.get("SIZES"),
+           "threads": torch.get_num_threads(), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "reps": REPS, "versions": [v for v, _ in versions], "inputs": {}}
     for name, make in inputs:
         X = make()
