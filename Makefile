@@ -5,6 +5,7 @@
 #   make labeler-bench              ours vs the published labeler vs Sinkhorn-Knopp: time, balance, memory
 #   make labeler-bench-gpu          the same on a CUDA GPU
 #   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
+#   make labeler-compare REV=HEAD   a labeler change: the same labels and T as REV's, and the time
 #   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
 #   make hmhr                       HMHR by the transfer protocol: OTL from EuroSAT's OTL backbone, beside scratch and supervised
 #   make cifar10                    CIFAR-10 with AlexNet (the CPU twin here), from ../shared/data; likewise
@@ -29,11 +30,11 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu train-bench-gpu ablations $(addprefix ablation-,$(ABLATIONS)) ablation-label-bn test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu labeler-compare train-bench-gpu ablations $(addprefix ablation-,$(ABLATIONS)) ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,21p' Makefile
+	@sed -n '1,22p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -137,6 +138,13 @@ labeler-bench-gpu: $(STAMP)
 
 labeler-profile-gpu: $(STAMP)
 	$(PY) profile_labeler.py --device cuda --out results/labeler_profile_gpu.txt
+
+# otl.py's exact labeler against REV's (a commit, or a path to another otl.py): bit-for-bit labels
+# and T on Gaussian, collapsed and grouped inputs at k = 2 - 3000 and the time of each, 320,000 x
+# 3000 included (about 3 minutes on 2 cores); fails if any case differs
+REV ?= HEAD
+labeler-compare: $(STAMP)
+	$(PY) compare_labelers.py $(REV) otl.py --inputs small,stream,large --expect-same
 
 # images/s of the OTL step, the label pass and augmentation at 224, 112 and 64 px, and of a plain
 # supervised ResNet-18 loop (the ceiling); torch.compile timed at 112 px

@@ -1,0 +1,169 @@
+"""Two versions of the exact labeler (otl.translate, method="exact") on the same inputs: do they
+give the same labels and T to the bit, and which is faster?  What to run before and after a
+change to the labeler (docs/labeler.md: v26 was checked on real outputs alone and made large
+Gaussian ones 1.4x - 1.6x slower; v27 found it with this comparison).
+
+    python compare_labelers.py HEAD otl.py                    # the last commit against the tree
+    python compare_labelers.py 7c12066 otl.py --inputs large  # timing at 320,000 x 3000
+    python compare_labelers.py HEAD otl.py --pt 'saved/*.pt' --expect-same
+
+A and B: a path to an otl.py, or a git revision whose otl.py is read with `git show REV:otl.py`.
+Input sets (--inputs, comma-separated; default small,stream):
+  small   Gaussian with a drift across columns, k = 2 - 100, N = 600 - 20,000 (the dense path)
+  stream  k = 200 - 3000 (the streaming path): Gaussian with and without a drift, identical rows,
+          half of the rows one identical row, 10 tight groups, a few dominant columns
+  large   Gaussian 320,000 x 3000 (--large-n x --large-k)
+  --pt    saved (N, k) outputs (torch.save), each whole and as four subsets
+Each case: one warm-up call of each version, then --reps calls alternating A, B (median time).
+Results: a line a case, a summary, and --out JSON; with --expect-same the exit status is 1 when
+any case differs.
+"""
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def load(spec, name, tmp):
+    """The otl module at path `spec`, or at git revision `spec` (its otl.py)."""
+    path = spec
+    if not os.path.isfile(spec):
+        try:
+            src = subprocess.run(["git", "show", f"{spec}:otl.py"], capture_output=True, text=True,
+                                 check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        except (subprocess.CalledProcessError, FileNotFoundError) as err:
+            raise SystemExit(f"{spec!r} is neither a file nor a git revision with an otl.py "
+                             f"({err}); give a path to an otl.py or a commit") from None
+        path = os.path.join(tmp, f"otl_{name}.py")
+        with open(path, "w") as f:
+            f.write(src)
+    mod_spec = importlib.util.spec_from_file_location(f"otl_{name}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules[f"otl_{name}"] = mod
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def cases(which, args):
+    """(name, outputs) pairs of the chosen sets, made from fixed seeds."""
+    if "small" in which:
+        g = torch.Generator().manual_seed(0)
+        for k in (2, 5, 10, 20, 37, 64, 100):
+            for n in (600, 5000, 20000):
+                yield f"drift_{n}x{k}", torch.randn(n, k, generator=g) + torch.linspace(0, 2, k)
+    if "stream" in which:
+        g = torch.Generator().manual_seed(1)
+        for k, n in ((200, 20000), (500, 20000), (1000, 30000), (3000, 30000), (257, 9000),
+                     (1000, 3000)):
+            yield f"gauss_{n}x{k}", torch.randn(n, k, generator=g)
+            yield f"drift_{n}x{k}", torch.randn(n, k, generator=g) + torch.linspace(0, 3, k)
+        for k, n in ((300, 6000), (1000, 20000)):
+            yield f"identical_{n}x{k}", torch.randn(1, k, generator=g).expand(n, k).contiguous()
+        for k, n in ((200, 4000), (300, 3000)):
+            half = torch.randn(1, k, generator=g).expand(n // 2, k)
+            rest = torch.randn(n - n // 2, k, generator=g)
+            yield f"half_{n}x{k}", torch.cat([half, rest])[torch.randperm(n, generator=g)].contiguous()
+        base = torch.randn(10, 300, generator=g)
+        yield "groups10_6000x300", (base[torch.arange(6000) % 10]
+                                    + 0.01 * torch.randn(6000, 300, generator=g)).contiguous()
+        X = torch.randn(20000, 1000, generator=g) * 0.1
+        X[:, :5] += 3.0
+        yield "dominant_20000x1000", X
+    if "large" in which:
+        g = torch.Generator().manual_seed(2)
+        yield (f"gauss_{args.large_n}x{args.large_k}",
+               torch.randn(args.large_n, args.large_k, generator=g))
+    for p in sorted(glob.glob(args.pt)) if args.pt else []:
+        X = torch.load(p, weights_only=True)
+        if X.dim() != 2:
+            print(f"skipped {p}: not an (N, k) tensor", file=sys.stderr)
+            continue
+        n, name = X.shape[0], os.path.basename(p)
+        yield name, X
+        for tag, sub in (("[:80%]", X[:int(0.8 * n)]), ("[n/3:]", X[n // 3:]), ("[::2]", X[::2]),
+                         ("[:-777]", X[:-777])):
+            if sub.shape[0] > 0:
+                yield name + tag, sub
+
+
+def call(mod, X):
+    t = time.perf_counter()
+    r = mod.translate(X, method="exact")
+    return time.perf_counter() - t, r
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("a", help="version A: a path to an otl.py, or a git revision")
+    p.add_argument("b", help="version B: likewise")
+    p.add_argument("--inputs", default="small,stream",
+                   help="input sets, comma-separated: small, stream, large, none (default small,stream)")
+    p.add_argument("--pt", help="a glob of saved (N, k) outputs to compare on as well")
+    p.add_argument("--reps", type=int, default=1, help="timed calls of each version a case (default 1)")
+    p.add_argument("--large-n", type=int, default=320_000)
+    p.add_argument("--large-k", type=int, default=3000)
+    p.add_argument("--out", help="write the results here as JSON")
+    p.add_argument("--expect-same", action="store_true",
+                   help="exit with status 1 if any case gives other labels, T or counts")
+    args = p.parse_args(argv)
+    which = {w.strip() for w in args.inputs.split(",")} - {"", "none"}
+    bad = which - {"small", "stream", "large"}
+    if bad:
+        p.error(f"unknown input set(s) {sorted(bad)}: choose from small, stream, large, none")
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        A, B = load(args.a, "A", tmp), load(args.b, "B", tmp)
+        rec = {"command": " ".join(["python", os.path.basename(__file__)] + (argv or sys.argv[1:])),
+               "a": args.a, "b": args.b, "threads": torch.get_num_threads(), "cases": []}
+        differ = 0
+        print(f"{'case':32s} {'same':5s} {'A s':>8s} {'B s':>8s} {'B/A':>5s}  iterations A / B")
+        for name, X in cases(which, args):
+            _, ra = call(A, X)      # warm-up, and the results compared
+            _, rb = call(B, X)
+            same = (torch.equal(ra.labels, rb.labels) and torch.equal(ra.T, rb.T)
+                    and torch.equal(ra.counts, rb.counts))
+            ta, tb = [], []
+            for _ in range(args.reps):
+                ta.append(call(A, X)[0])
+                tb.append(call(B, X)[0])
+            ma, mb = statistics.median(ta), statistics.median(tb)
+            differ += not same
+            row = {"case": name, "shape": list(X.shape), "same": same, "seconds_a": ta,
+                   "seconds_b": tb, "iterations_a": ra.iterations, "iterations_b": rb.iterations,
+                   "max_minus_min_a": int(ra.counts.max() - ra.counts.min()),
+                   "max_minus_min_b": int(rb.counts.max() - rb.counts.min())}
+            if not same:
+                row["labels_differ"] = int((ra.labels != rb.labels).sum())
+                row["T_max_abs_diff"] = float((ra.T - rb.T).abs().max())
+            rec["cases"].append(row)
+            print(f"{name:32s} {'yes' if same else 'NO':5s} {ma:8.3f} {mb:8.3f} {mb / ma:5.2f}  "
+                  f"{ra.iterations} / {rb.iterations}", flush=True)
+        n = len(rec["cases"])
+        if n:
+            ratios = [statistics.median(c["seconds_b"]) / statistics.median(c["seconds_a"])
+                      for c in rec["cases"]]
+            rec["summary"] = {"cases": n, "differ": differ, "b_over_a_median": statistics.median(ratios),
+                              "b_over_a_max": max(ratios)}
+            print(f"{n} cases, {differ} differ; B / A time: median {rec['summary']['b_over_a_median']:.2f}, "
+                  f"largest {rec['summary']['b_over_a_max']:.2f}")
+        else:
+            print("no cases: choose --inputs or --pt")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rec, f, indent=1)
+    return 1 if args.expect_same and differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

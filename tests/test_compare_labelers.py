@@ -1,0 +1,66 @@
+"""compare_labelers.py: two versions of the exact labeler on the same inputs, bit for bit."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import compare_labelers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OTL = os.path.join(ROOT, "otl.py")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    p = tmp_path / "outputs.pt"
+    torch.save(torch.randn(3000, 20, generator=torch.Generator().manual_seed(3)), p)
+    return str(p)
+
+
+def test_same_version_is_the_same_on_every_case(tmp_path, saved, capsys):
+    copy = tmp_path / "otl_copy.py"
+    shutil.copy(OTL, copy)
+    out = tmp_path / "cmp.json"
+    rc = compare_labelers.main([OTL, str(copy), "--inputs", "none", "--pt", saved, "--reps", "2",
+                                "--out", str(out), "--expect-same"])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    assert [c["case"] for c in rec["cases"]] == ["outputs.pt", "outputs.pt[:80%]", "outputs.pt[n/3:]",
+                                                "outputs.pt[::2]", "outputs.pt[:-777]"]
+    assert all(c["same"] and len(c["seconds_a"]) == len(c["seconds_b"]) == 2 for c in rec["cases"])
+    assert all(c["max_minus_min_a"] <= 1 for c in rec["cases"])
+    assert rec["summary"]["differ"] == 0
+    assert "5 cases, 0 differ" in capsys.readouterr().out
+
+
+def test_a_change_in_T_is_reported_and_fails_expect_same(tmp_path, saved, capsys):
+    """B shifts T by a constant (the same labels, another T): every case differs."""
+    changed = tmp_path / "otl_changed.py"
+    changed.write_text(open(OTL).read() + "\n\n_translate = translate\n\n\n"
+                       "def translate(outputs, **kw):\n"
+                       "    r = _translate(outputs, **kw)\n"
+                       "    r.T = r.T + 1.0\n"
+                       "    return r\n")
+    out = tmp_path / "cmp.json"
+    rc = compare_labelers.main([OTL, str(changed), "--inputs", "none", "--pt", saved,
+                                "--out", str(out), "--expect-same"])
+    assert rc == 1
+    rec = json.loads(out.read_text())
+    assert not any(c["same"] for c in rec["cases"])
+    assert all(c["labels_differ"] == 0 and c["T_max_abs_diff"] == pytest.approx(1.0)
+               for c in rec["cases"])
+    assert "5 cases, 5 differ" in capsys.readouterr().out
+    # without --expect-same the differences are reported, not an error
+    assert compare_labelers.main([OTL, str(changed), "--inputs", "none", "--pt", saved]) == 0
+
+
+def test_a_git_revision_and_bad_arguments(tmp_path, saved):
+    if not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    assert compare_labelers.main(["HEAD", OTL, "--inputs", "none", "--pt", saved]) == 0
+    with pytest.raises(SystemExit, match="neither a file nor a git revision"):
+        compare_labelers.main(["no-such-revision-xyz", OTL, "--inputs", "none"])
+    with pytest.raises(SystemExit):
+        compare_labelers.main([OTL, OTL, "--inputs", "tiny"])
