@@ -1,11 +1,12 @@
 """Two versions of the exact labeler (otl.translate, method="exact") on the same inputs: do they
-give the same labels and T to the bit, and which is faster?  What to run before and after a
-change to the labeler (docs/labeler.md: v26 was checked on real outputs alone and made large
-Gaussian ones 1.4x - 1.6x slower; v27 found it with this comparison).
+give the same labels and T to the bit, and which is faster?  What to run before committing a
+change to the labeler: on real outputs alone a slowdown on other inputs can pass unseen
+(docs/labeler.md, v27).
 
     python compare_labelers.py HEAD otl.py                    # the last commit against the tree
     python compare_labelers.py 7c12066 otl.py --inputs large  # timing at 320,000 x 3000
     python compare_labelers.py HEAD otl.py --pt 'saved/*.pt' --expect-same
+    python compare_labelers.py old/otl.py otl.py --device cuda --inputs large --large-n 1280000
 
 A and B: a path to an otl.py, or a git revision whose otl.py is read with `git show REV:otl.py`.
 Input sets (--inputs, comma-separated; default small,stream):
@@ -95,8 +96,12 @@ def cases(which, args):
 
 
 def call(mod, X):
+    if X.is_cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     r = mod.translate(X, method="exact")
+    if X.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t, r
 
 
@@ -110,8 +115,10 @@ def main(argv=None):
                    help="input sets, comma-separated: small, stream, large, none (default small,stream)")
     p.add_argument("--pt", help="a glob of saved (N, k) outputs to compare on as well")
     p.add_argument("--reps", type=int, default=1, help="timed calls of each version a case (default 1)")
-    p.add_argument("--large-n", type=int, default=320_000)
-    p.add_argument("--large-k", type=int, default=3000)
+    p.add_argument("--large-n", type=int, default=320_000, help="rows of the large set (320,000)")
+    p.add_argument("--large-k", type=int, default=3000, help="columns of the large set (3000)")
+    p.add_argument("--device", default="cpu",
+                   help="where the outputs are when the labelers get them: cpu (default) or cuda")
     p.add_argument("--out", help="write the results here as JSON")
     p.add_argument("--expect-same", action="store_true",
                    help="exit with status 1 if any case gives other labels, T or counts")
@@ -122,17 +129,26 @@ def main(argv=None):
         p.error(f"unknown input set(s) {sorted(bad)}: choose from small, stream, large, none")
     if args.reps < 1:
         p.error("--reps must be at least 1")
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError as err:
+        p.error(f"--device {args.device!r}: {err}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device here")
     with tempfile.TemporaryDirectory() as tmp:
         A, B = load(args.a, "A", tmp), load(args.b, "B", tmp)
         rec = {"command": " ".join(["python", os.path.basename(__file__)] + (argv or sys.argv[1:])),
-               "a": args.a, "b": args.b, "threads": torch.get_num_threads(), "cases": []}
+               "a": args.a, "b": args.b, "threads": torch.get_num_threads(),
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "cases": []}
         differ = 0
         print(f"{'case':32s} {'same':5s} {'A s':>8s} {'B s':>8s} {'B/A':>5s}  iterations A / B")
         for name, X in cases(which, args):
+            X = X.to(dev)
             _, ra = call(A, X)      # warm-up, and the results compared
             _, rb = call(B, X)
-            same = (torch.equal(ra.labels, rb.labels) and torch.equal(ra.T, rb.T)
-                    and torch.equal(ra.counts, rb.counts))
+            same = (torch.equal(ra.labels.cpu(), rb.labels.cpu()) and torch.equal(ra.T.cpu(), rb.T.cpu())
+                    and torch.equal(ra.counts.cpu(), rb.counts.cpu()))
             ta, tb = [], []
             for _ in range(args.reps):
                 ta.append(call(A, X)[0])
@@ -144,8 +160,8 @@ def main(argv=None):
                    "max_minus_min_a": int(ra.counts.max() - ra.counts.min()),
                    "max_minus_min_b": int(rb.counts.max() - rb.counts.min())}
             if not same:
-                row["labels_differ"] = int((ra.labels != rb.labels).sum())
-                row["T_max_abs_diff"] = float((ra.T - rb.T).abs().max())
+                row["labels_differ"] = int((ra.labels.cpu() != rb.labels.cpu()).sum())
+                row["T_max_abs_diff"] = float((ra.T.cpu() - rb.T.cpu()).abs().max())
             rec["cases"].append(row)
             print(f"{name:32s} {'yes' if same else 'NO':5s} {ma:8.3f} {mb:8.3f} {mb / ma:5.2f}  "
                   f"{ra.iterations} / {rb.iterations}", flush=True)

@@ -64,3 +64,14 @@ def test_a_git_revision_and_bad_arguments(tmp_path, saved):
         compare_labelers.main(["no-such-revision-xyz", OTL, "--inputs", "none"])
     with pytest.raises(SystemExit):
         compare_labelers.main([OTL, OTL, "--inputs", "tiny"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            compare_labelers.main([OTL, OTL, "--inputs", "none", "--device", "cuda"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compare_on_cuda(tmp_path, saved):
+    out = tmp_path / "cmp.json"
+    assert compare_labelers.main([OTL, OTL, "--inputs", "none", "--pt", saved, "--device", "cuda",
+                                  "--out", str(out), "--expect-same"]) == 0
+    assert json.loads(out.read_text())["device"] != "cpu"
