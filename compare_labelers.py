@@ -14,7 +14,7 @@ Input sets (--inputs, comma-separated; default small,stream):
   stream  k = 200 - 3000 (the streaming path): Gaussian with and without a drift, identical rows,
           half of the rows one identical row, 10 tight groups, a few dominant columns
   large   Gaussian 320,000 x 3000 (--large-n x --large-k)
-  --pt    saved (N, k) outputs (torch.save), each whole and as four subsets
+  --pt    saved (N, k) outputs (torch.save), each whole and as four subsets (--whole-only: whole)
 Each case: one warm-up call of each version, then --reps calls alternating A, B (median time).
 Results: a line a case, a summary, and --out JSON; with --expect-same the exit status is 1 when
 any case differs.
@@ -89,6 +89,8 @@ def cases(which, args):
             continue
         n, name = X.shape[0], os.path.basename(p)
         yield name, X
+        if args.whole_only:
+            continue
         for tag, sub in (("[:80%]", X[:int(0.8 * n)]), ("[n/3:]", X[n // 3:]), ("[::2]", X[::2]),
                          ("[:-777]", X[:-777])):
             if sub.shape[0] > 0:
@@ -114,6 +116,8 @@ def main(argv=None):
     p.add_argument("--inputs", default="small,stream",
                    help="input sets, comma-separated: small, stream, large, none (default small,stream)")
     p.add_argument("--pt", help="a glob of saved (N, k) outputs to compare on as well")
+    p.add_argument("--whole-only", action="store_true",
+                   help="the saved outputs whole only, not also as four subsets")
     p.add_argument("--reps", type=int, default=1, help="timed calls of each version a case (default 1)")
     p.add_argument("--large-n", type=int, default=320_000, help="rows of the large set (320,000)")
     p.add_argument("--large-k", type=int, default=3000, help="columns of the large set (3000)")

@@ -33,6 +33,9 @@ def test_same_version_is_the_same_on_every_case(tmp_path, saved, capsys):
     assert all(c["max_minus_min_a"] <= 1 for c in rec["cases"])
     assert rec["summary"]["differ"] == 0
     assert "5 cases, 0 differ" in capsys.readouterr().out
+    assert compare_labelers.main([OTL, str(copy), "--inputs", "none", "--pt", saved, "--whole-only",
+                                  "--out", str(out)]) == 0
+    assert [c["case"] for c in json.loads(out.read_text())["cases"]] == ["outputs.pt"]
 
 
 def test_a_change_in_T_is_reported_and_fails_expect_same(tmp_path, saved, capsys):
