@@ -87,7 +87,8 @@ def cases(which, args):
         if X.dim() != 2:
             print(f"skipped {p}: not an (N, k) tensor", file=sys.stderr)
             continue
-        n, name = X.shape[0], os.path.basename(p)
+        n, name = X.shape[0], os.path.join(os.path.basename(os.path.dirname(os.path.abspath(p))),
+                                           os.path.basename(p))     # (folder/file: names repeat)
         yield name, X
         if args.whole_only:
             continue

@@ -27,15 +27,16 @@ def test_same_version_is_the_same_on_every_case(tmp_path, saved, capsys):
                                 "--out", str(out), "--expect-same"])
     assert rc == 0
     rec = json.loads(out.read_text())
-    assert [c["case"] for c in rec["cases"]] == ["outputs.pt", "outputs.pt[:80%]", "outputs.pt[n/3:]",
-                                                "outputs.pt[::2]", "outputs.pt[:-777]"]
+    folder = os.path.basename(os.path.dirname(saved))
+    assert [c["case"] for c in rec["cases"]] == [f"{folder}/outputs.pt{s}" for s in
+                                                ("", "[:80%]", "[n/3:]", "[::2]", "[:-777]")]
     assert all(c["same"] and len(c["seconds_a"]) == len(c["seconds_b"]) == 2 for c in rec["cases"])
     assert all(c["max_minus_min_a"] <= 1 for c in rec["cases"])
     assert rec["summary"]["differ"] == 0
     assert "5 cases, 0 differ" in capsys.readouterr().out
     assert compare_labelers.main([OTL, str(copy), "--inputs", "none", "--pt", saved, "--whole-only",
                                   "--out", str(out)]) == 0
-    assert [c["case"] for c in json.loads(out.read_text())["cases"]] == ["outputs.pt"]
+    assert [c["case"] for c in json.loads(out.read_text())["cases"]] == [f"{folder}/outputs.pt"]
 
 
 def test_a_change_in_T_is_reported_and_fails_expect_same(tmp_path, saved, capsys):
