@@ -16,8 +16,8 @@ Input sets (--inputs, comma-separated; default small,stream):
   large   Gaussian 320,000 x 3000 (--large-n x --large-k)
   --pt    saved (N, k) outputs (torch.save), each whole and as four subsets (--whole-only: whole)
 Each case: one warm-up call of each version, then --reps calls alternating A, B (median time).
-Results: a line a case, a summary, and --out JSON; with --expect-same the exit status is 1 when
-any case differs.
+Results: a line a case, a summary, and --out JSON (written after every case); with
+--expect-same the exit status is 1 when any case differs.
 """
 import argparse
 import glob
@@ -168,6 +168,9 @@ def main(argv=None):
                 row["labels_differ"] = int((ra.labels.cpu() != rb.labels.cpu()).sum())
                 row["T_max_abs_diff"] = float((ra.T.cpu() - rb.T.cpu()).abs().max())
             rec["cases"].append(row)
+            if args.out:        # after every case: a long comparison cut short keeps what it did
+                with open(args.out, "w") as f:
+                    json.dump(rec, f, indent=1)
             print(f"{name:32s} {'yes' if same else 'NO':5s} {ma:8.3f} {mb:8.3f} {mb / ma:5.2f}  "
                   f"{ra.iterations} / {rb.iterations}", flush=True)
         n = len(rec["cases"])
