@@ -1,5 +1,9 @@
 """A/B of two otl.py versions' exact labeler on one GPU, the same inputs, calls alternating.
 
+The script that made this session's labeler_ab_s3_head_gpu.json (and, with SIZES, results/
+labeler_extract_v27.json), kept as run; compare_labelers.py at the top of the repository is the
+maintained comparison (bit-for-bit checks, more inputs, --device cuda): use that one.
+
     python .gpu/ab/ab.py OUT.json name=path.py [name=path.py ...]
 
 Inputs: Gaussian 1.28M x 3000, 64,000 x 3000 and 50,000 x 1000 (torch.randn on the GPU, seed 0;
