@@ -6,6 +6,7 @@
 #   make labeler-bench-gpu          the same on a CUDA GPU
 #   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
 #   make labeler-compare REV=HEAD   a labeler change: the same labels and T as REV's, and the time
+#   make labeler-matrix             issue 16's matrix: ours vs the published rules on real outputs, k = 10..3000
 #   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
 #   make hmhr                       HMHR by the transfer protocol: OTL from EuroSAT's OTL backbone, beside scratch and supervised
 #   make cifar10                    CIFAR-10 with AlexNet (the CPU twin here), from ../shared/data; likewise
@@ -30,7 +31,7 @@ EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSA
 SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
 STAMP      = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-bench-gpu labeler-profile-gpu labeler-compare train-bench-gpu ablations $(addprefix ablation-,$(ABLATIONS)) ablation-label-bn test setup clean-runs help
+.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-matrix labeler-bench-gpu labeler-profile-gpu labeler-compare train-bench-gpu ablations $(addprefix ablation-,$(ABLATIONS)) ablation-label-bn test setup clean-runs help
 .DELETE_ON_ERROR:
 
 help:
@@ -129,6 +130,28 @@ $(SETS): $(STAMP)
 # of the trained network when data/eurosat and runs/eurosat exist; 1.28M x 3000 streamed in chunks).
 labeler-bench: eurosat-data
 	$(PY) bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
+
+# issue 16's matrix (results/labeler_matrix_v27.md): ours against the published rules on random and
+# trained networks' outputs, EuroSAT and CIFAR-10, all images and the training split, k = 10 .. 3000;
+# six runs, then the table over them (about an hour on 2 cores).  Needs the trained networks of
+# `make eurosat` and `make cifar10`; MATRIX_V names the files.
+MATRIX_V ?= new
+MATRIX_RUN = $(PY) bench_labeler.py --skip-large --ks 10 --methods exact,published
+MATRIX_E = --data data/eurosat --net cpu --checkpoint $(RUNS)/eurosat/checkpoint.pth
+MATRIX_C = --data data/cifar10 --net alexnet-cifar-cpu --checkpoint $(RUNS)/cifar10/checkpoint.pth --real-split train
+MATRIX_OUT = $(foreach s,eurosat_small_k eurosat_train_small_k cifar10_small_k eurosat_large_k eurosat_train_large_k cifar10_large_k,results/labeler_bench_$(MATRIX_V)_$(s).json)
+labeler-matrix: eurosat-data cifar10-data
+	@for f in $(RUNS)/eurosat/checkpoint.pth $(RUNS)/cifar10/checkpoint.pth; do test -f $$f || \
+	  { echo "$$f is missing: the matrix needs the trained networks of make eurosat and make cifar10"; exit 1; }; done
+	$(MATRIX_RUN) $(MATRIX_E) --real-ks 10,50,100,128 --trained-ks 10,50,100 --fresh 5 --out $(word 1,$(MATRIX_OUT))
+	$(MATRIX_RUN) $(MATRIX_E) --real-split train --real-ks 10,50,100,128 --trained-ks 10,50,100 --fresh 5 --out $(word 2,$(MATRIX_OUT))
+	$(MATRIX_RUN) $(MATRIX_C) --real-ks 10,50,100,128 --trained-ks 10,50,100 --fresh 5 --out $(word 3,$(MATRIX_OUT))
+	$(MATRIX_RUN) $(MATRIX_E) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 4,$(MATRIX_OUT))
+	$(MATRIX_RUN) $(MATRIX_E) --real-split train --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 5,$(MATRIX_OUT))
+	$(MATRIX_RUN) $(MATRIX_C) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 6,$(MATRIX_OUT))
+	$(PY) bench_labeler.py --summary $(MATRIX_OUT) --matrix-plot results/labeler_matrix_$(MATRIX_V).png \
+	  > results/labeler_matrix_$(MATRIX_V).md
+	@tail -n 1 results/labeler_matrix_$(MATRIX_V).md
 
 # the same on a GPU (Gaussian inputs; the published labeler on 640,000 rows, which its float64
 # copies fit in 80 GB); what results/labeler_bench_gpu.json was made with

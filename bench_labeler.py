@@ -6,6 +6,8 @@ Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
     make labeler-bench                                       # the same
     python bench_labeler.py --quick --out /tmp/lb.json       # smoke test, about a minute on 2 cores
     make labeler-bench-gpu                                   # on a CUDA GPU (--device cuda)
+    make labeler-matrix                                      # issue 16's matrix: real outputs, k = 10..3000
+    python bench_labeler.py --summary a.json b.json          # tables, and one over both
 
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
@@ -102,8 +104,15 @@ def get_args_parser():
     p.add_argument("--save-inputs", metavar="DIR", default=None, help="also keep each network "
                    "input (random_net, trained_net, trained_backbone: an (N, k) float32 tensor "
                    "saved by torch.save as DIR/<input>_<k>.pt) for profile_labeler.py --input")
-    p.add_argument("--summary", metavar="JSON", help="print the tables of a results JSON written "
-                   "by this script (and with --plot, draw its plot) and stop")
+    p.add_argument("--summary", metavar="JSON", nargs="+", help="print the tables of results "
+                   "JSONs written by this script and stop; with --plot (one JSON), draw its plot. "
+                   "With several, also one table over all of them: for each set of outputs and "
+                   "k, how many times faster ours is than the published rules (--goal)")
+    p.add_argument("--goal", type=float, default=3.0, help="with --summary: the factor over the "
+                   "published rules that the table over several JSONs marks cells against "
+                   "(default 3, issue 16's)")
+    p.add_argument("--matrix-plot", metavar="PNG", help="with --summary: draw that table's factors "
+                   "against k, one line per set of outputs (needs matplotlib)")
     p.add_argument("--out", default="results/labeler_bench.json", help="results JSON (rewritten after "
                    "every measurement)")
     p.add_argument("--plot", default=None, help="PNG: std and wall time against k (needs matplotlib)")
@@ -657,13 +666,116 @@ def summary(res):
     return "\n".join(lines)
 
 
+def _outputs_of(res, r):
+    """The set of outputs a record's input belongs to: (data set, network, images, N); a random
+    network's fresh heads at every k are one set, a trained network's own head (k = 128) and its
+    backbone through fresh heads another."""
+    a = res["args"]
+    if r["input"] == "gaussian":
+        return ("gaussian", "torch.randn", "", r["n"])
+    data = os.path.basename(os.path.normpath(a.get("data", "")))
+    images = "training split" if a.get("real_split") == "train" else "all images"
+    if r["input"] == "random_net":
+        return (data, f"random `{a.get('net', 'cpu')}` network", images, r["n"])
+    if r["input"] in ("trained_net", "trained_backbone"):
+        return (data, f"trained network (`{os.path.dirname(a.get('checkpoint', ''))}`)", images,
+                r["n"])
+    return None      # the large cases (not held whole) and the *_from_view0 variants
+
+
+def matrix(results, goal=3.0):
+    """One table over several results JSONs (issue 16's question): for each set of outputs
+    (_outputs_of) and k, the published rules' seconds over ours, on the first call in a fresh
+    process and on the second call in it (an epoch after the first), with ours' and their
+    max - min; cells under `goal` end in ' <'.  A measurement in several JSONs (the Gaussian
+    input every run makes) counts once: the one of most fresh processes, else the first.
+    Returns (markdown, {set: {k: factor}})."""
+    cells, ks = {}, set()
+    for res in results:
+        for r in res["records"]:
+            key = _outputs_of(res, r) if "error" not in r else None
+            if key is not None and r["method"] in ("exact", "published"):
+                at = cells.setdefault(key, {}).setdefault(r["k"], {})
+                if r.get("fresh_runs", 1) > at.get(r["method"], {}).get("fresh_runs", 0):
+                    at[r["method"]] = r
+                ks.add(r["k"])
+    name = lambda key: key[0] if key[0] == "gaussian" else ", ".join(key[:3])   # noqa: E731
+    ks = sorted(ks)
+    lines, factors, under, total = [], {}, [], 0
+    for title, field in (("first call, in a fresh process", "seconds"),
+                         ("second call in the same process (every epoch after the first)",
+                          "seconds_warm")):
+        lines += ["", f"Published rules' seconds / ours, {title} (max - min: ours / theirs):", "",
+                  "| outputs | N | " + " | ".join(f"k = {k}" for k in ks) + " |",
+                  "|---|---|" + "---|" * len(ks)]
+        for key in sorted(cells, key=lambda x: (x[0] == "gaussian", x[0], x[1], -x[3])):
+            row = []
+            for k in ks:
+                by = cells[key].get(k, {})
+                e, p = by.get("exact", {}), by.get("published", {})
+                if not (e.get(field) and p.get(field)):
+                    row.append("")
+                    continue
+                f = p[field] / e[field]
+                total += field == "seconds"
+                if field == "seconds":
+                    factors.setdefault(key, {})[k] = f
+                    if f < goal:
+                        under.append(f"{name(key)}, k = {k}: {f:.1f}x")
+                row.append(f"{f:.1f}x ({e['max_minus_min']} / {p['max_minus_min']})"
+                           + (" <" if f < goal else ""))
+            lines.append(f"| {name(key)} | {key[3]:,} | " + " | ".join(row) + " |")
+    lines += ["", f"First call: {total - len(under)} of {total} cells at or above {goal:g}x"
+              + (": every one." if not under else "; under it (marked <): " + "; ".join(under) + ".")]
+    return "\n".join(lines), factors
+
+
+def plot_matrix(factors, path, goal=3.0):
+    """The table's first-call factors against k, one line per set of outputs, the goal dashed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot written to {path}: matplotlib is missing (.venv/bin/python -m pip install "
+              "matplotlib)", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key, by_k in sorted(factors.items()):
+        ks = sorted(by_k)
+        name = key[0] if key[0] == "gaussian" else f"{key[0]}, {key[1]}, {key[2]}"
+        ax.plot(ks, [by_k[k] for k in ks], "o-", ms=3,
+                label=f"{name}, N = {key[3]:,}".replace("`", ""))
+    ax.axhline(goal, color="grey", ls="--", label=f"{goal:g}x")
+    ax.axhline(1, color="black", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="k", ylabel="published rules' seconds / ours",
+           title="ours against the published rules, first call")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", flush=True)
+
+
 def main(args):
     if args.summary:
-        with open(args.summary) as fh:
-            res = json.load(fh)
-        print(summary(res))
+        results, many = [], len(args.summary) > 1
+        for path in args.summary:
+            with open(path) as fh:
+                results.append(json.load(fh))
+            head = ("\n" if len(results) > 1 else "") + f"## {path}\n\n" if many else ""
+            print(head + summary(results[-1]))
         if args.plot:       # the plot of a saved benchmark
-            plot(res["records"], args.plot)
+            if len(results) > 1:
+                raise SystemExit("--plot draws one JSON's plot; give one --summary JSON, or "
+                                 "--matrix-plot for the table over several")
+            plot(results[0]["records"], args.plot)
+        if len(results) > 1 or args.matrix_plot:
+            table, factors = matrix(results, args.goal)
+            print(table)
+            if args.matrix_plot:
+                plot_matrix(factors, args.matrix_plot, args.goal)
         return None
     args = resolve_args(args)
     utils.print_run_header(args)

@@ -199,6 +199,67 @@ def test_median_run_keeps_the_middle_run_and_errors():
     assert bad["error"] == "boom" and bad["failed_runs"] == 1 and "seconds" not in bad
 
 
+def _fake_results(data, split, records):
+    """A results JSON as bench_labeler.py writes it, with only what --summary reads."""
+    recs = [dict(input=i, n=n, k=k, method=m, seconds=s, seconds_warm=s / 2, max_minus_min=d,
+                 std=0.1, streamed=False) for i, n, k, m, s, d in records]
+    return {"machine": {"cpu": "test cpu", "torch_threads": 2, "torch": "x"}, "command": "cmd",
+            "git_commit": "abcdef0", "records": recs,
+            "args": {"data": data, "real_split": split, "net": "cpu", "device": "cpu",
+                     "checkpoint": "runs/eurosat/checkpoint.pth"}}
+
+
+def test_matrix_over_several_results(tmp_path):
+    """--summary A B: one table over both, a row per set of outputs (a trained network's own
+    head and its backbone's fresh heads one row), a column per k, the published rules' seconds
+    over ours with both max - mins, cells under --goal marked and counted; streamed and
+    from-view0 records left out."""
+    sys.path.insert(0, ROOT)
+    import bench_labeler
+    a = _fake_results("data/eurosat", "all", [
+        ("random_net", 50000, 10, "exact", 0.1, 0), ("random_net", 50000, 10, "published", 0.5, 3),
+        ("random_net", 50000, 3000, "exact", 10.0, 1), ("random_net", 50000, 3000, "published", 20.0, 9),
+        ("trained_net", 50000, 128, "exact", 0.2, 1), ("trained_net", 50000, 128, "published", 2.0, 6),
+        ("trained_backbone", 50000, 3000, "exact", 5.0, 1),
+        ("trained_backbone", 50000, 3000, "published", 50.0, 4),
+        ("trained_backbone_from_view0", 50000, 3000, "exact", 0.5, 1)])
+    b = _fake_results("data/cifar10", "train", [
+        ("random_net", 50000, 10, "exact", 0.1, 1), ("random_net", 50000, 10, "published", 0.4, 2),
+        ("gaussian_large", 64000, 10, "exact", 1.0, 1), ("gaussian_large", 64000, 10, "published", 1.5, 2)])
+    for res, s_exact, fresh in ((a, 0.1, 5), (b, 0.2, 1)):   # one measurement in both JSONs
+        res["records"] += [dict(input="gaussian", n=600, k=10, method=m, seconds=s, seconds_warm=s,
+                                max_minus_min=0, std=0.0, streamed=False, fresh_runs=fresh)
+                           for m, s in (("exact", s_exact), ("published", 0.6))]
+    table, factors = bench_labeler.matrix([a, b], goal=3.0)
+    assert "| gaussian | 600 | 6.0x (0 / 0) |" in table     # the one of most fresh processes
+    lines = table.splitlines()
+    head = next(x for x in lines if x.startswith("| outputs |"))
+    assert head == "| outputs | N | k = 10 | k = 128 | k = 3000 |"
+    rows = [x for x in lines if x.startswith("| eurosat, random")]
+    assert rows[0] == "| eurosat, random `cpu` network, all images | 50,000 | 5.0x (0 / 3) |  | 2.0x (1 / 9) < |"
+    assert rows[1].endswith("| 5.0x (0 / 3) |  | 2.0x (1 / 9) < |")    # the second calls: halves
+    trained = next(x for x in lines if x.startswith("| eurosat, trained network (`runs/eurosat`)"))
+    assert trained.endswith("|  | 10.0x (1 / 6) | 10.0x (1 / 4) |")
+    assert "| cifar10, random `cpu` network, training split | 50,000 | 4.0x (1 / 2) |" in table
+    assert "gaussian_large" not in table and "from_view0" not in table
+    assert "First call: 5 of 6 cells at or above 3x; under it (marked <): eurosat, random `cpu` " \
+        "network, all images, k = 3000: 2.0x." in table
+    assert factors[("eurosat", "random `cpu` network", "all images", 50000)] == {10: 5.0, 3000: 2.0}
+    assert "every one" in bench_labeler.matrix([a, b], goal=1.5)[0]
+    # the command line: each JSON's tables, then the one over both, and its plot
+    for name, res in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(res))
+    args = ["--summary", str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    p = run_bench(*args)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("## ") == 2 and p.stdout.index("b.json") < p.stdout.index("First call: 5 of 6")
+    assert run_bench(*args, "--plot", str(tmp_path / "x.png")).returncode != 0   # one JSON's plot only
+    pytest.importorskip("matplotlib")
+    p = run_bench(*args, "--matrix-plot", str(tmp_path / "m.png"), "--goal", "4.5")
+    assert p.returncode == 0 and "First call: 4 of 6 cells at or above 4.5x" in p.stdout
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_bench_labeler_gpu_flag_without_a_gpu(tmp_path):
     p = run_bench("--device", "cuda", "--quick", "--out", str(tmp_path / "x.json"))
