@@ -683,6 +683,11 @@ def _outputs_of(res, r):
     return None      # the large cases (not held whole) and the *_from_view0 variants
 
 
+def _set_name(key):
+    """A set of outputs (_outputs_of) as the table and the plot name it."""
+    return key[0] if key[0] == "gaussian" else ", ".join(key[:3])
+
+
 def matrix(results, goal=3.0):
     """One table over several results JSONs (issue 16's question): for each set of outputs
     (_outputs_of) and k, the published rules' seconds over ours, on the first call in a fresh
@@ -699,7 +704,6 @@ def matrix(results, goal=3.0):
                 if r.get("fresh_runs", 1) > at.get(r["method"], {}).get("fresh_runs", 0):
                     at[r["method"]] = r
                 ks.add(r["k"])
-    name = lambda key: key[0] if key[0] == "gaussian" else ", ".join(key[:3])   # noqa: E731
     ks = sorted(ks)
     lines, factors, under, total = [], {}, [], 0
     for title, field in (("first call, in a fresh process", "seconds"),
@@ -721,10 +725,10 @@ def matrix(results, goal=3.0):
                 if field == "seconds":
                     factors.setdefault(key, {})[k] = f
                     if f < goal:
-                        under.append(f"{name(key)}, k = {k}: {f:.1f}x")
+                        under.append(f"{_set_name(key)}, k = {k}: {f:.1f}x")
                 row.append(f"{f:.1f}x ({e['max_minus_min']} / {p['max_minus_min']})"
                            + (" <" if f < goal else ""))
-            lines.append(f"| {name(key)} | {key[3]:,} | " + " | ".join(row) + " |")
+            lines.append(f"| {_set_name(key)} | {key[3]:,} | " + " | ".join(row) + " |")
     lines += ["", f"First call: {total - len(under)} of {total} cells at or above {goal:g}x"
               + (": every one." if not under else "; under it (marked <): " + "; ".join(under) + ".")]
     return "\n".join(lines), factors
@@ -743,9 +747,8 @@ def plot_matrix(factors, path, goal=3.0):
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, by_k in sorted(factors.items()):
         ks = sorted(by_k)
-        name = key[0] if key[0] == "gaussian" else f"{key[0]}, {key[1]}, {key[2]}"
         ax.plot(ks, [by_k[k] for k in ks], "o-", ms=3,
-                label=f"{name}, N = {key[3]:,}".replace("`", ""))
+                label=f"{_set_name(key)}, N = {key[3]:,}".replace("`", ""))
     ax.axhline(goal, color="grey", ls="--", label=f"{goal:g}x")
     ax.axhline(1, color="black", lw=0.8)
     ax.set(xscale="log", yscale="log", xlabel="k", ylabel="published rules' seconds / ours",
@@ -760,6 +763,9 @@ def plot_matrix(factors, path, goal=3.0):
 
 def main(args):
     if args.summary:
+        if args.plot and len(args.summary) > 1:
+            raise SystemExit("--plot draws one JSON's plot; give one --summary JSON, or "
+                             "--matrix-plot for the table over several")
         results, many = [], len(args.summary) > 1
         for path in args.summary:
             with open(path) as fh:
@@ -767,9 +773,6 @@ def main(args):
             head = ("\n" if len(results) > 1 else "") + f"## {path}\n\n" if many else ""
             print(head + summary(results[-1]))
         if args.plot:       # the plot of a saved benchmark
-            if len(results) > 1:
-                raise SystemExit("--plot draws one JSON's plot; give one --summary JSON, or "
-                                 "--matrix-plot for the table over several")
             plot(results[0]["records"], args.plot)
         if len(results) > 1 or args.matrix_plot:
             table, factors = matrix(results, args.goal)
