@@ -579,8 +579,8 @@ def machine_info(threads):
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def plot(records, path):
-    """std and wall time against k for the gaussian sweep (solid) and random_net (dashed)."""
+def _pyplot(path):
+    """matplotlib.pyplot on the Agg backend, or None (said, with `path` not written) without it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -588,6 +588,21 @@ def plot(records, path):
     except ImportError:
         print(f"no plot written to {path}: matplotlib is missing (.venv/bin/python -m pip install "
               "matplotlib)", flush=True)
+        return None
+    return plt
+
+
+def _save_figure(fig, path):
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", flush=True)
+
+
+def plot(records, path):
+    """std and wall time against k for the gaussian sweep (solid) and random_net (dashed)."""
+    plt = _pyplot(path)
+    if plt is None:
         return
     fig, (ax_std, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     colour = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green")))
@@ -608,10 +623,7 @@ def plot(records, path):
     for ax in (ax_std, ax_t):
         ax.grid(alpha=0.3)
     ax_t.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}", flush=True)
+    _save_figure(fig, path)
 
 
 INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_net_from_view0",
@@ -736,13 +748,8 @@ def matrix(results, goal=3.0):
 
 def plot_matrix(factors, path, goal=3.0):
     """The table's first-call factors against k, one line per set of outputs, the goal dashed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"no plot written to {path}: matplotlib is missing (.venv/bin/python -m pip install "
-              "matplotlib)", flush=True)
+    plt = _pyplot(path)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, by_k in sorted(factors.items()):
@@ -755,10 +762,7 @@ def plot_matrix(factors, path, goal=3.0):
            title="ours against the published rules, first call")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}", flush=True)
+    _save_figure(fig, path)
 
 
 def main(args):
