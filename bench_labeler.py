@@ -8,6 +8,8 @@ Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
     make labeler-bench-gpu                                   # on a CUDA GPU (--device cuda)
     make labeler-matrix                                      # issue 16's matrix: real outputs, k = 10..3000
     python bench_labeler.py --summary a.json b.json          # tables, and one over both
+    python bench_labeler.py --save-features F ...; python bench_labeler.py --features F --device cuda
+                                    # the real inputs made again where the data and networks are not
 
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
@@ -104,6 +106,16 @@ def get_args_parser():
     p.add_argument("--save-inputs", metavar="DIR", default=None, help="also keep each network "
                    "input (random_net, trained_net, trained_backbone: an (N, k) float32 tensor "
                    "saved by torch.save as DIR/<input>_<k>.pt) for profile_labeler.py --input")
+    p.add_argument("--save-features", metavar="DIR", default=None, help="also keep what the real "
+                   "inputs are made from, in DIR: random_net's and the --checkpoint backbone's (N, d) "
+                   "features and the checkpoint's own (N, k) outputs, with features.json saying "
+                   "where they came from (a few tens of MB at N = 21,600, where the inputs at "
+                   "k = 3000 are GB), for --features on another machine")
+    p.add_argument("--features", metavar="DIR", default=None, help="make random_net, trained_net "
+                   "and trained_backbone from DIR (written by --save-features) instead of from "
+                   "--data and the networks: the same fresh heads, so the same inputs, with no data "
+                   "set or checkpoint at hand (--data, --net, --checkpoint, --real-split and --n "
+                   "are then DIR's)")
     p.add_argument("--summary", metavar="JSON", nargs="+", help="print the tables of results "
                    "JSONs written by this script and stop; with --plot (one JSON), draw its plot. "
                    "With several, also one table over all of them: for each set of outputs and "
@@ -191,6 +203,21 @@ def resolve_args(args):
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     if args.fresh < 1:
         raise SystemExit(f"--fresh must be >= 1, got {args.fresh}")
+    if args.views and (args.features or args.save_features):
+        raise SystemExit("--views makes each input from augmented views drawn afresh; it cannot "
+                         "go with --features or --save-features (saved test-time features)")
+    if args.features and args.save_features:
+        raise SystemExit("give --features (read saved features) or --save-features (write them), "
+                         "not both")
+    if args.features and not os.path.isfile(os.path.join(args.features, FEATURES_JSON)):
+        raise SystemExit(f"--features {args.features}: no {FEATURES_JSON} there; write the folder "
+                         "with --save-features first")
+    if args.features:    # the records say what the saved features were made from
+        meta = features_meta(args.features)
+        args.data, args.net, args.real_split = meta["data"], meta["net"], meta["real_split"]
+        args.checkpoint, args.real_images = meta.get("checkpoint"), meta.get("real_images")
+        if meta["real_split"] != "train":
+            args.n = meta["n"]
     args.large_inputs = [x.strip() for x in args.large_inputs.split(",") if x.strip()]
     bad = [x for x in args.large_inputs if x not in ("gaussian", "random_net")]
     if bad:
@@ -489,10 +516,60 @@ def median_run(runs):
     return rec
 
 
+FEATURES_JSON = "features.json"
+FEATURE_FILES = {"random_net": "random_net_features.pt", "trained_net": "trained_net_outputs.pt",
+                 "trained_backbone": "trained_backbone_features.pt"}
+
+
+def _save_feature(args, name, x, meta=None):
+    """With --save-features: x (a CPU float32 tensor) as DIR/FEATURE_FILES[name], and what the
+    folder's features came from (meta) as DIR/features.json."""
+    if not args.save_features:
+        return
+    os.makedirs(args.save_features, exist_ok=True)
+    torch.save(x.detach().to("cpu", torch.float32).contiguous(),
+               os.path.join(args.save_features, FEATURE_FILES[name]))
+    if meta is not None:
+        utils.write_json(meta, os.path.join(args.save_features, FEATURES_JSON))
+
+
+def features_meta(path):
+    """features.json of a --save-features folder."""
+    with open(os.path.join(path, FEATURES_JSON)) as fh:
+        return json.load(fh)
+
+
+def saved_inputs(args, skipped):
+    """real_inputs from a --save-features folder (--features): the saved features through the
+    same fresh heads (seed --seed + k), and the checkpoint's own outputs as saved."""
+    def load(name):
+        path = os.path.join(args.features, FEATURE_FILES[name])
+        if not os.path.isfile(path):
+            skipped[name] = f"{path} is missing (saved without a checkpoint?)"
+            print(f"skipping {name}: {skipped[name]}", flush=True)
+            return None
+        return torch.load(path, weights_only=True)
+
+    feats = load("random_net")
+    if feats is not None:
+        for k in args.real_ks:
+            yield "random_net", k, utils.fresh_head_outputs(feats, k, args.seed)
+    outs = load("trained_net")
+    if outs is not None:
+        yield "trained_net", outs.shape[1], outs
+    if args.trained_ks:
+        feats = load("trained_backbone")
+        for k in ([] if feats is None else args.trained_ks):
+            yield "trained_backbone", k, utils.fresh_head_outputs(feats, k, args.seed)
+
+
 def real_inputs(args, skipped, keep=None):
     """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not.
     keep: a dict that gets random_net's features, its images and the manifest (for
     random_net_large)."""
+    if args.features:
+        yield from saved_inputs(args, skipped)
+        return
     try:
         d = utils.load_prepared(args.data)
     except FileNotFoundError as e:
@@ -515,6 +592,13 @@ def real_inputs(args, skipped, keep=None):
     n_real = len(both)
     feats = utils.random_net_features(both, manifest, args.net, args.seed, device=args.device).cpu()
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
+    meta = {"data": args.data, "data_identity": utils.data_identity(args.data), "net": args.net,
+            "checkpoint": None, "real_split": args.real_split, "n": n_real,
+            "real_images": args.real_images, "seed": args.seed, "git_commit": utils.git_commit(),
+            "command": utils.command_line(),
+            "files": {"random_net": f"{FEATURE_FILES['random_net']}: ({n_real}, {feats.shape[1]}) "
+                                    f"features of the freshly initialised {args.net}-preset network"}}
+    _save_feature(args, "random_net", feats, meta)
     if keep is not None:
         keep.update(feats=feats, images=both, manifest=manifest)
     for k in args.real_ks:
@@ -542,12 +626,22 @@ def real_inputs(args, skipped, keep=None):
             return outs[0].cpu()
         return outs[1].cpu(), otl.translate(outs[0]).T.cpu()
 
-    yield "trained_net", model.cfg.k, views(label_pass(True))
-    if args.trained_ks:   # the trained backbone's features through fresh k-way heads
+    outs = label_pass(True)
+    if args.save_features:
+        meta.update(checkpoint=args.checkpoint, checkpoint_sha256=utils.sha256_file(args.checkpoint))
+        meta["files"]["trained_net"] = (f"{FEATURE_FILES['trained_net']}: the checkpoint's own "
+                                        f"({n_real}, {model.cfg.k}) outputs")
+        _save_feature(args, "trained_net", outs[0], meta)
+    yield "trained_net", model.cfg.k, views(outs)
+    if args.trained_ks or args.save_features:   # the trained backbone's features through fresh k-way heads
         feats = label_pass(False)
         if model.embedding is not None:
             with torch.no_grad():
                 feats = model.embedding(feats)
+        meta["files"]["trained_backbone"] = (f"{FEATURE_FILES['trained_backbone']}: the "
+                                             f"checkpoint's ({n_real}, {feats.shape[-1]}) backbone "
+                                             "features (after its embedding, where it has one)")
+        _save_feature(args, "trained_backbone", feats[0], meta)
         for k in args.trained_ks:
             yield "trained_backbone", k, views(torch.stack([utils.fresh_head_outputs(f, k, args.seed)
                                                             for f in feats]))
@@ -814,6 +908,8 @@ def main(args):
                                    f"through a fresh {args.large_k}-way head; N as gaussian_large "
                                    "(see the module docstring)"},
            "skipped": {}, "records": []}
+    if args.features:
+        out["features"] = dict(features_meta(args.features), folder=args.features)
     keep = {}     # random_net's features and images, for random_net_large
     print(f"{'input':<15}{'N':>10}{'k':>6}  {'method':<10}{'seconds':>9}{'iters':>7}{'std':>10}"
           f"{'floor':>7}{'max-min':>8}{'peak MiB':>10}  stop", flush=True)
@@ -868,6 +964,9 @@ def main(args):
             continue
         if inp == "random_net" and args.device != "cpu":
             out["skipped"][name] = f"--device {args.device}: streamed on the CPU only"
+            continue
+        if inp == "random_net" and args.features:
+            out["skipped"][name] = "--features: no images to augment"
             continue
         if inp == "random_net" and "feats" not in keep:
             out["skipped"][name] = out["skipped"].get("random_net", "no random_net features")

@@ -25,6 +25,12 @@
 #                                    alone (a call runs 10 minutes at most), then
 #   bash gpu_session.sh eval         call 3, at once: the fast run's kNN + linear evaluations (and
 #                                    PHASES=1's labeler stages on its head)
+#   bash gpu_session.sh labeler      issue 16 in one call (carry .gpu/ab with v18's otl.py as
+#                                    otl_v18.py, .gpu/feat_eu_train from `bench_labeler.py
+#                                    --save-features`, and .gpu/EuroSAT_small.zip): ours against
+#                                    the published rules on the saved features' real outputs at
+#                                    k = 10 - 3000, v18's labeler against this one at 1.28M x 3000
+#                                    and on the trained network's own outputs, the CUDA tests
 #   D=<seconds> bash gpu_session.sh supervised
 #                                    instead of train (carry .gpu/eu_part_ab): the fast preset's
 #                                    supervised twin for its epochs (E_SUP: fewer), kNN + linear;
@@ -104,6 +110,28 @@ bench)
         --out "$OUT/train_throughput_gpu_compiled.json" 2>&1 | tail -3
   fi
   echo "bench done in $(( $(date +%s) - START )) s"
+  ;;
+labeler)
+  FEATS=${FEATS:-.gpu/feat_eu_train}
+  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+    nproc; git rev-parse HEAD 2>/dev/null; sha256sum otl.py .gpu/ab/otl_v18.py $FEATS/*; } 2>&1 \
+    | tee "$OUT/machine.txt"
+  # 1. ours against the published rules on the real outputs at every k (the CPU's matrix, v27)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_BENCH:-200}" $PY bench_labeler.py \
+      --device cuda --features "$FEATS" --skip-large --ks 10 --real-ks 10,50,100,128,500,1000,3000 \
+      --trained-ks 10,50,100,500,1000,3000 --methods exact,published --repeat 3 \
+      --out "$OUT/labeler_bench_gpu_matrix.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -22
+  # 2. v18 (the third GPU session's labeler) against this one, alternating, on the same inputs
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_AB:-120}" $PY compare_labelers.py \
+      .gpu/ab/otl_v18.py otl.py --device cuda --inputs large --large-n 1280000 --reps 3 \
+      --pt "$FEATS/trained_net_outputs.pt" --whole-only --out "$OUT/labeler_ab_v18_head_gpu.json" 2>&1 | tail -6
+  # 3. the CUDA tests (small_data reads ../shared/data/EuroSAT.zip: the small archive where none is)
+  [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
+  timeout "${T_TEST:-150}" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py \
+      tests/test_labeler.py tests/test_train_otl.py tests/test_bench.py -rs 2>&1 \
+      | tee "$OUT/pytest_cuda.txt" | tail -5
+  echo "labeler done in $(( $(date +%s) - START )) s"
   ;;
 train|supervised)
   : "${D:?set D to the seconds this call may use}"

@@ -285,3 +285,51 @@ def test_bench_labeler_cpu_too_on_cuda(tmp_path):
     for r in recs:
         assert r["seconds_cpu"] > 0 and r["max_minus_min_cpu"] == r["max_minus_min"] == 0
     assert "on the host" in run_bench("--summary", str(out)).stdout
+
+
+def test_bench_labeler_features_saved_and_reused(small_data, tmp_path):
+    """--save-features keeps what the real inputs are made from (random_net's and the trained
+    backbone's features, the checkpoint's own outputs); --features makes the very same inputs
+    from that folder alone, with no data set or checkpoint at hand, and its JSON says where they
+    came from.  --views cannot go with either."""
+    import dataclasses
+    import otl
+    import utils
+    torch.manual_seed(0)
+    cfg = otl.ModelConfig(k=8, width=8)
+    ckpt = str(tmp_path / "checkpoint.pth")
+    utils.save_checkpoint({"model": otl.build_model(cfg).state_dict(),
+                           "model_cfg": dataclasses.asdict(cfg),
+                           "args": {"data": str(small_data), "img_size": 16, "cutout": 4},
+                           "epoch": 0}, ckpt)
+    feats, first, again = tmp_path / "feats", tmp_path / "first", tmp_path / "again"
+    common = ["--n", "300", "--ks", "10", "--real-ks", "10", "--trained-ks", "30", "--methods", "exact"]
+    p = run_bench(*common, "--skip-large", "--data", str(small_data), "--real-split", "train",
+                  "--checkpoint", ckpt,
+                  "--save-features", str(feats), "--save-inputs", str(first),
+                  "--out", str(tmp_path / "a.json"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    meta = json.loads((feats / "features.json").read_text())
+    n_train = len(json.loads((small_data / "split.json").read_text())["train"])
+    assert meta["n"] == n_train and meta["real_split"] == "train" and meta["checkpoint"] == ckpt
+    assert sorted(os.listdir(feats)) == ["features.json", "random_net_features.pt",
+                                         "trained_backbone_features.pt", "trained_net_outputs.pt"]
+    p = run_bench(*common, "--large-inputs", "random_net", "--large-n", "2000", "--large-k", "30",
+                  "--ref-n", "1000", "--data", str(tmp_path / "no_data"), "--checkpoint",
+                  str(tmp_path / "no.pth"), "--features", str(feats), "--save-inputs", str(again),
+                  "--out", str(tmp_path / "b.json"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    names = ["random_net_10.pt", "trained_net_8.pt", "trained_backbone_30.pt"]
+    assert sorted(os.listdir(again)) == sorted(names)
+    for name in names:
+        assert torch.equal(torch.load(first / name), torch.load(again / name)), name
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["features"]["folder"] == str(feats) and res["args"]["checkpoint"] == ckpt
+    recs = {(r["input"], r["k"]): r for r in res["records"] if r["input"] != "gaussian"}
+    assert set(recs) == {("random_net", 10), ("trained_net", 8), ("trained_backbone", 30)}
+    assert all(r["n"] == n_train and r["max_minus_min"] <= 1 for r in recs.values())
+    assert "--features: no images" in res["skipped"]["random_net_large"]
+    p = run_bench(*common, "--skip-large", "--features", str(feats), "--views", "--out", str(tmp_path / "c.json"))
+    assert p.returncode != 0 and "--views" in p.stderr
+    p = run_bench(*common, "--skip-large", "--features", str(tmp_path / "nothing"), "--out", str(tmp_path / "c.json"))
+    assert p.returncode != 0 and "--save-features first" in p.stderr
