@@ -2013,15 +2013,16 @@ class _ExactSolver:
     def _shed(self, margin, lab, excess, over):
         """r_j for each over-full cluster j: the midpoint of the excess_j-th and the next smallest
         margin among its members (all ranks), so that exactly excess_j of them lie below it
-        (fewer where those two are equal); twice the largest when all must go.  One process
-        sorts the margins, on the CPU too (docs/labeler.md); ranks, which cannot sort their
-        margins together, find the gap by a bisection on global counts and two all-reduced
-        k-vectors its ends, the same numbers."""
+        (fewer where those two are equal); just past the largest (by 2^-10 of it) when all
+        must go (twice it, until v28, made each reverse round's fall feed the next one's:
+        docs/labeler.md, v28).  One process sorts the margins, on the CPU too
+        (docs/labeler.md); ranks, which cannot sort their margins together, find the gap by a
+        bisection on global counts and two all-reduced k-vectors its ends, the same numbers."""
         if not self.comm.on and margin.numel():
             a, b = _gap_after(margin, lab, excess, self.k)
         else:
             a, b = self._bisect_gap(margin, lab, excess, over)
-        r = torch.where(torch.isinf(b), 2 * a + 1e-300, (a + b) / 2)
+        r = torch.where(torch.isinf(b), a + a.abs() * 2.0 ** -10 + 1e-300, (a + b) / 2)
         return torch.where(over, r, 0.0)
 
     def _bisect_gap(self, margin, lab, excess, over):

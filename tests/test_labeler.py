@@ -404,6 +404,30 @@ def test_reverse_round_pulls_in_deficits_and_keeps_labels_argmax():
     assert int(solver.counts[j]) > int(solver.lo[j] - deficit[j])
 
 
+def test_reverse_round_pulls_all_it_can_reach_just_past_the_dearest():
+    """A reverse round in which an under-full cluster can reach fewer rows than its deficit (it
+    is in few rows' candidates) pulls them all in, and falls just past the dearest one's loss,
+    not twice as far: the fall also makes the cluster beat every row that has dropped it, and
+    doubling it round after round drove T's span from 0.2 to 10^4 and every row into one
+    cluster on a trained backbone's outputs at k = 3000 (docs/labeler.md, v28)."""
+    n, k = 400, 4
+    O = torch.randn(n, k, generator=gen(31), dtype=torch.float64)
+    O[torch.arange(n), torch.arange(n) * 3 // n] += 10   # 134 / 133 / 133 rows in clusters 0 - 2
+    O[:, 3] = -math.inf                                  # cluster 3: in two rows' candidates only
+    O[0, 3], O[1, 3] = O[0, 0] - 0.5, O[1, 0] - 0.7
+    t = torch.tensor([132.0, 132.0, 133.0, 3.0], dtype=torch.float64)   # only cluster 3 is short
+    cols = torch.arange(k, dtype=torch.int16).expand(n, k).contiguous()
+    solver = otl._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
+                              k, t, t.floor().long(), t.ceil().long(), otl._Comm(False), 1024,
+                              torch.arange(n))
+    assert int(solver.counts[3]) == 0
+    solver._attract()
+    fall = solver.dT[:3] - solver.dT[3]                   # the others rose; cluster 3 did not
+    assert torch.allclose(fall, fall[0].expand(3), rtol=0, atol=1e-12)
+    assert 0.7 < float(fall[0]) <= 0.7 * (1 + 2 ** -9)
+    assert solver.labels[0] == 3 and solver.labels[1] == 3 and int(solver.counts[3]) == 2
+
+
 def test_warm_start_from_a_sample(monkeypatch):
     """With whole rows (k <= 128), N >= 4 x max(4096, 32 k) and outputs far from balance at
     the column medians, result() first balances the rows 0, s, 2s, ... exactly and starts the
