@@ -408,8 +408,8 @@ def test_reverse_round_pulls_all_it_can_reach_just_past_the_dearest():
     """A reverse round in which an under-full cluster can reach fewer rows than its deficit (it
     is in few rows' candidates) pulls them all in, and falls just past the dearest one's loss,
     not twice as far: the fall also makes the cluster beat every row that has dropped it, and
-    doubling it round after round drove T's span from under 1 to over 10^4 and every row into one
-    cluster on a trained backbone's outputs at k = 3000 (docs/labeler.md, v28)."""
+    doubling it round after round drove T's span from under 1 to over 10^4 and every row into
+    one cluster on a trained backbone's outputs at k = 3000 (docs/labeler.md, v28)."""
     n, k = 400, 4
     O = torch.randn(n, k, generator=gen(31), dtype=torch.float64)
     O[torch.arange(n), torch.arange(n) * 3 // n] += 10   # 134 / 133 / 133 rows in clusters 0 - 2
