@@ -16,6 +16,22 @@ def run_bench(*args):
                           text=True, timeout=600)
 
 
+def fresh_checkpoint(small_data, tmp_path):
+    """A freshly initialised k = 8, width-8 network saved as a checkpoint trained on small_data
+    at 16 px: what --checkpoint needs, without a training run."""
+    import dataclasses
+    import otl
+    import utils
+    torch.manual_seed(0)
+    cfg = otl.ModelConfig(k=8, width=8)
+    ckpt = str(tmp_path / "checkpoint.pth")
+    utils.save_checkpoint({"model": otl.build_model(cfg).state_dict(),
+                           "model_cfg": dataclasses.asdict(cfg),
+                           "args": {"data": str(small_data), "img_size": 16, "cutout": 4},
+                           "epoch": 0}, ckpt)
+    return ckpt
+
+
 def test_bench_labeler_tiny_run(tmp_path):
     out = tmp_path / "lb.json"
     p = run_bench("--n", "600", "--ks", "30", "--skip-real", "--large-n", "3000", "--large-k", "20",
@@ -104,16 +120,7 @@ def test_bench_labeler_trained_backbone(small_data, tmp_path, views):
     backbone's features through fresh heads at each asked k (trained_backbone), each balanced;
     with --views, the second of two augmented views, and ours on it again from the first
     view's translation (*_from_view0), as balanced."""
-    import dataclasses
-    import otl
-    import utils
-    torch.manual_seed(0)
-    cfg = otl.ModelConfig(k=8, width=8)
-    ckpt = str(tmp_path / "checkpoint.pth")
-    utils.save_checkpoint({"model": otl.build_model(cfg).state_dict(),
-                           "model_cfg": dataclasses.asdict(cfg),
-                           "args": {"data": str(small_data), "img_size": 16, "cutout": 4},
-                           "epoch": 0}, ckpt)
+    ckpt = fresh_checkpoint(small_data, tmp_path)
     out = tmp_path / "lb.json"
     # (each record costs a child process: with --views, one fresh head and both methods;
     # without, two heads and ours only)
@@ -292,16 +299,7 @@ def test_bench_labeler_features_saved_and_reused(small_data, tmp_path):
     backbone's features, the checkpoint's own outputs); --features makes the very same inputs
     from that folder alone, with no data set or checkpoint at hand, and its JSON says where they
     came from.  --views cannot go with either."""
-    import dataclasses
-    import otl
-    import utils
-    torch.manual_seed(0)
-    cfg = otl.ModelConfig(k=8, width=8)
-    ckpt = str(tmp_path / "checkpoint.pth")
-    utils.save_checkpoint({"model": otl.build_model(cfg).state_dict(),
-                           "model_cfg": dataclasses.asdict(cfg),
-                           "args": {"data": str(small_data), "img_size": 16, "cutout": 4},
-                           "epoch": 0}, ckpt)
+    ckpt = fresh_checkpoint(small_data, tmp_path)
     feats, first, again = tmp_path / "feats", tmp_path / "first", tmp_path / "again"
     common = ["--n", "300", "--ks", "10", "--real-ks", "10", "--trained-ks", "30", "--methods", "exact"]
     p = run_bench(*common, "--skip-large", "--data", str(small_data), "--real-split", "train",
