@@ -524,8 +524,6 @@ FEATURE_FILES = {"random_net": "random_net_features.pt", "trained_net": "trained
 def _save_feature(args, name, x, meta=None):
     """With --save-features: x (a CPU float32 tensor) as DIR/FEATURE_FILES[name], and what the
     folder's features came from (meta) as DIR/features.json."""
-    if not args.save_features:
-        return
     os.makedirs(args.save_features, exist_ok=True)
     torch.save(x.detach().to("cpu", torch.float32).contiguous(),
                os.path.join(args.save_features, FEATURE_FILES[name]))
@@ -592,13 +590,15 @@ def real_inputs(args, skipped, keep=None):
     n_real = len(both)
     feats = utils.random_net_features(both, manifest, args.net, args.seed, device=args.device).cpu()
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
-    meta = {"data": args.data, "data_identity": utils.data_identity(args.data), "net": args.net,
-            "checkpoint": None, "real_split": args.real_split, "n": n_real,
-            "real_images": args.real_images, "seed": args.seed, "git_commit": utils.git_commit(),
-            "command": utils.command_line(),
-            "files": {"random_net": f"{FEATURE_FILES['random_net']}: ({n_real}, {feats.shape[1]}) "
-                                    f"features of the freshly initialised {args.net}-preset network"}}
-    _save_feature(args, "random_net", feats, meta)
+    meta = None     # with --save-features: what the folder's features came from
+    if args.save_features:
+        meta = {"data": args.data, "data_identity": utils.data_identity(args.data), "net": args.net,
+                "checkpoint": None, "real_split": args.real_split, "n": n_real,
+                "real_images": args.real_images, "seed": args.seed, "git_commit": utils.git_commit(),
+                "command": utils.command_line(),
+                "files": {"random_net": f"{FEATURE_FILES['random_net']}: ({n_real}, {feats.shape[1]}) "
+                                        f"features of the freshly initialised {args.net}-preset network"}}
+        _save_feature(args, "random_net", feats, meta)
     if keep is not None:
         keep.update(feats=feats, images=both, manifest=manifest)
     for k in args.real_ks:
@@ -638,10 +638,12 @@ def real_inputs(args, skipped, keep=None):
         if model.embedding is not None:
             with torch.no_grad():
                 feats = model.embedding(feats)
-        meta["files"]["trained_backbone"] = (f"{FEATURE_FILES['trained_backbone']}: the "
-                                             f"checkpoint's ({n_real}, {feats.shape[-1]}) backbone "
-                                             "features (after its embedding, where it has one)")
-        _save_feature(args, "trained_backbone", feats[0], meta)
+        if args.save_features:
+            meta["files"]["trained_backbone"] = (f"{FEATURE_FILES['trained_backbone']}: the "
+                                                 f"checkpoint's ({n_real}, {feats.shape[-1]}) "
+                                                 "backbone features (after its embedding, where it "
+                                                 "has one)")
+            _save_feature(args, "trained_backbone", feats[0], meta)
         for k in args.trained_ks:
             yield "trained_backbone", k, views(torch.stack([utils.fresh_head_outputs(f, k, args.seed)
                                                             for f in feats]))
