@@ -53,6 +53,11 @@ mkdir -p "$OUT" /tmp/gpu_state
 START=$(date +%s)
 R=runs/gpu
 left() { echo $(( D - ($(date +%s) - START) )); }
+machine() {     # the GPU, torch, cores and commit to $OUT/machine.txt; the sha256 of any files named
+  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+    nproc; git rev-parse HEAD 2>/dev/null; [ $# -eq 0 ] || sha256sum "$@"; } 2>&1 | tee "$OUT/machine.txt"
+}
 evaluate() {    # kNN + linear on run folder $1's checkpoint, each within $2 seconds
   for ev in eval_knn eval_linear; do
     timeout "$2" $PY $ev.py --checkpoint "$1/checkpoint.pth" --device cuda --no-progress 2>&1 | tail -2
@@ -73,9 +78,7 @@ pack() {        # the run folders without checkpoints and features, to $OUT
 case "${1:-}" in
 bench)
   cp .gpu/eu_part_aa /tmp/gpu_state/ 2>/dev/null || echo "no .gpu/eu_part_aa: the train stage will need ZIP="
-  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-    $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
-    nproc; git rev-parse HEAD 2>/dev/null; } 2>&1 | tee "$OUT/machine.txt"
+  machine
   # 1. training and label-pass images/s at 112 (fast) and 224 px (paper), against a plain
   #    supervised ResNet-18 loop
   #    (SKIP_THROUGHPUT=1: the last session's figures, results/gpu_h100_s2, instead)
@@ -113,10 +116,7 @@ bench)
   ;;
 labeler)
   FEATS=${FEATS:-.gpu/feat_eu_train}
-  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-    $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
-    nproc; git rev-parse HEAD 2>/dev/null; sha256sum otl.py .gpu/ab/otl_v18.py $FEATS/*; } 2>&1 \
-    | tee "$OUT/machine.txt"
+  machine otl.py .gpu/ab/otl_v18.py $FEATS/*
   # 1. ours against the published rules on the real outputs at every k (the CPU's matrix, v27)
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_BENCH:-200}" $PY bench_labeler.py \
       --device cuda --features "$FEATS" --skip-large --ks 10 --real-ks 10,50,100,128,500,1000,3000 \
