@@ -2585,9 +2585,9 @@ def _newton_bufs(n, k, device, scratch=None):
 def _newton_counts(X, T, out=None):
     """(best column, best - runner-up, counts, best score) of X - T, in float32 passes over
     blocks of rows into one scratch block (no N x k temporary); out: _newton_bufs to write
-    them into.  Up to k = _T_K on a k x N float32 copy of X, made at the first pass and kept
-    in the scratch: a row's max is then a max across k contiguous vectors (docs/labeler.md,
-    v18); above, over rows of k.  Either way the max's value by amax and its column, the first
+    them into.  Up to k = _T_K (on the host _T_K_CPU) on a k x N float32 copy of X, made at
+    the first pass and kept in the scratch: a row's max is then a max across k contiguous
+    vectors (docs/labeler.md, v18, v29); above, over rows of k.  Either way the max's value by amax and its column, the first
     at the max, from a float32 mask (cheaper than max(1) with the column or argmax; v18, v23).
     The runner-up's value alone (amax): the Newton step finds its column for the few rows it
     needs."""
@@ -2597,7 +2597,8 @@ def _newton_counts(X, T, out=None):
     T32 = T.to(torch.float32)
     if _on_numpy(X, k) and n * k * torch.get_num_threads() <= _NP_PASS:
         return _newton_counts_np(X, T32.numpy(), a1, m, best, V, v2, keep)
-    kn = k <= _T_K      # (the k x N copy: rows are its columns, reduced along dim 0)
+    # (the k x N copy: rows are its columns, reduced along dim 0)
+    kn = k <= (_T_K_CPU if X.device.type == "cpu" else _T_K)
     if kn and keep.get("of") is not X:
         keep.clear()
         keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
@@ -2710,18 +2711,53 @@ def _gap_after(margin, lab, excess, k):
 
 
 def _join_costs(X, T32, lab, best, cols):
-    """(rows, clusters) float32: what each row of X (labels `lab`, best scores `best` at T)
-    gives up to join each cluster in `cols`, best - (X_j - T_j); inf on the cluster's own rows."""
-    C = best[:, None] - (X.index_select(1, cols).to(torch.float32) - T32.index_select(0, cols))
-    C[lab[:, None] == cols] = math.inf
-    return C
+    """(clusters, rows) float32: what each row of X (labels `lab`, best scores `best` at T)
+    gives up to join each cluster in `cols`, best - (X_j - T_j); inf on the cluster's own rows.
+    A numpy array on the host where numpy is installed (a fraction of torch's time for a gather
+    of columns, docs/labeler.md v29), else a tensor."""
+    if _np_ok(X):
+        Xn, cn, T = X.numpy(), cols.numpy(), T32.numpy()
+        G = Xn.T[cn].astype(np.float32, copy=False)     # (a copy: the gather)
+        G -= T[cn, None]
+        np.subtract(best.numpy()[None, :], G, out=G)
+        np.putmask(G, lab.numpy()[None, :] == cn[:, None], np.inf)
+        return G
+    G = best[None, :] - (X.T.index_select(0, cols).to(torch.float32) - T32.index_select(0, cols)[:, None])
+    return G.masked_fill_(lab[None, :] == cols[:, None], math.inf)
+
+
+def _kth_smallest(G, kth):
+    """Row i's kth[i]-th smallest value (0-based, kth[i] < G's columns) of G (_join_costs),
+    as a float64 tensor on the host: numpy's partition of each row, or a topk along the rows."""
+    if np is not None and isinstance(G, np.ndarray):
+        return torch.tensor([float(np.partition(g, j)[j]) for g, j in zip(G, kth.tolist())],
+                            dtype=torch.float64)
+    top = int(kth.max()) + 1
+    small = G.topk(top, dim=1, largest=False).values
+    return small.gather(1, kth.to(G.device)[:, None])[:, 0].to(torch.float64).cpu()
+
+
+def _smallest(G, m):
+    """The columns (row indices of X) of the m[i] smallest entries of each row i of G
+    (_join_costs), all in one int64 tensor on G's device (or the host for a numpy G)."""
+    if np is not None and isinstance(G, np.ndarray):
+        return torch.from_numpy(np.concatenate([np.argpartition(g, j - 1)[:j] if j < len(g)
+                                                else np.arange(len(g))
+                                                for g, j in zip(G, m.tolist())]))
+    top = G.topk(min(int(m.max()), G.shape[1]), dim=1, largest=False).indices
+    return top[torch.arange(top.shape[1], device=G.device)[None, :] < m.to(G.device)[:, None]]
+
+
+def _np_ok(X):
+    """Whether numpy can view X: on the host, numpy installed, a dtype numpy has."""
+    return (np is not None and X.device.type == "cpu"
+            and X.dtype in (torch.float16, torch.float32, torch.float64))
 
 
 def _on_numpy(X, k):
     """Whether the small-k steps on X (n, k) run on numpy views of it: on the host, k <= _T_K
     and numpy installed (numpy has no bfloat16)."""
-    return (np is not None and k <= _T_K and X.device.type == "cpu"
-            and X.dtype in (torch.float16, torch.float32, torch.float64))
+    return k <= _T_K and _np_ok(X)
 
 
 def _nz(x):
@@ -2794,14 +2830,12 @@ def _newton_step(X, T, at, e, frac):
         step = max(1, (1 << 24) // n)
         for c in range(0, under.numel(), step):     # their columns read together
             ud = under[c:c + step].to(X.device)
-            C = _join_costs(X, T.to(torch.float32), a1, best, ud)
             want = (-ec.index_select(0, ud.cpu())).to(torch.int64).to(X.device)
-            ok = (n - cnt.index_select(0, ud)) > want
-            if bool(ok.any()):      # (ok: fewer than the rows of the others, so below n)
-                top = int(want[ok].max()) + 1
-                small = C.topk(top, dim=0, largest=False).values
-                cost = small.gather(0, want.clamp(max=top - 1)[None, :])[0].to(torch.float64)
-                d[ud[ok]] = -cost[ok]
+            ok = ((n - cnt.index_select(0, ud)) > want).nonzero()[:, 0]
+            if ok.numel():      # (ok: fewer than the rows of the others, so below n)
+                ud, want = ud.index_select(0, ok), want.index_select(0, ok)
+                G = _join_costs(X, T.to(torch.float32), a1, best, ud)
+                d[ud.to(d.device)] = -_kth_smallest(G, want.cpu()).to(d.device)
     return d
 
 
@@ -2900,8 +2934,10 @@ _SHED_AFTER = 0.9    # a Newton step keeping more of sum |counts - target| is fo
 _PAST_8 = 0.01       # full-row steps past 8 while sum |counts - target| > this share of N
 _FEW_CHANGED = 0.01   # (see the dense path's tries)
 _COLLAPSE_SAMPLE = 1.0   # sum |counts - target| over this share of N at the start: collapsed
+_COLLAPSE_EVERY = 4      # collapsed outputs: the first steps on every 4th row (v29; v17: 2nd)
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
+_T_K_CPU = 63   # and on the host up to this k: torch's max over rows of 33 - 63 costs 1.4 - 3x (v29)
 _NP_PASS = 1 << 20  # and on numpy's (one thread) up to this N x k x torch's threads (v22)
 _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
@@ -2940,11 +2976,8 @@ def _joiners(X, T, at, B, ic, target, R):
     step = max(1, (1 << 24) // n)           # N x step float32 at a time
     for s in range(0, F.numel(), step):
         f = F[s:s + step]
-        g = _join_costs(X, T32, lab, best, f)
-        mf = m[s:s + f.numel()]
-        top = g.topk(min(int(mf.max()), n), dim=0, largest=False).indices   # (M, |f|)
-        extra.append(top[torch.arange(top.shape[0], device=X.device)[:, None] < mf])
-    extra = torch.cat(extra)
+        extra.append(_smallest(_join_costs(X, T32, lab, best, f), m[s:s + f.numel()]))
+    extra = torch.cat(extra).to(X.device)
     inB = torch.zeros(X.shape[0], dtype=torch.bool, device=X.device)
     inB[B] = True
     extra = extra[~inB.index_select(0, extra)].unique()
@@ -3133,7 +3166,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
 
     Steps on the counts (`_newton_T`: Newton steps, and rounds of shedding where those fail)
     bring them near the target in float32 passes: on every `stride`-th row at N >= 4 x 8,192
-    rows (on every 2nd row from 2 x 8,192 where more than half of the rows must move at the
+    rows (on every 4th row from 2 x 8,192 where more than half of the rows must move at the
     start: outputs collapsed onto few clusters), then on all rows (8 steps, up to 24 while sum
     |counts - target| is over 1 % of N), then (once T can cross at most half of them) on the
     rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
@@ -3182,11 +3215,11 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     at = None
     if 2 * m_rows <= n < 4 * m_rows:
         # outputs collapsed onto few clusters (more than half of the rows to move from the
-        # start): the first steps on every 2nd row, as larger inputs take them on a sample
+        # start): the first steps on every 4th row, as larger inputs take them on a sample
         _, _, at, p, _ = _newton_T(X, T, target, 0, tol, errs=errs, bufs=bufs)   # one pass
         passes += p
         if errs[0] > _COLLAPSE_SAMPLE * n:
-            sub = X[::2].to(torch.float32)
+            sub = X[::_COLLAPSE_EVERY].to(torch.float32)
             T, _, _, p, _ = _newton_T(sub, T, target * (sub.shape[0] / n), 8,
                                       0.005 * sub.shape[0], bufs=_newton_pair(*sub.shape, dev))
             passes += p

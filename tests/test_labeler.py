@@ -1291,10 +1291,10 @@ def _counts_reference(X, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-@pytest.mark.parametrize("k", [20, 40])
+@pytest.mark.parametrize("k", [20, 40, 70])
 def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
     """Every way of a pass (numpy's and torch's steps on a k x N copy up to k = _T_K, torch's
-    over the rows) gives the definition's best columns (the first of tied ones), margins,
+    on it up to _T_K_CPU on the host, torch's over the rows) gives the definition's best columns (the first of tied ones), margins,
     counts and best scores, over several blocks; the copy is made again for other outputs
     handed the same buffers.  (float16 and float64 outputs with float32 values: the passes
     read float32.)"""
@@ -1307,7 +1307,7 @@ def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
     O2 = dominant(n, k, 45).to(dtype)
     T = torch.randn(k, generator=gen(44), dtype=torch.float64) * 0.1
     T[7] = T[3]
-    ways = [{}, {"_NP_PASS": 0}, {"_T_K": 0}]
+    ways = [{}, {"_NP_PASS": 0}, {"_T_K": 0}, {"_T_K": 0, "_T_K_CPU": 0}]
     for way in ways:
         with monkeypatch.context() as mp:
             for name, value in way.items():
@@ -1339,6 +1339,65 @@ def test_newton_step_numpy_and_torch_agree(monkeypatch, dtype):
             mp.setattr(otl, "_on_numpy", lambda X, k: False)
             assert torch.equal(otl._newton_step(X, T, at, e, 0.05), d)
         assert d.abs().max() > 0
+
+
+def test_join_costs_and_their_order_statistics_on_numpy_match_torch(monkeypatch):
+    """_join_costs (what each row gives up to join a cluster; inf on its own rows), its rows'
+    kth smallest values (_kth_smallest) and their m smallest rows (_smallest): numpy's steps
+    on the host and torch's give the same values and rows, float16 / float64 outputs read as
+    float32; and the definition's values."""
+    n, k = 3000, 30
+    g = gen(52)
+    O = torch.randn(n, k, generator=g)
+    T = torch.randn(k, generator=g, dtype=torch.float64) * 0.1
+    at = otl._newton_counts(O, T)
+    lab, best = at[0], at[3]
+    cols = torch.tensor([4, 0, 17, 29])
+    kth = torch.tensor([0, 5, 2999 - int((lab == 17).sum()), 40])
+    m = torch.tensor([1, 7, n, 300])
+    S = O.to(torch.float32) - T.to(torch.float32)
+    ref = best[None, :] - S[:, cols].T
+    ref[lab[None, :] == cols[:, None]] = math.inf
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        X = O.to(dtype)
+        got = []
+        for numpy_steps in (True, False):
+            with monkeypatch.context() as mp:
+                if not numpy_steps:
+                    mp.setattr(otl, "np", None)
+                G = otl._join_costs(X, T.to(torch.float32), lab, best, cols)
+                got.append((torch.as_tensor(G), otl._kth_smallest(G, kth),
+                            otl._smallest(G, m)))
+        (Ga, ka, sa), (Gb, kb, sb) = got
+        assert torch.equal(Ga, Gb) and torch.equal(ka, kb) and ka.dtype == torch.float64
+        if dtype == torch.float32:
+            assert torch.equal(Ga, ref)
+        assert torch.equal(ka, Ga.sort(1).values.gather(1, kth[:, None])[:, 0].double())
+        assert sa.numel() == sb.numel() == int(m.sum())
+        ends = torch.cumsum(m, 0) - m
+        for i in range(len(cols)):
+            a, b = sa[ends[i]:ends[i] + m[i]], sb[ends[i]:ends[i] + m[i]]
+            assert torch.equal(a.sort().values, b.sort().values)
+            assert torch.equal(Ga[i, a].sort().values, Ga[i].sort().values[:int(m[i])])
+
+
+def test_newton_step_on_an_isolated_cluster_numpy_and_torch_agree(monkeypatch):
+    """A Newton step that shifts a cluster far from every boundary alone (an under-full one
+    down past its cheapest joiners, as many as it lacks; isolated outputs): the same step with
+    numpy's join costs and with torch's (numpy absent), to the bit, the definition's shift."""
+    O = isolated(0)
+    n, k = O.shape
+    T = torch.zeros(k, dtype=torch.float64)
+    at = otl._newton_counts(O, T)
+    e = at[2].to(torch.float64) - otl.even_target(n, k)
+    assert e[0] < -1        # cluster 0 short of rows, none near its boundary
+    d = otl._newton_step(O, T, at, e, 0.05)
+    with monkeypatch.context() as mp:
+        mp.setattr(otl, "np", None)
+        assert torch.equal(otl._newton_step(O, T, at, e, 0.05), d)
+    lab, best = at[0], at[3]
+    cost = (best - (O[:, 0] - T[0]).to(torch.float32))[lab != 0].sort().values
+    assert float(d[0]) == -float(cost[int(-e[0])])
 
 
 def test_small_helpers_on_numpy_match_torch():
@@ -1469,16 +1528,17 @@ def collapsed(n, k, seed, protos=3, noise=0.5):
     return (F @ (torch.randn(64, k, generator=g) / 8)).float()
 
 
-def test_dense_path_collapsed_outputs_take_their_first_steps_on_every_2nd_row(monkeypatch):
+def test_dense_path_collapsed_outputs_take_their_first_steps_on_every_4th_row(monkeypatch):
     """2 x 8,192 <= N < 4 x 8,192 and more than half of the rows to move at the start: the
-    first steps run on every 2nd row (larger inputs take theirs on a sample anyway); on
+    first steps run on every 4th row (larger inputs take theirs on a sample anyway); on
     outputs not collapsed, all rows from the start.  Exact, the streaming path's labels."""
     n, k = 20_000, 50
+    assert otl._COLLAPSE_EVERY == 4
     for O, sampled in ((collapsed(n, k, 34), True), (dominant(n, k, 34), False)):
         calls = _newton_spy(monkeypatch)
         r = exact(O)
         rows = [r for r, _ in calls]        # a first pass over all rows tells which
-        assert rows[0] == n and (rows[1] == n // 2) == sampled and rows[1 + sampled] == n
+        assert rows[0] == n and (rows[1] == n // 4) == sampled and rows[1 + sampled] == n
         check_even(r)
         check_translation(O, r)
         assert torch.equal(r.labels, exact(O, dense=False).labels)
