@@ -2760,6 +2760,21 @@ def _on_numpy(X, k):
     return k <= _T_K and _np_ok(X)
 
 
+def _rows(X, idx, host):
+    """X.index_select(0, idx); by numpy's indexing where `host` (the dense path's steps on
+    numpy views, _on_numpy): the same values, and no torch operation that would start torch's
+    thread pool in a process whose first call this is (docs/labeler.md, v29)."""
+    return torch.from_numpy(X.numpy()[idx.numpy()]) if host else X.index_select(0, idx)
+
+
+def _put(x, idx, v, host):
+    """x[idx] = v in place; by numpy's indexing where `host` (as _rows)."""
+    if host:
+        x.numpy()[idx.numpy()] = v.numpy()
+    else:
+        x[idx] = v
+
+
 def _nz(x):
     """The indices of a bool vector's true entries, on numpy's or torch's array alike (the
     steps that run on numpy views at small k on the host, torch's elsewhere)."""
@@ -3186,6 +3201,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     n, k = outputs.shape
     dev = outputs.device
     X = outputs.detach()      # read in float32, block by block (_newton_counts)
+    host = _on_numpy(X, k)    # (rows taken and put by numpy's indexing: _rows)
     start = None if start is None else _check_start(start, k)
     # one pass for the largest |O| (the float32 slack below) and for non-finite values, also
     # float64 ones beyond float32 (NaN and +-inf show in the least and largest values)
@@ -3245,7 +3261,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                 got = _near_rows(at[0], margin, R1, zero, hi)
                 if got is not None:
                     P, c_out = got
-                    XP = X.index_select(0, P).to(torch.float32)
+                    XP = _rows(X, P, host).to(torch.float32)
                     TP, eP, atP, p, escaped = _newton_T(
                         XP, T, target - c_out, 12, tol, frac=min(0.5, _frac(k) * n / P.numel()),
                         span_max=R1 / 2, bufs=_newton_pair(*XP.shape, dev), mode=dict(mode))
@@ -3294,7 +3310,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         if got is None:
             return None
         Bl, ic = got
-        B = Bl if P is None else P.index_select(0, Bl)
+        B = Bl if P is None else _rows(P, Bl, host)
         if P is None:
             B, ic = _joiners(X, T, at, B, ic, target, R)
         if B.numel() * k * 10 > (1 << 30):
@@ -3303,7 +3319,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         # kernels on small arrays each, which the GPU runs no faster and waits for the host in
         sdev = torch.device("cpu") if B.numel() * k <= _HOST_SOLVE else dev
         Bs = B.to(sdev)
-        XB = outputs.index_select(0, B).detach().to(sdev, torch.float64)
+        XB = _rows(X, B, host).to(sdev, torch.float64)
         cb = cols.to(sdev).expand(B.numel(), k)
         vals = XB - T.to(sdev) + eps * _tie_jitter(Bs, cb, seed)
         tB, loB, hiB = (t.to(sdev) for t in (target - ic, (lo - ic).clamp(min=0), hi - ic))
@@ -3326,7 +3342,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             labels = labP
         else:
             labels = at[0]
-            labels[P] = labP
+            _put(labels, P, labP, host)
         T = T + dT
         safe = span + slack < R      # no row left out leads by less than T moved
         if not safe:
@@ -3339,7 +3355,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             unsafe = out & ((at[0] != labels) | (at[1] <= slack))
             safe = not bool(unsafe.any())
         if safe:
-            labels[B] = sol_labels
+            _put(labels, B, sol_labels, host)
             counts = ic + sol_counts
             tc = target.cpu()
             return TranslateResult(labels=labels, T=T, counts=counts, target=tc,
