@@ -3182,9 +3182,9 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     Steps on the counts (`_newton_T`: Newton steps, and rounds of shedding where those fail)
     bring them near the target in float32 passes: on every `stride`-th row at N >= 4 x 8,192
     rows (on every 4th row from 2 x 8,192 where more than half of the rows must move at the
-    start: outputs collapsed onto few clusters), then on all rows (8 steps, up to 24 while sum
-    |counts - target| is over 1 % of N), then (once T can cross at most half of them) on the
-    rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
+    start: outputs collapsed onto few clusters, down to about that sample's own noise), then
+    on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N), then (once T
+    can cross at most half of them) on the rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
     them, or 8 times the rows still to move and k; R from a strided sample of the margins), and
     for a cluster with too few of them near it the rows nearest to joining it (`_joiners`), are
     solved exactly, with the streaming path's tie-break eps x u(row, column): by shortest paths
@@ -3236,8 +3236,11 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         passes += p
         if errs[0] > _COLLAPSE_SAMPLE * n:
             sub = X[::_COLLAPSE_EVERY].to(torch.float32)
+            # (down to about the sample's own noise, sum |counts - target| of so many rows
+            # drawn at random, ~0.8 sqrt(rows k): steps past it do not help all rows)
             T, _, _, p, _ = _newton_T(sub, T, target * (sub.shape[0] / n), 8,
-                                      0.005 * sub.shape[0], bufs=_newton_pair(*sub.shape, dev))
+                                      max(0.005 * sub.shape[0], math.sqrt(sub.shape[0] * k)),
+                                      bufs=_newton_pair(*sub.shape, dev))
             passes += p
             at, errs[:] = None, []
     T, e, at, p, _ = _newton_T(X, T, target, 2, tol, errs=errs, bufs=bufs, mode=mode, at=at)

@@ -1544,6 +1544,31 @@ def test_dense_path_collapsed_outputs_take_their_first_steps_on_every_4th_row(mo
         assert torch.equal(r.labels, exact(O, dense=False).labels)
 
 
+def test_dense_path_collapsed_outputs_sample_steps_stop_at_the_samples_noise(monkeypatch):
+    """The steps on every 4th row of collapsed outputs stop once sum |counts - target| there is
+    within sqrt(rows k) (about what rows drawn at random are off by; below it they no longer
+    help all rows), or after 8; then all rows, exact."""
+    n, k = 20_000, 50
+    O = collapsed(n, k, 35)
+    seen, newton = [], otl._newton_T
+
+    def spy(X, T, target, max_steps, tol, **kw):
+        kw.setdefault("errs", [])
+        out = newton(X, T, target, max_steps, tol, **kw)
+        seen.append((X.shape[0], tol, list(kw["errs"])))
+        return out
+
+    monkeypatch.setattr(otl, "_newton_T", spy)
+    r = exact(O)
+    m = n // 4
+    (rows, tol, errs), = [c for c in seen if c[0] == m]
+    assert tol == max(0.005 * m, math.sqrt(m * k)) > 0.005 * m
+    assert all(e > tol for e in errs[:-1]) and (errs[-1] <= tol or len(errs) == 9)
+    assert len(errs) > 2        # (it took steps)
+    check_even(r)
+    check_translation(O, r)
+
+
 def isolated(seed, n=20_000, k=50, own=397):
     """Outputs where cluster 0 wins only its `own` rows (6 against N(0, 1) elsewhere) and every
     other row scores about -6 there: the rows that must join it to fill it lie far from any
