@@ -2571,8 +2571,9 @@ def _newton_block(k):
 def _newton_bufs(n, k, device, scratch=None):
     """Buffers for _newton_counts: (best column, margin, best score, scratch), scratch = (a
     block of scores, a block's runner-up scores, a dict for the k x N copy of the outputs at
-    k <= _T_K and the passes' constants), shareable.  Reused pass after pass instead of
-    allocated anew: fewer pages touched for the first time (docs/labeler.md, v17)."""
+    k <= _T_K, _T_K_CPU on the host, and the passes' constants), shareable.  Reused pass after
+    pass instead of allocated anew: fewer pages touched for the first time (docs/labeler.md,
+    v17)."""
     e = dict(device=device)
     if scratch is None:
         block = min(n, _newton_block(k))
@@ -2587,10 +2588,10 @@ def _newton_counts(X, T, out=None):
     blocks of rows into one scratch block (no N x k temporary); out: _newton_bufs to write
     them into.  Up to k = _T_K (on the host _T_K_CPU) on a k x N float32 copy of X, made at
     the first pass and kept in the scratch: a row's max is then a max across k contiguous
-    vectors (docs/labeler.md, v18, v29); above, over rows of k.  Either way the max's value by amax and its column, the first
-    at the max, from a float32 mask (cheaper than max(1) with the column or argmax; v18, v23).
-    The runner-up's value alone (amax): the Newton step finds its column for the few rows it
-    needs."""
+    vectors (docs/labeler.md, v18, v29); above, over rows of k.  Either way the max's value by
+    amax and its column, the first at the max, from a float32 mask (cheaper than max(1) with
+    the column or argmax; v18, v23).  The runner-up's value alone (amax): the Newton step finds
+    its column for the few rows it needs."""
     n, k = X.shape
     a1, m, best, (V, v2, keep) = _newton_bufs(n, k, X.device) if out is None else out
     block = V.shape[0]
@@ -2722,7 +2723,8 @@ def _join_costs(X, T32, lab, best, cols):
         np.subtract(best.numpy()[None, :], G, out=G)
         np.putmask(G, lab.numpy()[None, :] == cn[:, None], np.inf)
         return G
-    G = best[None, :] - (X.T.index_select(0, cols).to(torch.float32) - T32.index_select(0, cols)[:, None])
+    G = X.T.index_select(0, cols).to(torch.float32) - T32.index_select(0, cols)[:, None]
+    G = best[None, :] - G
     return G.masked_fill_(lab[None, :] == cols[:, None], math.inf)
 
 
@@ -2952,7 +2954,7 @@ _COLLAPSE_SAMPLE = 1.0   # sum |counts - target| over this share of N at the sta
 _COLLAPSE_EVERY = 4      # collapsed outputs: the first steps on every 4th row (v29; v17: 2nd)
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
-_T_K_CPU = 63   # and on the host up to this k: torch's max over rows of 33 - 63 costs 1.4 - 3x (v29)
+_T_K_CPU = 63   # and on the host up to this k, where torch's max over rows costs more (v29)
 _NP_PASS = 1 << 20  # and on numpy's (one thread) up to this N x k x torch's threads (v22)
 _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
@@ -3184,18 +3186,18 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     rows (on every 4th row from 2 x 8,192 where more than half of the rows must move at the
     start: outputs collapsed onto few clusters, down to about that sample's own noise), then
     on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N), then (once T
-    can cross at most half of them) on the rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
-    them, or 8 times the rows still to move and k; R from a strided sample of the margins), and
-    for a cluster with too few of them near it the rows nearest to joining it (`_joiners`), are
-    solved exactly, with the streaming path's tie-break eps x u(row, column): by shortest paths
-    (`_PathSolver`, where numpy is installed) at k <= 64 where few rows are to move, else by the
-    streaming path's solver (`_ExactSolver`); where the outputs are on a GPU, on the host up to
-    2^18 values.  The
-    other rows keep their best column: they lead by more than R and the solve moves no T_j by
-    as much relative to another, or else one pass at the solve's T finds none of them changed
-    (both with float32's rounding).  Where rows did change, the next try (up to four) takes the
-    rows solved and the rows that changed, from the solve's T where those are under 1 % of the
-    rows solved, else again from the T before that solve.  docs/labeler.md (v16 - v19) has the
+    can cross at most half of them) on the rows near a boundary only.  The rows within a margin
+    R of their runner-up (about 2 % of them, or 8 times the rows still to move and k; R from a
+    strided sample of the margins), and for a cluster with too few of them near it the rows
+    nearest to joining it (`_joiners`), are solved exactly, with the streaming path's tie-break
+    eps x u(row, column): by shortest paths (`_PathSolver`, where numpy is installed) at
+    k <= 64 where few rows are to move, else by the streaming path's solver (`_ExactSolver`);
+    where the outputs are on a GPU, on the host up to 2^18 values.  The other rows keep their
+    best column: they lead by more than R and the solve moves no T_j by as much relative to
+    another, or else one pass at the solve's T finds none of them changed (both with float32's
+    rounding).  Where rows did change, the next try (up to four) takes the rows solved and the
+    rows that changed, from the solve's T where those are under 1 % of the rows solved, else
+    again from the T before that solve.  docs/labeler.md (v16 - v19, v29) has the
     measurements."""
     t0 = time.perf_counter()
     n, k = outputs.shape
