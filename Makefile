@@ -131,7 +131,7 @@ $(SETS): $(STAMP)
 labeler-bench: eurosat-data
 	$(PY) bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
 
-# issue 16's matrix (results/labeler_matrix_v27.md): ours against the published rules on random and
+# issue 16's matrix (results/labeler_matrix_v29.md): ours against the published rules on random and
 # trained networks' outputs, EuroSAT and CIFAR-10, all images and the training split, k = 10 .. 3000;
 # six runs, then the table over them (about an hour on 2 cores).  Needs the trained networks of
 # `make eurosat` and `make cifar10`; MATRIX_V names the files.
