@@ -1294,10 +1294,10 @@ def _counts_reference(X, T):
 @pytest.mark.parametrize("k", [20, 40, 70])
 def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
     """Every way of a pass (numpy's and torch's steps on a k x N copy up to k = _T_K, torch's
-    on it up to _T_K_CPU on the host, torch's over the rows) gives the definition's best columns (the first of tied ones), margins,
-    counts and best scores, over several blocks; the copy is made again for other outputs
-    handed the same buffers.  (float16 and float64 outputs with float32 values: the passes
-    read float32.)"""
+    on it up to _T_K_CPU on the host, torch's over the rows) gives the definition's best
+    columns (the first of tied ones), margins, counts and best scores, over several blocks; the
+    copy is made again for other outputs handed the same buffers.  (float16 and float64
+    outputs with float32 values: the passes read float32.)"""
     n = 5000
     monkeypatch.setattr(otl, "_newton_block", lambda k: 1024)   # 4 whole blocks and a short one
     O = dominant(n, k, 43)
