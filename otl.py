@@ -1230,7 +1230,7 @@ class StreamingTranslator:
             params[self.k + 2] = self._first_radius(head, params[:self.k]).item()
         if self.comm.on:   # rank 0's first rows decide, so every rank uses the same T0 and window
             params = self.comm.broadcast(params.cpu()).to(self.device)
-        if self.device.type != "cpu":   # blocks sized for a CPU cache only cost launches there
+        if _launch_bound(self.device):   # blocks sized for a CPU cache only cost launches there
             self.block = self.chunk
         if params[self.k + 3].item() > 0:
             self.all_cols, self.width = True, self.k
@@ -1338,7 +1338,7 @@ class StreamingTranslator:
         # passes), then D = S - (row max - window) in place; the mask of all n rows is D >= 0 as
         # int8 -1 / 0, from D's sign bit: integer shifts and a narrowing copy are several times
         # faster than a comparison writing bool.  fl(S - thr) >= 0 exactly when S >= thr.
-        sub = n if dev.type != "cpu" else max(1, (4 << 20) // (4 * kp))
+        sub = n if _launch_bound(dev) else max(1, (4 << 20) // (4 * kp))
         if self._mask is None or self._mask.shape[0] < n:
             self._diff = torch.full((min(max(n, self.block), sub), kp), -math.inf,
                                     dtype=torch.float32, device=dev)   # columns >= k stay -inf
@@ -2563,9 +2563,21 @@ def _tie_shift(pi, r, scale):
 
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
 
-def _newton_block(k):
-    """Rows per block of _newton_counts: about 4 MiB of float32 scores."""
+def _newton_block(k, device=None):
+    """Rows per block of _newton_counts: about 4 MiB of float32 scores, on a GPU 256 MiB (a
+    block costs a dozen launches there, whatever its rows: EuroSAT's training split at k = 100
+    went over in 3 blocks, now 1)."""
+    if device is not None and _launch_bound(device):
+        return max(1024, (1 << 26) // k)
     return max(1024, (1 << 20) // k)
+
+
+def _launch_bound(device):
+    """Whether each torch operation on `device` costs a kernel launch, and a wait wherever the
+    host reads its result, more than its work at the sizes of the labeler's passes and rounds:
+    a GPU (docs/labeler.md, v30: about 20 us an operation on an H100).  There passes go over
+    all rows at once, not over blocks sized for a CPU's cache."""
+    return torch.device(device).type != "cpu"
 
 
 def _newton_bufs(n, k, device, scratch=None):
@@ -2576,7 +2588,7 @@ def _newton_bufs(n, k, device, scratch=None):
     v17)."""
     e = dict(device=device)
     if scratch is None:
-        block = min(n, _newton_block(k))
+        block = min(n, _newton_block(k, device))
         scratch = (torch.empty(block, k, dtype=torch.float32, **e),
                    torch.empty(block, dtype=torch.float32, **e), {})
     return (torch.empty(n, dtype=torch.int64, **e), torch.empty(n, dtype=torch.float32, **e),
@@ -2599,7 +2611,7 @@ def _newton_counts(X, T, out=None):
     if _on_numpy(X, k) and n * k * torch.get_num_threads() <= _NP_PASS:
         return _newton_counts_np(X, T32.numpy(), a1, m, best, V, v2, keep)
     # (the k x N copy: rows are its columns, reduced along dim 0)
-    kn = k <= (_T_K_CPU if X.device.type == "cpu" else _T_K)
+    kn = k <= (_T_K if _launch_bound(X.device) else _T_K_CPU)
     if kn and keep.get("of") is not X:
         keep.clear()
         keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
@@ -2610,6 +2622,16 @@ def _newton_counts(X, T, out=None):
                     first=(k - torch.arange(k, device=X.device)).to(torch.float32))
     d, Tb = (0, T32[:, None]) if kn else (1, T32)
     at, first = keep["at"], keep["first"]
+    if _launch_bound(X.device):   # 5 launches a block, not 15: max with its column (the first
+        for s in range(0, n, block):     # at the max, as argmax), its column dropped by a scatter
+            xb = keep["Xt"][:, s:s + block] if kn else X[s:s + block]
+            r = xb.shape[1 - d]
+            v = V.view(-1)[:k * r].view(k, r) if kn else V[:r]
+            b1, bb = a1[s:s + r], best[s:s + r]
+            torch.max(torch.sub(xb, Tb, out=v), d, out=(bb, b1))
+            v.scatter_(d, b1.unsqueeze(d), -math.inf)
+            torch.sub(bb, torch.amax(v, d, out=v2[:r]), out=m[s:s + r])
+        return a1, m, torch.bincount(a1, minlength=k), best
     for s in range(0, n, block):
         xb = keep["Xt"][:, s:s + block] if kn else X[s:s + block]
         r = xb.shape[1 - d]

@@ -5,6 +5,7 @@ GPU a function's time includes its waits for the device) and per device kernel (
     python profile_labeler.py --checkpoint runs/eurosat/checkpoint.pth --out prof.txt
 
     python profile_labeler.py --input inputs/random_net_10.pt --phases
+    python profile_labeler.py --input inputs/random_net_500.pt --kernels --as-gpu --json k.json
 
 The input is bench_labeler's gaussian (the same seeds), or with --checkpoint the outputs that
 training hands the labeler: a label pass of that network over its training split (one strong
@@ -23,6 +24,17 @@ dense path's Newton steps (time and passes over the rows, per call), and the res
 rules' median time on the same input and the ratio.  On a GPU a stage's time includes its
 waits for the device.
 
+--kernels replaces them by counts of the torch operations one call dispatches (after the
+warm-up): kernels (operations that launch work on a GPU: not views), of them reads by the host
+(.item(), nonzero, masks used as indices: each a wait on a GPU), per stage as --phases, and the
+same for the published rules.  On an H100 ours took about 20 us per kernel at k >= 50 whatever
+the rows (docs/labeler.md, v30, from results/labeler_kernels_v27.json), so the count predicts
+its time there from a CPU.  With --as-gpu a CPU run takes the GPU's block sizes.  What the
+count misses on the CPU: the steps numpy runs on the host there (the dense path's passes and
+Newton steps at k <= 32, join costs, the rows near a boundary, the tie-break), which a GPU runs
+as torch operations, and copies to the host (.cpu(), .tolist()); and on either device the dense
+path's small solves on the host count as kernels where a GPU runs them on the host.
+
 --variants replaces them by the exact labeler and the published rules on four variants of the
 input, as real outputs come in other sizes and orders: its first 80 % of rows, its last two
 thirds, all but its last 777 rows (every second row from N = 40,000), and the input with
@@ -31,13 +43,19 @@ Gaussian noise of 1 % of its std (seed 1); per variant the medians of --repeat c
 path (translate, k <= 128) finished or the streaming path ran.
 """
 import argparse
+import contextlib
 import cProfile
+import hashlib
 import io
+import json
 import pstats
+import shlex
+import sys
 import time
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench_labeler
 import otl
@@ -66,6 +84,17 @@ def get_args_parser():
     p.add_argument("--variants", action="store_true", help="ours and the published rules on four "
                    "variants of the input (subsets of its rows, a little noise), instead of the "
                    "profiles")
+    p.add_argument("--kernels", action="store_true", help="count the torch operations a call "
+                   "dispatches (each a kernel launch on a GPU), per stage as --phases, for ours "
+                   "and the published rules, instead of the profiles")
+    p.add_argument("--as-gpu", action="store_true", help="with --kernels on the CPU: take the "
+                   "passes' GPU block sizes (otl._launch_bound), so the count is the one a GPU's "
+                   "call would launch (within the limits the docstring gives)")
+    p.add_argument("--json", default=None, metavar="PATH", help="with --kernels: the counts as "
+                   "JSON here too (per stage, per operation, the call's seconds)")
+    p.add_argument("--otl", default=None, metavar="SPEC", help="profile this otl.py instead of "
+                   "the working tree's: a path, or a git revision (its otl.py), as "
+                   "compare_labelers.py takes them")
     p.add_argument("--method", default="exact", choices=["exact", "published"])
     p.add_argument("--out", default=None, help="write the report here too")
     return p
@@ -95,13 +124,60 @@ _METHODS = {"_approach": "approach", "_auction": "auction", "_finish": "finish",
 _PATH_METHODS = {"run": "finish", "strictify": "strict argmax"}   # otl._PathSolver's
 
 
+_VIEWS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand",
+          "lift_fresh", "alias", "detach", "t", "transpose", "permute", "_reshape_alias",
+          "as_strided", "split", "split_with_sizes", "unbind", "diagonal", "narrow", "unfold",
+          "view_as_real", "view_as_complex"}
+_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
+          "unique_consecutive"}
+
+
+class KernelCount(TorchDispatchMode):
+    """Counts the torch operations dispatched while open: `kernels` (not views, which launch
+    nothing) and of them `reads`, whose result the host waits for on a GPU (.item(), nonzero,
+    a bool mask used as an index, unique); `by_op` per operation."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = self.reads = 0
+        self.by_op = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _VIEWS:
+            self.kernels += 1
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+            if name in _READS or (name in ("index", "index_put_", "index_put") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                    for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()))):
+                self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextmanager
-def stage_timer(dev):
-    """Records (solve, stage, seconds, steps) for every stage the exact labeler runs while the
-    context is open; a solve is (where, rows): where is 'sample start' (otl.sample_start_T),
-    'warm start' (StreamingTranslator._warm_start's own solve), 'dense' (translate's dense path:
-    its Newton steps on the counts, one record per call of otl._newton_T with the rows it read,
-    and its solve of the rows near a boundary) or 'main'."""
+def as_gpu():
+    """otl's passes with a GPU's block sizes (otl._launch_bound true) on any device."""
+    if not hasattr(otl, "_launch_bound"):
+        raise SystemExit("--as-gpu: this otl.py has no _launch_bound (older than v30): it picks "
+                         "its block sizes by device inline, so a CPU run cannot take a GPU's")
+    saved = otl._launch_bound
+    otl._launch_bound = lambda device: True
+    try:
+        yield
+    finally:
+        otl._launch_bound = saved
+
+
+@contextmanager
+def stage_timer(dev, counter=None):
+    """Records (solve, stage, seconds, steps, (kernels, reads)) for every stage the exact
+    labeler runs while the context is open; a solve is (where, rows): where is 'sample start'
+    (otl.sample_start_T), 'warm start' (StreamingTranslator._warm_start's own solve), 'dense'
+    (translate's dense path: its Newton steps on the counts, one record per call of
+    otl._newton_T with the rows it read, and its solve of the rows near a boundary) or 'main'.
+    kernels and reads: what an open KernelCount `counter` counted in the stage (else 0); host:
+    whether a GPU runs the stage on the host (the dense path's small solves, otl._HOST_SOLVE;
+    as a CPU run with --as-gpu decides it, from the solve's size)."""
     records, where = [], ["main"]
     solvers = ((otl._ExactSolver, _METHODS), (otl._PathSolver, _PATH_METHODS))
     saved = [(cls, name, getattr(cls, name), stage) for cls, names in solvers
@@ -109,25 +185,37 @@ def stage_timer(dev):
     saved_warm, saved_sample = otl.StreamingTranslator._warm_start, otl.sample_start_T
     saved_dense, saved_newton = otl._dense_translate, otl._newton_T
 
+    def counted():
+        return (counter.kernels, counter.reads) if counter is not None else (0, 0)
+
+    def since(c0, host=False):
+        c1 = counted()
+        return c1[0] - c0[0], c1[1] - c0[1], host
+
     def newton(X, *args, **kw):
         utils.synchronize(dev)
-        t = time.perf_counter()
+        t, c0 = time.perf_counter(), counted()
         out = saved_newton(X, *args, **kw)
         utils.synchronize(dev)
-        records.append(((where[-1], "newton", X.shape[0]), "newton", time.perf_counter() - t, out[3]))
+        records.append(((where[-1], "newton", X.shape[0]), "newton", time.perf_counter() - t, out[3],
+                        since(c0)))
         return out
 
     def timed(fn, stage):
         def wrapper(self, *args, **kw):
             steps0 = self.rounds + self.phases
             utils.synchronize(dev)
-            t = time.perf_counter()
+            t, c0 = time.perf_counter(), counted()
             try:
                 return fn(self, *args, **kw)
             finally:
                 utils.synchronize(dev)
+                v = self.vals     # (otl._PathSolver's: a numpy array, on the host always)
+                host = not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and (
+                    dev.type != "cpu" or where[-1] == "dense" and v.numel() <= otl._HOST_SOLVE))
                 records.append(((where[-1], id(self), self.vals.shape[0]), stage,
-                                time.perf_counter() - t, self.rounds + self.phases - steps0))
+                                time.perf_counter() - t, self.rounds + self.phases - steps0,
+                                since(c0, host)))
         return wrapper
 
     def inside(label, fn):
@@ -159,7 +247,7 @@ def phases_report(records, total):
     """Lines of a markdown table: one row per solve, its stages' seconds (and steps), and the
     rest of the call."""
     solves = {}
-    for solve, stage, sec, steps in records:
+    for solve, stage, sec, steps, _ in records:
         row = solves.setdefault(solve, {st: [0.0, 0] for st in STAGES})
         row[stage][0] += sec
         row[stage][1] += steps
@@ -171,10 +259,46 @@ def phases_report(records, total):
                      + " | ".join("" if not row[st][0] and not row[st][1] else
                                   f"{row[st][0]:.4f} ({row[st][1]})" if st != "strict argmax"
                                   else f"{row[st][0]:.4f}" for st in STAGES) + " |")
-    staged = sum(sec for _, _, sec, _ in records)
+    staged = sum(sec for _, _, sec, _, _ in records)
     lines.append(f"| rest of the call (store, tie-break, taking rows, counts; the warm start's too) | | {total - staged:.4f} |"
                  + " |" * (len(STAGES) - 1))
     return lines
+
+
+def kernels_report(records, counter):
+    """Lines of a markdown table as phases_report's, with each stage's kernels (and of them
+    host reads) in place of its seconds, and the rest of the call's."""
+    solves, hosts = {}, set()
+    for solve, stage, _, steps, (kern, reads, host) in records:
+        row = solves.setdefault(solve, {st: [0, 0, 0] for st in STAGES})
+        row[stage][0] += kern
+        row[stage][1] += reads
+        row[stage][2] += steps
+        if host:
+            hosts.add(solve)
+    lines = ["| solve | rows | " + " | ".join(f"{st}: kernels (reads) [steps]" for st in STAGES) + " |",
+             "|---|---|" + "---|" * len(STAGES)]
+    for (where, i, rows), row in solves.items():
+        on = " (on the host on a GPU)" if (where, i, rows) in hosts else ""
+        lines.append(f"| {where}{on} | {rows:,} | " + " | ".join(
+            f"{row[st][0]:,} ({row[st][1]:,}) [{row[st][2]}]" if row[st][0] or row[st][2] else ""
+            for st in STAGES) + " |")
+    kern = sum(r[4][0] for r in records)
+    reads = sum(r[4][1] for r in records)
+    lines.append(f"| rest of the call | | {counter.kernels - kern:,} ({counter.reads - reads:,}) |"
+                 + " |" * (len(STAGES) - 1))
+    return lines
+
+
+def host_kernels(records):
+    """The kernels counted in stages a GPU runs on the host (stage_timer's host)."""
+    return sum(r[4][0] for r in records if r[4][2])
+
+
+def top_ops(counter, n=12):
+    """The counter's n most frequent operations, as one line."""
+    top = sorted(counter.by_op.items(), key=lambda kv: -kv[1])[:n]
+    return "most launched: " + ", ".join(f"{name} {c:,}" for name, c in top)
 
 
 def timed_calls(fn, repeat, dev):
@@ -251,7 +375,12 @@ def report(lines, out):
 
 
 def main(a):
+    global otl
     dev = utils.pick_device(a.device)
+    if a.otl:
+        import tempfile
+        import compare_labelers
+        otl = compare_labelers.load(a.otl, "profiled", tempfile.mkdtemp())
     if a.input:
         O = torch.load(a.input, weights_only=True)
         if not isinstance(O, torch.Tensor) or O.dim() != 2:
@@ -282,6 +411,41 @@ def main(a):
              f"seconds {median(times):.4f} (median of {[round(t, 4) for t in times]})"
              f"  iterations {res.iterations}  max-min {int(counts.max() - counts.min())}"
              f"  stop {res.stop_reason}"]
+    if a.kernels:
+        if a.as_gpu and dev.type != "cpu":
+            raise SystemExit("--as-gpu is for a CPU run (a GPU takes its own block sizes)")
+        lines += ["", f"kernels: the torch operations of one call (not views){' with the GPU' + chr(39) + 's block sizes (--as-gpu)' if a.as_gpu else ''}; "
+                      "reads: of them, those the host waits for on a GPU", ""]
+        with (as_gpu() if a.as_gpu else contextlib.nullcontext()):
+            call()
+            with KernelCount() as counter, stage_timer(dev, counter) as records:
+                call()
+            on_host = host_kernels(records)
+            lines += [f"exact: {counter.kernels:,} kernels ({counter.reads:,} reads); "
+                      f"{counter.kernels - on_host:,} where a GPU runs its small solves on the host "
+                      f"(otl._HOST_SOLVE: {on_host:,} there)", ""]
+            lines += kernels_report(records, counter) + ["", top_ops(counter), ""]
+            otl.translate(O, method="published")
+            with KernelCount() as pub:
+                otl.translate(O, method="published")
+        lines += [f"published rules: {pub.kernels:,} kernels ({pub.reads:,} reads); "
+                  f"ours / theirs {counter.kernels / max(pub.kernels, 1):.2f}", "", top_ops(pub)]
+        report(lines, a.out)
+        if a.json:
+            stages = [{"solve": where, "rows": rows, "stage": stage, "steps": steps,
+                       "kernels": kern, "reads": reads, "host_on_gpu": host}
+                      for (where, _, rows), stage, _, steps, (kern, reads, host) in records]
+            out = dict(command="python " + " ".join(map(shlex.quote, sys.argv)),
+                       git_commit=utils.git_commit(), otl=a.otl or "working tree",
+                       otl_sha256=hashlib.sha256(open(otl.__file__, "rb").read()).hexdigest(),
+                       device=str(dev), as_gpu=a.as_gpu, input=what, n=n, k=k,
+                       exact=dict(seconds=median(times), kernels=counter.kernels,
+                                  reads=counter.reads, host_on_gpu=on_host, stages=stages,
+                                  by_op=counter.by_op),
+                       published=dict(kernels=pub.kernels, reads=pub.reads, by_op=pub.by_op))
+            with open(a.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return
     if a.phases:
         if a.method != "exact":
             raise SystemExit("--phases is for the exact labeler (--method exact)")

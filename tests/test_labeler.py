@@ -554,6 +554,33 @@ def test_exact_on_cuda_equals_cpu(k, kw, host, monkeypatch):
     check_even(gpu)
 
 
+@pytest.mark.parametrize("k, shape", [(10, "gaussian"), (50, "gaussian"), (100, "gaussian"),
+                                      (100, "dominant"), (300, "gaussian"), (300, "clustered")])
+def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
+    """A GPU's passes go over all rows at once (otl._launch_bound): the candidate extraction,
+    the solver's blocks and the Newton passes (one block of 30,000 rows where the CPU takes 3
+    at k = 100; rows of k, not the k x N copy, at k = 50).  Taken on the CPU, they give the
+    CPU's labels and T to the bit: the blocks split rows, never a row's values.  (CI has no
+    GPU; test_exact_on_cuda_equals_cpu compares the devices themselves.)"""
+    n = 30_000 if k <= 100 else 6000
+    O = {"gaussian": lambda: torch.randn(n, k, generator=gen(15)),
+         "dominant": lambda: dominant(n, k, 16),
+         "clustered": lambda: _clustered(n, k, 17)}[shape]()
+    cpu = exact(O)
+    if k == 100:     # blocks on the CPU, one on a GPU
+        assert otl._newton_block(k) < n <= otl._newton_block(k, "cuda")
+    monkeypatch.setattr(otl, "_launch_bound", lambda device: True)
+    blocks = []
+    bufs = otl._newton_bufs
+    monkeypatch.setattr(otl, "_newton_bufs", lambda *a, **kw: blocks.append(a) or bufs(*a, **kw))
+    gpu = exact(O)
+    if k <= 100:      # the dense path's passes: one block of every row
+        assert blocks and all(min(a[0], otl._newton_block(a[1], "cuda")) == a[0] for a in blocks)
+    assert torch.equal(cpu.labels, gpu.labels)
+    assert torch.equal(cpu.T, gpu.T)
+    check_even(gpu)
+
+
 @pytest.mark.parametrize("k", [100, 300])
 def test_exact_without_scipy(monkeypatch, k):
     """otl.py stands alone: without scipy the exact finish runs its torch Dijkstra, with the
@@ -1294,12 +1321,13 @@ def _counts_reference(X, T):
 @pytest.mark.parametrize("k", [20, 40, 70])
 def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
     """Every way of a pass (numpy's and torch's steps on a k x N copy up to k = _T_K, torch's
-    on it up to _T_K_CPU on the host, torch's over the rows) gives the definition's best
+    on it up to _T_K_CPU on the host, torch's over the rows, and a GPU's fewer launches on
+    either) gives the definition's best
     columns (the first of tied ones), margins, counts and best scores, over several blocks; the
     copy is made again for other outputs handed the same buffers.  (float16 and float64
     outputs with float32 values: the passes read float32.)"""
     n = 5000
-    monkeypatch.setattr(otl, "_newton_block", lambda k: 1024)   # 4 whole blocks and a short one
+    monkeypatch.setattr(otl, "_newton_block", lambda k, device=None: 1024)   # 4 whole blocks and a short one
     O = dominant(n, k, 43)
     for rows in (slice(0, 50), slice(2100, 2150), slice(4990, 5000)):
         O[rows, 3] = O[rows, 7] = O[rows].amax(1) + 1          # two columns tied at the max
@@ -1307,7 +1335,9 @@ def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
     O2 = dominant(n, k, 45).to(dtype)
     T = torch.randn(k, generator=gen(44), dtype=torch.float64) * 0.1
     T[7] = T[3]
-    ways = [{}, {"_NP_PASS": 0}, {"_T_K": 0}, {"_T_K": 0, "_T_K_CPU": 0}]
+    gpu = lambda device: True     # noqa: E731  (a GPU's passes: max with its column, a scatter)
+    ways = [{}, {"_NP_PASS": 0}, {"_T_K": 0}, {"_T_K": 0, "_T_K_CPU": 0},
+            {"_launch_bound": gpu, "_NP_PASS": 0}, {"_launch_bound": gpu, "_NP_PASS": 0, "_T_K": 0}]
     for way in ways:
         with monkeypatch.context() as mp:
             for name, value in way.items():

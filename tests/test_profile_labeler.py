@@ -1,5 +1,6 @@
 """profile_labeler.py: --phases (the exact labeler's stages, timed, beside the published rules)
-on an input saved by bench_labeler.py --save-inputs, and its argument checks."""
+on an input saved by bench_labeler.py --save-inputs, --kernels (the torch operations a call
+launches, per stage), and its argument checks."""
 import os
 import subprocess
 import sys
@@ -41,13 +42,14 @@ def test_stage_timer_records_each_solve_and_restores_the_labeler():
     with profile_labeler.stage_timer(torch.device("cpu")) as records:
         timed = otl.translate(O, dense=False)
     assert torch.equal(timed.labels, plain.labels) and torch.equal(timed.T, plain.T)
-    assert {solve[0] for solve, _, _, _ in records} == {"warm start", "main"}
+    assert {solve[0] for solve, _, _, _, _ in records} == {"warm start", "main"}
     main = [r for r in records if r[0][0] == "main"]
-    assert {stage for _, stage, _, _ in main} >= {"auction", "finish", "strict argmax"}
-    assert all(sec >= 0 and steps >= 0 for _, _, sec, steps in records)
+    assert {stage for _, stage, _, _, _ in main} >= {"auction", "finish", "strict argmax"}
+    assert all(sec >= 0 and steps >= 0 and counted == (0, 0, False)
+               for _, _, sec, steps, counted in records)     # (no KernelCount open)
     # the main solve's steps add up to the call's iterations; the warm start took steps too
-    assert sum(steps for _, _, _, steps in main) == timed.iterations
-    assert sum(steps for s, _, _, steps in records if s[0] == "warm start") >= 1
+    assert sum(steps for _, _, _, steps, _ in main) == timed.iterations
+    assert sum(steps for s, _, _, steps, _ in records if s[0] == "warm start") >= 1
     assert _labeler_functions() == originals
     lines = profile_labeler.phases_report(records, total=10.0)
     assert lines[0].startswith("| solve | rows | newton s (steps) | approach s (steps)")
@@ -134,3 +136,73 @@ def test_input_variants_are_subsets_and_noise():
     assert torch.equal(v["first 80 %"], O[:40_000]) and torch.equal(v["last two thirds"], O[16_666:])
     assert v["noise 1 %"].shape == O.shape and not torch.equal(v["noise 1 %"], O)
     assert torch.equal(profile_labeler.input_variants(O)["noise 1 %"], v["noise 1 %"])   # seeded
+
+
+def test_kernel_count_counts_launches_and_host_reads_not_views():
+    a = torch.arange(6, dtype=torch.float32)
+    with profile_labeler.KernelCount() as c:
+        a.view(2, 3).t()[0]                 # views: nothing launched
+    assert c.kernels == 0 and c.reads == 0
+    with profile_labeler.KernelCount() as c:
+        b = a + 1                           # one kernel
+    assert (c.kernels, c.reads) == (1, 0) and c.by_op == {"add": 1}
+    with profile_labeler.KernelCount() as c:
+        float(b.sum())                      # a kernel, then a read of its result
+        (b > 3).nonzero()                   # a comparison, then a read (the count of rows)
+        b[b > 3]                            # a mask as an index: a read
+    assert c.reads == 3 and c.kernels >= 6
+    assert c.by_op["_local_scalar_dense"] == 1 and c.by_op["nonzero"] == 1
+
+
+def test_stage_timer_counts_kernels_per_stage_and_keeps_the_labels():
+    """With a KernelCount open, each stage's record carries the kernels launched in it (none in
+    a solve on numpy), together at most the call's; the dense path's small solve is marked
+    as the host's on a GPU.  Counting changes no label."""
+    O = far_outputs(20_000, 20, 0)
+    plain = otl.translate(O)
+    with profile_labeler.KernelCount() as c, profile_labeler.stage_timer(torch.device("cpu"), c) as records:
+        counted = otl.translate(O)
+    assert torch.equal(counted.labels, plain.labels)
+    assert all(0 <= reads <= kern for _, _, _, _, (kern, reads, _) in records)
+    assert all(r[4][0] >= 1 for r in records if r[1] == "newton")   # (a numpy solve: none)
+    assert sum(r[4][0] for r in records) <= c.kernels
+    solve = [r for r in records if r[1] != "newton"]
+    assert solve and all(r[4][2] == (r[0][2] * 20 <= otl._HOST_SOLVE) for r in solve)
+    assert profile_labeler.host_kernels(records) == sum(r[4][0] for r in solve if r[4][2])
+    lines = profile_labeler.kernels_report(records, c)
+    assert lines[0].startswith("| solve | rows | newton: kernels (reads) [steps]")
+    rest = lines[-1].split("|")[3].split()[0]
+    assert int(rest.replace(",", "")) == c.kernels - sum(r[4][0] for r in records)
+
+
+def test_kernels_as_gpu_json(tmp_path):
+    """--kernels --as-gpu --json: the counts of one call of ours (per stage) and of the
+    published rules, readable by a program; the GPU's block sizes leave the labels alone."""
+    O = far_outputs(12_000, 40, 5)
+    saved = tmp_path / "far.pt"
+    torch.save(O, saved)
+    js, out = tmp_path / "k.json", tmp_path / "k.md"
+    p = run("profile_labeler.py", "--input", str(saved), "--kernels", "--as-gpu", "--repeat", "1",
+            "--json", str(js), "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    import json
+    d = json.loads(js.read_text())
+    assert d["as_gpu"] is True and (d["n"], d["k"]) == (12_000, 40) and d["otl"] == "working tree"
+    ex = d["exact"]
+    assert ex["kernels"] == sum(ex["by_op"].values()) and 0 < ex["reads"] < ex["kernels"]
+    assert 0 < sum(s["kernels"] for s in ex["stages"]) <= ex["kernels"]
+    assert 0 <= ex["host_on_gpu"] <= ex["kernels"]
+    assert d["published"]["kernels"] == sum(d["published"]["by_op"].values()) > 0
+    text = out.read_text()
+    assert "with the GPU's block sizes (--as-gpu)" in text and "published rules:" in text
+
+
+def test_kernels_as_gpu_refuses_an_otl_without_launch_bound(tmp_path):
+    old = tmp_path / "otl_old.py"
+    old.write_text(open(os.path.join(ROOT, "otl.py")).read().replace("_launch_bound", "_lb_renamed"))
+    good = tmp_path / "good.pt"
+    torch.save(torch.randn(2000, 12), good)
+    p = run("profile_labeler.py", "--input", str(good), "--kernels", "--as-gpu", "--otl", str(old))
+    assert p.returncode != 0 and "has no _launch_bound" in p.stderr
+    p = run("profile_labeler.py", "--input", str(good), "--kernels", "--otl", str(old), "--repeat", "1")
+    assert p.returncode == 0 and "exact: " in p.stdout, p.stderr[-2000:]
