@@ -30,7 +30,8 @@
 #                                    --save-features`, and .gpu/EuroSAT_small.zip): ours against
 #                                    the published rules on the saved features' real outputs at
 #                                    k = 10 - 3000, v18's labeler against this one at 1.28M x 3000
-#                                    and on the trained network's own outputs, the CUDA tests
+#                                    and on the trained network's own outputs, the CUDA tests,
+#                                    the kernels three calls launch (profile_labeler --kernels)
 #   D=<seconds> bash gpu_session.sh supervised
 #                                    instead of train (carry .gpu/eu_part_ab): the fast preset's
 #                                    supervised twin for its epochs (E_SUP: fewer), kNN + linear;
@@ -131,6 +132,13 @@ labeler)
   timeout "${T_TEST:-150}" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py \
       tests/test_labeler.py tests/test_train_otl.py tests/test_bench.py -rs 2>&1 \
       | tee "$OUT/pytest_cuda.txt" | tail -5
+  # 4. the torch operations a call launches, counted on the GPU with the call's seconds (v30: on
+  # the H100 about 20 us each; the CPU's --kernels --as-gpu predicts the time from them)
+  $PY -c "import torch, utils; f = torch.load('$FEATS/trained_backbone_features.pt', weights_only=True); [torch.save(utils.fresh_head_outputs(f, k, 0).contiguous(), f'/tmp/tb_{k}.pt') for k in (100, 500)]"
+  for IN in /tmp/tb_100.pt /tmp/tb_500.pt "$FEATS/trained_net_outputs.pt"; do
+    timeout "${T_KERN:-40}" $PY profile_labeler.py --device cuda --input "$IN" --kernels --repeat 3 \
+        --json "$OUT/labeler_kernels_gpu_$(basename "$IN" .pt).json" 2>&1 | grep -E "^(seconds|exact|published)|profile_labeler"
+  done
   echo "labeler done in $(( $(date +%s) - START )) s"
   ;;
 train|supervised)

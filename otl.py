@@ -290,6 +290,9 @@ def _std(counts, target) -> float:
     c, t = counts.cpu(), target.cpu()
     if c.numel() <= 256:
         return _std_of(c.tolist(), t.tolist())
+    if np is not None and t.dtype == torch.float64:   # numpy's: no torch operation to dispatch
+        d = c.numpy().astype(np.float64) - t.numpy()
+        return float(np.sqrt(np.mean(np.square(d))))
     return (c.to(torch.float64) - t).pow(2).mean().sqrt().item()
 
 
@@ -1799,9 +1802,11 @@ class StreamingTranslator:
 def _top2_(S):
     """(best value, its column as an (n, 1) index, runner-up) of each row of S, like topk(2)
     (a tie for the best: the first column, and the runner-up equals the best), with cheaper
-    passes than topk(2) on the CPU.  S is overwritten: its best entries become -inf."""
-    arg = S.argmax(1, keepdim=True)
-    best = S.gather(1, arg)[:, 0]
+    passes than topk(2) on the CPU.  S is overwritten: its best entries become -inf.  (max
+    with its column, the first at the max as argmax's: one launch on a GPU, and on the CPU
+    0.6 - 0.7x argmax and a gather on float64 candidate lists, docs/labeler.md v30.)"""
+    best, arg = S.max(1, keepdim=True)
+    best = best[:, 0]
     second = S.scatter_(1, arg, -math.inf).amax(1) if S.shape[1] > 1 else torch.full_like(best, -math.inf)
     return best, arg, second
 
@@ -1828,6 +1833,7 @@ class _ExactSolver:
         self.dev = vals.device
         self.dT = torch.zeros(k, dtype=torch.float64, device=self.dev) if dT is None else dT
         self.rounds, self.phases, self.ties, self._last_eval = rounds, phases, 0, None
+        self._last_rise = None
         self.ties_left = 0    # rows strictify left on a tie (see there)
         self.f0 = 1.0     # the approach's first step is 1 / f0 of the published rule's
         self.reverse = False   # reverse auction rounds (_attract) on candidate lists
@@ -1860,20 +1866,27 @@ class _ExactSolver:
         """(E,) how far T has risen since each epoch's cut, at least: min(d - cuts[e]); a row
         of epoch e bounds its dropped columns by theta - _rise(d)[e] at d (default: the
         current dT)."""
-        return ((self.dT if d is None else d)[None, :] - self.cuts).amin(1)
+        d = self.dT if d is None else d
+        last = self._last_rise    # (kept for the same d and cuts: a round's blocks share them)
+        if last is None or last[0] is not d or last[1] is not self.cuts:
+            self._last_rise = last = (d, self.cuts, (d[None, :] - self.cuts).amin(1))
+        return last[2]
 
     def _blocks(self, rows):
         """(vals, cols, bound) of `rows` in pieces of at most `chunk` (slices when rows are all
         rows); bound: the most a dropped column of the row scores at the current dT."""
         m = self._rise()
+        one = self.cuts.shape[0] == 1      # one epoch (no row read again): m[0] for every row
         for s in range(0, rows.numel(), self.chunk):
             if rows is self.all_rows:
                 sl = slice(s, s + self.chunk)
-                yield self.vals[sl], self.cols[sl], self.theta[sl] - m.index_select(0, self.epoch[sl])
+                yield self.vals[sl], self.cols[sl], self.theta[sl] - (
+                    m if one else m.index_select(0, self.epoch[sl]))
             else:
                 r = rows[s:s + self.chunk]
                 yield (self.vals.index_select(0, r), self.cols.index_select(0, r),
-                       self.theta.index_select(0, r) - m.index_select(0, self.epoch.index_select(0, r)))
+                       self.theta.index_select(0, r) - (
+                           m if one else m.index_select(0, self.epoch.index_select(0, r))))
 
     def _eval(self, rows):
         """best score, its column, the runner-up (or the bound on dropped columns), unsafe."""
@@ -1891,7 +1904,7 @@ class _ExactSolver:
         if not out[0]:
             e = torch.zeros(0, dtype=torch.float64, device=self.dev)
             return e, torch.zeros(0, dtype=torch.int64, device=self.dev), e, e.bool()
-        return tuple(torch.cat(o) for o in out)
+        return tuple(o[0] if len(o) == 1 else torch.cat(o) for o in out)
 
     def _eval_all(self):
         """_eval of every row, kept while dT and the rows stay (run(check_rows=True), then
@@ -1967,11 +1980,14 @@ class _ExactSolver:
                 S = scratch[:v.numel()].view(v.shape)
                 torch.index_select(d32, 0, c.view(-1), out=S.view(-1))
                 torch.sub(v, S, out=S)
-                arg = S.argmax(1, keepdim=True)
                 if b is not None:   # a dropped candidate scores at most b - min dT
-                    unsure = unsure + (S.gather(1, arg)[:, 0] < b - dmin).sum()
+                    best, arg = S.max(1, keepdim=True)      # (one launch, not argmax's and a gather's)
+                    unsure = unsure + (best[:, 0] < b - dmin).sum()
+                else:
+                    arg = S.argmax(1, keepdim=True)
                 out.append(c.gather(1, arg)[:, 0])
-            lab = torch.cat(out).long() if out else torch.zeros(0, dtype=torch.int64, device=self.dev)
+            lab = ((out[0] if len(out) == 1 else torch.cat(out)).long() if out
+                   else torch.zeros(0, dtype=torch.int64, device=self.dev))
             return lab, int(self.comm.sum(unsure.reshape(1))[0])
 
         stale, near, h0 = False, False, len(history)
@@ -1995,8 +2011,11 @@ class _ExactSolver:
             own = history[h0:]
             return (near or self.reverse) and len(own) > 8 and min(own[-8:]) > 0.9 * min(own[:-8])
 
+        vr_sum = float(vr.sum())
+
         def range_of(dT):   # a bound on the range of the candidates' scores at dT
-            return float(vr.sum()) + float(dT.max() - dT.min())
+            lo, hi = torch.aminmax(dT)
+            return vr_sum + float(hi - lo)
 
         dT, _, _, _, steps, _ = translation_steps(
             assign, range_of, self.dT, self.labels, self.counts, self.target,
@@ -2070,7 +2089,7 @@ class _ExactSolver:
             excess = (self.counts - self.hi).clamp(min=0)
             over = excess > 0
             E_hist.append(int(excess.sum()))
-            if not bool(over.any()):
+            if E_hist[-1] == 0:     # (excess >= 0: no cluster over)
                 return
             if len(E_hist) > stall and E_hist[-1] > 0.8 * E_hist[-1 - stall]:
                 return     # the tail is a slow random walk: the exact finish is faster
@@ -2702,14 +2721,15 @@ def _gap_after(margin, lab, excess, k):
     """(a, b), one entry per cluster j: the excess_j-th smallest margin among the rows labelled
     j and the next one (b = inf where excess_j is not below its rows), for the clusters with
     excess_j > 0 (the others' entries are not for use; _ExactSolver._shed, _shed_step, the
-    Newton step).  Up to 8 such clusters: the smallest excess_j + 1 of each one's margins
-    (cheaper than sorting every row).  Else from the margins sorted by cluster, then by value:
+    Newton step).  Up to 8 such clusters, on the CPU: the smallest excess_j + 1 of each one's
+    margins (cheaper than sorting every row there; on a GPU a few launches per cluster).  Else from the margins sorted by cluster, then by value:
     float32 margins (>= 0: their bits order as int32 as their values do) in one sort of the
     int64 keys cluster << 32 | bits, faster than two stable argsorts (docs/labeler.md, v18);
     others by those."""
     cnt = torch.bincount(lab, minlength=k)
-    few = (excess > 0).nonzero()[:, 0]
-    if few.numel() <= 8 and bool((excess <= cnt).all()):
+    # (on a GPU the sort, whose launches do not grow with the clusters, and no wait to decide)
+    few = None if _launch_bound(margin.device) else (excess > 0).nonzero()[:, 0]
+    if few is not None and few.numel() <= 8 and bool((excess <= cnt).all()):
         a = torch.zeros(k, dtype=margin.dtype, device=margin.device)
         b = torch.full((k,), math.inf, dtype=margin.dtype, device=margin.device)
         for j, ej in zip(few.tolist(), excess.index_select(0, few).tolist()):

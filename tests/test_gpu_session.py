@@ -47,3 +47,13 @@ def test_eval_stage_evaluates_the_fast_run_and_profiles_its_head_on_request(tmp_
 def test_unknown_stage_says_how_to_call_it(tmp_path):
     r = dry("nonsense", tmp_path)
     assert r.returncode == 2 and "usage: bash gpu_session.sh bench" in r.stderr
+
+
+def test_labeler_stage_runs_the_matrix_the_tests_and_counts_kernels(tmp_path):
+    out = dry("labeler", tmp_path).stdout
+    assert "bench_labeler.py --device cuda --features .gpu/feat_eu_train --skip-large" in out
+    assert "compare_labelers.py .gpu/ab/otl_v18.py otl.py --device cuda" in out
+    assert "-m pytest -q -p no:cacheprovider -k cuda" in out
+    for name in ("tb_100", "tb_500", "trained_net_outputs"):     # on the GPU, with its seconds
+        assert f"--kernels --repeat 3 --json {tmp_path}/out/labeler_kernels_gpu_{name}.json" in out
+    assert out.index("bench_labeler.py") < out.index("-m pytest") < out.index("--kernels")
