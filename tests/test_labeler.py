@@ -1903,3 +1903,23 @@ def test_top2_takes_the_first_of_tied_best_columns():
     best, arg, second = otl._top2_(S.clone())
     assert arg[:, 0].tolist() == [1, 0, 3]
     assert best.tolist() == [3.0, 5.0, 7.0] and second.tolist() == [3.0, 5.0, 2.0]
+
+
+def test_shed_midpoints_on_numpy_and_torch_agree(monkeypatch):
+    """_midpoints (the auction's rises): numpy's and torch's the same to the bit, inf gaps just
+    past a, clusters not over at 0."""
+    g = gen(62)
+    a = torch.rand(500, generator=g, dtype=torch.float64) * 3
+    b = a + torch.rand(500, generator=g, dtype=torch.float64)
+    b[::7] = math.inf
+    a[::11] = 0.0
+    over = torch.rand(500, generator=g) < 0.6
+    got = otl._midpoints(a, b, over)
+    monkeypatch.setattr(otl, "np", None)
+    want = otl._midpoints(a, b, over)
+    assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+    assert bool((got[~over] == 0).all())
+    inf = over & torch.isinf(b)
+    assert bool((got[inf] > a[inf]).all())
+    mid = over & ~torch.isinf(b)
+    assert torch.equal(got[mid], (a[mid] + b[mid]) / 2)
