@@ -109,17 +109,19 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5, a
 
 def translation_steps(assign, range_of, T, labels, counts, target, std_max, history,
                       beta=1.5, alpha0=1e-15, patience=10, max_iter=10000, stop_std=0.0,
-                      speed_up=False, stop=None, f0=1.0):
+                      speed_up=False, stop=None, f0=1.0, std_fn=None):
     """Algorithm 1's loop with the published step rule (see `translate_published`), for any way of
     labelling: assign(T) -> (labels, counts at O - T) and range_of(T) -> max - min of O - T (or a
     bound on it).  The std after every step tried is appended to `history`.  speed_up: after a
     step that removed less than 30 % of the std (ratio r = new / old), f is multiplied by
     max(1 - r, 0.5), as a linear response would need (the exact labeler's approach uses it).
     stop: a callable; when it returns True after a step, the loop ends there (reason "stop").
-    f0: the first steps are 1 / f0 of the published rule's (f starts at f0, not 1).
+    f0: the first steps are 1 / f0 of the published rule's (f starts at f0, not 1).  std_fn:
+    the std of (counts, target) (default _std; the exact labeler's approach: _std_host).
     Returns (T, labels, counts, std, steps tried, stop reason) at the last accepted step."""
     target_d = target.to(T.device)
-    std, f, still, it, reason = _std(counts, target), float(f0), 0, 0, "max_iter"
+    std_fn = _std if std_fn is None else std_fn
+    std, f, still, it, reason = std_fn(counts, target), float(f0), 0, 0, "max_iter"
     while it < max_iter:
         if std <= stop_std:
             reason = "balanced"
@@ -132,7 +134,7 @@ def translation_steps(assign, range_of, T, labels, counts, target, std_max, hist
             break
         T_new = T + alpha * C
         labels_new, counts_new = assign(T_new)
-        std_new = _std(counts_new, target)
+        std_new = std_fn(counts_new, target)
         it += 1
         history.append(std_new)
         if stop is not None and stop():
@@ -290,10 +292,19 @@ def _std(counts, target) -> float:
     c, t = counts.cpu(), target.cpu()
     if c.numel() <= 256:
         return _std_of(c.tolist(), t.tolist())
-    if np is not None and t.dtype == torch.float64:   # numpy's: no torch operation to dispatch
+    return (c.to(torch.float64) - t).pow(2).mean().sqrt().item()
+
+
+def _std_host(counts, target) -> float:
+    """_std on numpy above k = 256, where it is installed: no torch operation (each a launch,
+    or a host operation of ~20 us on a GPU's host, v30).  numpy sums in another order than
+    torch, so the last bits may differ from _std's: the exact labeler's own rounds use it; the
+    published rules keep _std, whose step sizes follow the std's every bit (v30)."""
+    c, t = counts.cpu(), target.cpu()
+    if c.numel() > 256 and np is not None and t.dtype == torch.float64:
         d = c.numpy().astype(np.float64) - t.numpy()
         return float(np.sqrt(np.mean(np.square(d))))
-    return (c.to(torch.float64) - t).pow(2).mean().sqrt().item()
+    return _std(c, t)
 
 
 def _std_of(counts, target) -> float:
@@ -301,8 +312,9 @@ def _std_of(counts, target) -> float:
     return math.sqrt(sum((a - b) ** 2 for a, b in zip(counts, target)) / len(counts))
 
 
-def _std_max(target: torch.Tensor, n: int) -> float:
-    """The std when all n rows fall in the cluster with the smallest target: the largest."""
+def _std_max(target: torch.Tensor, n: int, std_fn=None) -> float:
+    """The std when all n rows fall in the cluster with the smallest target: the largest (by
+    std_fn: default _std, the exact labeler's _std_host)."""
     t = target.cpu().to(torch.float64)
     if t.numel() <= 256:        # (in Python floats, as _std)
         tl = t.tolist()
@@ -311,7 +323,7 @@ def _std_max(target: torch.Tensor, n: int) -> float:
         return max(_std_of(worst, tl), 1e-12)
     worst = torch.zeros_like(t)
     worst[int(torch.argmin(t))] = n
-    return max(_std(worst, t), 1e-12)
+    return max((_std if std_fn is None else std_fn)(worst, t), 1e-12)
 
 
 def _check_outputs(outputs: torch.Tensor, finite: bool = True) -> None:
@@ -1525,8 +1537,8 @@ class StreamingTranslator:
         labels = lab0
         labels[act] = solver.labels
         counts = ic + solver.counts
-        std = _std(counts.cpu(), target)
-        std_max = _std_max(target, n_total)
+        std = _std_host(counts.cpu(), target)
+        std_max = _std_max(target, n_total, _std_host)
         ok = _within(counts, lo, hi)
         if not ok:   # (not seen since v26; it was silent before)
             warnings.warn(
@@ -1855,7 +1867,7 @@ class _ExactSolver:
         return self.comm.sum(torch.bincount(self.labels, minlength=self.k))
 
     def _std(self):
-        return _std(self.counts.cpu(), self.target)
+        return _std_host(self.counts.cpu(), self.target)
 
     def _gathered(self, d, cols):
         """d[cols] for a (n, w) block of cluster numbers: index_select on int32 is several times
@@ -2019,9 +2031,9 @@ class _ExactSolver:
 
         dT, _, _, _, steps, _ = translation_steps(
             assign, range_of, self.dT, self.labels, self.counts, self.target,
-            _std_max(self.target, n_total), history, beta=beta, patience=patience,
+            _std_max(self.target, n_total, _std_host), history, beta=beta, patience=patience,
             max_iter=max_iter, stop_std=1.0, speed_up=True, stop=lambda: stale or crawls(),
-            f0=self.f0)
+            f0=self.f0, std_fn=_std_host)
         self.rounds += steps
         if dT is not self.dT:   # exact labels at the T reached
             self.dT = dT
@@ -3192,7 +3204,7 @@ class _PathSolver:
                 self.rounds += 1
         self.dT = torch.tensor(dT, dtype=torch.float64)
         self.counts = torch.tensor(c, dtype=torch.int64)
-        history.append(_std(self.counts, self.target))
+        history.append(_std_host(self.counts, self.target))
         return True
 
     def strictify(self, keep_balance=True):
@@ -3423,8 +3435,8 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
             tc = target.cpu()
             return TranslateResult(labels=labels, T=T, counts=counts, target=tc,
                                    iterations=passes + solver.rounds + solver.phases,
-                                   std_history=history, std=_std(counts.cpu(), tc),
-                                   std_max=_std_max(tc, n),
+                                   std_history=history, std=_std_host(counts.cpu(), tc),
+                                   std_max=_std_max(tc, n, _std_host),
                                    seconds=time.perf_counter() - t0, stop_reason="balanced",
                                    refetched=0, ties=solver.ties, ties_left=solver.ties_left,
                                    active=B.numel())
