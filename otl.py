@@ -257,10 +257,13 @@ def _tie_scale(head, tie_eps):
     return tie_eps * max(float(_median0(top)), 1e-30)
 
 
-def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: int = 2048,
+def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 2048,
                    **kw):
     """A start translation for the exact labeler on outputs held whole: the exact T of every
-    `every`-th row (target scaled to them), or None when that would not pay: k <= 2 x
+    `every`-th row (default 4; on a GPU 8 where the rows are at least 8 k: there a round costs
+    its launches whatever its rows, and on the H100 every 8th row took EuroSAT's trained
+    backbone at k = 500 from 0.45 to 0.33 s, others within the calls' spread, docs/labeler.md
+    v30), target scaled to them, or None when that would not pay: k <= 2 x
     full_rows_up_to (whole rows, where the warm start does this), fewer than every x k rows,
     or the first `probe` rows near balance at their column medians (the
     StreamingTranslator's `_far` test: Gaussian-like outputs, where the medians are a good
@@ -269,6 +272,8 @@ def sample_start_T(outputs: torch.Tensor, target=None, every: int = 4, probe: in
     lists fall short and are read again; from the sample's T few do (docs/labeler.md, v14).
     kw: translate's settings for the sample's solve."""
     n, k = outputs.shape
+    if every is None:
+        every = 8 if _launch_bound(outputs.device) and n >= 8 * k else 4
     if k <= 2 * kw.get("full_rows_up_to", 128) or n < every * k:
         return None
     head = outputs[:probe].to(torch.float32).contiguous()    # (median is wrong on expanded rows)
@@ -296,8 +301,8 @@ def _std(counts, target) -> float:
 
 
 def _std_host(counts, target) -> float:
-    """_std on numpy above k = 256, where it is installed: no torch operation (each a launch,
-    or a host operation of ~20 us on a GPU's host, v30).  numpy sums in another order than
+    """_std on numpy above k = 256, where it is installed: no torch operation (on a GPU each is
+    a launch or a host operation, 10 - 25 us, v30).  numpy sums in another order than
     torch, so the last bits may differ from _std's: the exact labeler's own rounds use it; the
     published rules keep _std, whose step sizes follow the std's every bit (v30)."""
     c, t = counts.cpu(), target.cpu()
@@ -1993,7 +1998,7 @@ class _ExactSolver:
                 torch.index_select(d32, 0, c.view(-1), out=S.view(-1))
                 torch.sub(v, S, out=S)
                 if b is not None:   # a dropped candidate scores at most b - min dT
-                    best, arg = S.max(1, keepdim=True)      # (one launch, not argmax's and a gather's)
+                    best, arg = S.max(1, keepdim=True)   # (one launch: not argmax, gather)
                     unsure = unsure + (best[:, 0] < b - dmin).sum()
                 else:
                     arg = S.argmax(1, keepdim=True)
@@ -2609,7 +2614,7 @@ def _newton_block(k, device=None):
 def _launch_bound(device):
     """Whether each torch operation on `device` costs a kernel launch, and a wait wherever the
     host reads its result, more than its work at the sizes of the labeler's passes and rounds:
-    a GPU (docs/labeler.md, v30: about 20 us an operation on an H100).  There passes go over
+    a GPU (docs/labeler.md, v30: about 18 us an operation on an H100).  There passes go over
     all rows at once, not over blocks sized for a CPU's cache."""
     return torch.device(device).type != "cpu"
 
@@ -2737,10 +2742,10 @@ def _gap_after(margin, lab, excess, k):
     j and the next one (b = inf where excess_j is not below its rows), for the clusters with
     excess_j > 0 (the others' entries are not for use; _ExactSolver._shed, _shed_step, the
     Newton step).  Up to 8 such clusters, on the CPU: the smallest excess_j + 1 of each one's
-    margins (cheaper than sorting every row there; on a GPU a few launches per cluster).  Else from the margins sorted by cluster, then by value:
-    float32 margins (>= 0: their bits order as int32 as their values do) in one sort of the
-    int64 keys cluster << 32 | bits, faster than two stable argsorts (docs/labeler.md, v18);
-    others by those."""
+    margins (cheaper than sorting every row there; on a GPU a few launches per cluster).  Else
+    from the margins sorted by cluster, then by value: float32 margins (>= 0: their bits order
+    as int32 as their values do) in one sort of the int64 keys cluster << 32 | bits, faster
+    than two stable argsorts (docs/labeler.md, v18); others by those."""
     cnt = torch.bincount(lab, minlength=k)
     # (on a GPU the sort, whose launches do not grow with the clusters, and no wait to decide)
     few = None if _launch_bound(margin.device) else (excess > 0).nonzero()[:, 0]

@@ -27,13 +27,13 @@ waits for the device.
 --kernels replaces them by counts of the torch operations one call dispatches (after the
 warm-up): kernels (operations that launch work on a GPU: not views), of them reads by the host
 (.item(), nonzero, masks used as indices: each a wait on a GPU), per stage as --phases, and the
-same for the published rules.  On an H100 ours took about 20 us per kernel at k >= 50 whatever
-the rows (docs/labeler.md, v30, from results/labeler_kernels_v27.json), so the count predicts
+same for the published rules.  On an H100 ours took about 18 us per kernel from k = 100 up,
+whatever the rows (docs/labeler.md, v30; results/labeler_kernels/v27/), so the count predicts
 its time there from a CPU.  With --as-gpu a CPU run takes the GPU's block sizes.  What the
 count misses on the CPU: the steps numpy runs on the host there (the dense path's passes and
-Newton steps at k <= 32, join costs, the rows near a boundary, the tie-break), which a GPU runs
-as torch operations, and copies to the host (.cpu(), .tolist()); and on either device the dense
-path's small solves on the host count as kernels where a GPU runs them on the host.
+Newton steps at small k, join costs, the rows near a boundary, the tie-break), which a GPU runs
+as torch operations, and copies to and from the host (.cpu(), .to(device)); --as-gpu also gives
+the dense path's small solves, which a GPU runs on its host, the GPU's choices.
 
 --variants replaces them by the exact labeler and the published rules on four variants of the
 input, as real outputs come in other sizes and orders: its first 80 % of rows, its last two
@@ -147,9 +147,9 @@ class KernelCount(TorchDispatchMode):
         if name not in _VIEWS:
             self.kernels += 1
             self.by_op[name] = self.by_op.get(name, 0) + 1
+            index = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
             if name in _READS or (name in ("index", "index_put_", "index_put") and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                    for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()))):
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)):
                 self.reads += 1
         return func(*args, **(kwargs or {}))
 
@@ -197,8 +197,8 @@ def stage_timer(dev, counter=None):
         t, c0 = time.perf_counter(), counted()
         out = saved_newton(X, *args, **kw)
         utils.synchronize(dev)
-        records.append(((where[-1], "newton", X.shape[0]), "newton", time.perf_counter() - t, out[3],
-                        since(c0)))
+        records.append(((where[-1], "newton", X.shape[0]), "newton", time.perf_counter() - t,
+                        out[3], since(c0)))
         return out
 
     def timed(fn, stage):
@@ -276,8 +276,8 @@ def kernels_report(records, counter):
         row[stage][2] += steps
         if host:
             hosts.add(solve)
-    lines = ["| solve | rows | " + " | ".join(f"{st}: kernels (reads) [steps]" for st in STAGES) + " |",
-             "|---|---|" + "---|" * len(STAGES)]
+    lines = ["| solve | rows | " + " | ".join(f"{st}: kernels (reads) [steps]" for st in STAGES)
+             + " |", "|---|---|" + "---|" * len(STAGES)]
     for (where, i, rows), row in solves.items():
         on = " (on the host on a GPU)" if (where, i, rows) in hosts else ""
         lines.append(f"| {where}{on} | {rows:,} | " + " | ".join(
@@ -414,7 +414,8 @@ def main(a):
     if a.kernels:
         if a.as_gpu and dev.type != "cpu":
             raise SystemExit("--as-gpu is for a CPU run (a GPU takes its own block sizes)")
-        lines += ["", f"kernels: the torch operations of one call (not views){' with the GPU' + chr(39) + 's block sizes (--as-gpu)' if a.as_gpu else ''}; "
+        blocks = " with the GPU's block sizes (--as-gpu)" if a.as_gpu else ""
+        lines += ["", f"kernels: the torch operations of one call (not views){blocks}; "
                       "reads: of them, those the host waits for on a GPU", ""]
         with (as_gpu() if a.as_gpu else contextlib.nullcontext()):
             call()
@@ -422,8 +423,8 @@ def main(a):
                 call()
             on_host = host_kernels(records)
             lines += [f"exact: {counter.kernels:,} kernels ({counter.reads:,} reads); "
-                      f"{counter.kernels - on_host:,} where a GPU runs its small solves on the host "
-                      f"(otl._HOST_SOLVE: {on_host:,} there)", ""]
+                      f"{counter.kernels - on_host:,} where a GPU runs its small solves on the "
+                      f"host (otl._HOST_SOLVE: {on_host:,} there)", ""]
             lines += kernels_report(records, counter) + ["", top_ops(counter), ""]
             otl.translate(O, method="published")
             with KernelCount() as pub:

@@ -560,13 +560,17 @@ def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
     """A GPU's passes go over all rows at once (otl._launch_bound): the candidate extraction,
     the solver's blocks and the Newton passes (one block of 30,000 rows where the CPU takes 3
     at k = 100; rows of k, not the k x N copy, at k = 50).  Taken on the CPU, they give the
-    CPU's labels and T to the bit: the blocks split rows, never a row's values.  (CI has no
-    GPU; test_exact_on_cuda_equals_cpu compares the devices themselves.)"""
+    CPU's labels and T to the bit: the blocks split rows, never a row's values.  Far outputs
+    at k > 256 start there from every 8th row, not every 4th: the CPU's labels from that
+    start.  (CI has no GPU; test_exact_on_cuda_equals_cpu compares the devices themselves.)"""
     n = 30_000 if k <= 100 else 6000
     O = {"gaussian": lambda: torch.randn(n, k, generator=gen(15)),
          "dominant": lambda: dominant(n, k, 16),
          "clustered": lambda: _clustered(n, k, 17)}[shape]()
-    cpu = exact(O)
+    # far outputs at k > 256 start from a sample: on a GPU every 8th row (n >= 8 k), not 4th
+    T8 = otl.sample_start_T(O, every=8)
+    assert (T8 is not None) == (shape == "clustered")
+    cpu = exact(O, start=T8) if T8 is not None else exact(O)
     if k == 100:     # blocks on the CPU, one on a GPU
         assert otl._newton_block(k) < n <= otl._newton_block(k, "cuda")
     monkeypatch.setattr(otl, "_launch_bound", lambda device: True)
@@ -574,6 +578,8 @@ def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
     bufs = otl._newton_bufs
     monkeypatch.setattr(otl, "_newton_bufs", lambda *a, **kw: blocks.append(a) or bufs(*a, **kw))
     gpu = exact(O)
+    if T8 is not None:
+        assert torch.equal(otl.sample_start_T(O), T8)
     if k <= 100:      # the dense path's passes: one block of every row
         assert blocks and all(min(a[0], otl._newton_block(a[1], "cuda")) == a[0] for a in blocks)
     assert torch.equal(cpu.labels, gpu.labels)
@@ -1887,7 +1893,7 @@ def test_gap_after_few_clusters_as_many(dtype):
 @pytest.mark.parametrize("k", [10, 256, 300, 3000])
 def test_std_on_numpy_torch_and_python_floats_is_the_definition(monkeypatch, k):
     """_std_host (the exact labeler's): Python floats up to k = 256, numpy above (no torch
-    operation: each one is a launch or a host operation of ~20 us on a GPU's host, v30), _std
+    operation: each one is a launch or a host operation of 10 - 25 us on a GPU, v30), _std
     without numpy.  _std (the published rules'): torch above k = 256, the bits they had."""
     g = gen(61)
     counts = torch.randint(0, 90, (k,), generator=g)
@@ -1926,3 +1932,17 @@ def test_shed_midpoints_on_numpy_and_torch_agree(monkeypatch):
     assert bool((got[inf] > a[inf]).all())
     mid = over & ~torch.isinf(b)
     assert torch.equal(got[mid], (a[mid] + b[mid]) / 2)
+
+
+def test_sample_start_takes_every_8th_row_on_a_gpu(monkeypatch):
+    """sample_start_T's default: every 4th row; on a GPU (otl._launch_bound) every 8th where
+    the rows are at least 8 k, else every 4th (at fewer than 8 k rows a sample of every 8th
+    would be refused, and the call would start from the medians)."""
+    O, small = _clustered(6000, 300, 44), _clustered(2000, 300, 45)
+    assert torch.equal(otl.sample_start_T(O), otl.sample_start_T(O, every=4))
+    monkeypatch.setattr(otl, "_launch_bound", lambda device: True)
+    T8 = otl.sample_start_T(O)
+    assert torch.equal(T8, otl.sample_start_T(O, every=8))
+    assert not torch.equal(T8, otl.sample_start_T(O, every=4))
+    assert otl.sample_start_T(small, every=8) is None
+    assert torch.equal(otl.sample_start_T(small), otl.sample_start_T(small, every=4))
