@@ -376,7 +376,14 @@ def report(lines, out):
 
 def main(a):
     global otl
+    if (a.as_gpu or a.json) and not a.kernels:
+        raise SystemExit("--as-gpu and --json go with --kernels")
+    if a.kernels and (a.phases or a.variants or a.method != "exact"):
+        raise SystemExit("--kernels counts ours and the published rules in one report: give it "
+                         "without --phases, --variants or --method")
     dev = utils.pick_device(a.device)
+    if a.as_gpu and dev.type != "cpu":
+        raise SystemExit("--as-gpu is for a CPU run (a GPU takes its own block sizes)")
     if a.otl:
         import tempfile
         import compare_labelers
@@ -412,8 +419,6 @@ def main(a):
              f"  iterations {res.iterations}  max-min {int(counts.max() - counts.min())}"
              f"  stop {res.stop_reason}"]
     if a.kernels:
-        if a.as_gpu and dev.type != "cpu":
-            raise SystemExit("--as-gpu is for a CPU run (a GPU takes its own block sizes)")
         blocks = " with the GPU's block sizes (--as-gpu)" if a.as_gpu else ""
         lines += ["", f"kernels: the torch operations of one call (not views){blocks}; "
                       "reads: of them, those the host waits for on a GPU", ""]

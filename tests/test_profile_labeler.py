@@ -197,7 +197,7 @@ def test_kernels_as_gpu_json(tmp_path):
     assert "with the GPU's block sizes (--as-gpu)" in text and "published rules:" in text
 
 
-def test_kernels_as_gpu_refuses_an_otl_without_launch_bound(tmp_path):
+def test_kernels_refuses_an_otl_without_launch_bound_and_bad_flags(tmp_path):
     old = tmp_path / "otl_old.py"
     old.write_text(open(os.path.join(ROOT, "otl.py")).read().replace("_launch_bound", "_lb_renamed"))
     good = tmp_path / "good.pt"
@@ -206,3 +206,8 @@ def test_kernels_as_gpu_refuses_an_otl_without_launch_bound(tmp_path):
     assert p.returncode != 0 and "has no _launch_bound" in p.stderr
     p = run("profile_labeler.py", "--input", str(good), "--kernels", "--otl", str(old), "--repeat", "1")
     assert p.returncode == 0 and "exact: " in p.stdout, p.stderr[-2000:]
+    for args, says in ((["--json", "k.json"], "go with --kernels"), (["--as-gpu"], "go with --kernels"),
+                       (["--kernels", "--phases"], "without --phases"),
+                       (["--kernels", "--method", "published"], "without --phases")):
+        p = run("profile_labeler.py", "--input", str(good), *args)
+        assert p.returncode != 0 and says in p.stderr, (args, p.stderr[-500:])
