@@ -136,7 +136,7 @@ labeler)
   # the H100 about 18 us each; the CPU's --kernels --as-gpu predicts the time from them)
   $PY -c "import torch, utils; f = torch.load('$FEATS/trained_backbone_features.pt', weights_only=True); [torch.save(utils.fresh_head_outputs(f, k, 0).contiguous(), f'/tmp/tb_{k}.pt') for k in (100, 500)]"
   for IN in /tmp/tb_100.pt /tmp/tb_500.pt "$FEATS/trained_net_outputs.pt"; do
-    timeout "${T_KERN:-40}" $PY profile_labeler.py --device cuda --input "$IN" --kernels --repeat 3 \
+    timeout "${T_KERN:-25}" $PY profile_labeler.py --device cuda --input "$IN" --kernels --repeat 3 \
         --json "$OUT/labeler_kernels_gpu_$(basename "$IN" .pt).json" 2>&1 | grep -E "^(seconds|exact|published)|profile_labeler"
   done
   echo "labeler done in $(( $(date +%s) - START )) s"
