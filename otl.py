@@ -2650,7 +2650,8 @@ def _newton_counts(X, T, out=None):
     if _on_numpy(X, k) and n * k * torch.get_num_threads() <= _NP_PASS:
         return _newton_counts_np(X, T32.numpy(), a1, m, best, V, v2, keep)
     # (the k x N copy: rows are its columns, reduced along dim 0)
-    kn = k <= (_T_K if _launch_bound(X.device) else _T_K_CPU)
+    gpu = _launch_bound(X.device)
+    kn = k <= (_T_K if gpu else _T_K_CPU)
     if kn and keep.get("of") is not X:
         keep.clear()
         keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
@@ -2661,21 +2662,17 @@ def _newton_counts(X, T, out=None):
                     first=(k - torch.arange(k, device=X.device)).to(torch.float32))
     d, Tb = (0, T32[:, None]) if kn else (1, T32)
     at, first = keep["at"], keep["first"]
-    if _launch_bound(X.device):   # 5 launches a block, not 15: max with its column (the first
-        for s in range(0, n, block):     # at the max, as argmax), its column dropped by a scatter
-            xb = keep["Xt"][:, s:s + block] if kn else X[s:s + block]
-            r = xb.shape[1 - d]
-            v = V.view(-1)[:k * r].view(k, r) if kn else V[:r]
-            b1, bb = a1[s:s + r], best[s:s + r]
-            torch.max(torch.sub(xb, Tb, out=v), d, out=(bb, b1))
-            v.scatter_(d, b1.unsqueeze(d), -math.inf)
-            torch.sub(bb, torch.amax(v, d, out=v2[:r]), out=m[s:s + r])
-        return a1, m, torch.bincount(a1, minlength=k), best
     for s in range(0, n, block):
         xb = keep["Xt"][:, s:s + block] if kn else X[s:s + block]
         r = xb.shape[1 - d]
         v = V.view(-1)[:k * r].view(k, r) if kn else V[:r]
         b1, bb = a1[s:s + r], best[s:s + r]
+        if gpu:   # 5 launches a block, not 15: max with its column (the first at the max, as
+            # argmax), its column dropped by a scatter
+            torch.max(torch.sub(xb, Tb, out=v), d, out=(bb, b1))
+            v.scatter_(d, b1.unsqueeze(d), -math.inf)
+            torch.sub(bb, torch.amax(v, d, out=v2[:r]), out=m[s:s + r])
+            continue
         torch.amax(torch.sub(xb, Tb, out=v), d, out=bb)   # (casts float16 / float64 to float32)
         # the first column at the max, from a float32 mask in v's place (a bool mask or a
         # mask of another type, which torch writes through a float32-sized temporary, or
