@@ -1816,6 +1816,12 @@ class StreamingTranslator:
                 bound if theta is None else torch.maximum(theta, bound))
 
 
+def _cat(parts):
+    """torch.cat of a non-empty list of tensors; a single one as it is (no copy, and on a GPU no
+    launch: the solver's rounds are mostly one block)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _top2_(S):
     """(best value, its column as an (n, 1) index, runner-up) of each row of S, like topk(2)
     (a tie for the best: the first column, and the runner-up equals the best), with cheaper
@@ -1921,7 +1927,7 @@ class _ExactSolver:
         if not out[0]:
             e = torch.zeros(0, dtype=torch.float64, device=self.dev)
             return e, torch.zeros(0, dtype=torch.int64, device=self.dev), e, e.bool()
-        return tuple(o[0] if len(o) == 1 else torch.cat(o) for o in out)
+        return tuple(_cat(o) for o in out)
 
     def _eval_all(self):
         """_eval of every row, kept while dT and the rows stay (run(check_rows=True), then
@@ -2003,7 +2009,7 @@ class _ExactSolver:
                 else:
                     arg = S.argmax(1, keepdim=True)
                 out.append(c.gather(1, arg)[:, 0])
-            lab = ((out[0] if len(out) == 1 else torch.cat(out)).long() if out
+            lab = (_cat(out).long() if out
                    else torch.zeros(0, dtype=torch.int64, device=self.dev))
             return lab, int(self.comm.sum(unsure.reshape(1))[0])
 
@@ -2149,7 +2155,7 @@ class _ExactSolver:
         if not gl:          # a rank may hold no such row
             e = torch.zeros(0, dtype=torch.int64, device=self.dev)
             gl, gc, gr = [e.to(torch.float64)], [e], [e]
-        loss, c, r = (x[0] if len(x) == 1 else torch.cat(x) for x in (gl, gc, gr))
+        loss, c, r = (_cat(x) for x in (gl, gc, gr))
         # a cluster with fewer such rows than its deficit pulls in all of them (none: stays).
         # Most of the deficit in clusters that few rows hold as candidates (the candidates
         # are stale): the round would do little, the forward auction and re-reads go on alone
