@@ -132,8 +132,8 @@ labeler)
   timeout "${T_TEST:-150}" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py \
       tests/test_labeler.py tests/test_train_otl.py tests/test_bench.py -rs 2>&1 \
       | tee "$OUT/pytest_cuda.txt" | tail -5
-  # 4. the torch operations a call launches, counted on the GPU with the call's seconds (v30: on
-  # the H100 about 18 us each; the CPU's --kernels --as-gpu predicts the time from them)
+  # 4. the torch operations a call launches, counted on the GPU with the call's seconds, to check
+  # the time per operation docs/labeler.md v30 predicts from --kernels --as-gpu on the CPU
   $PY -c "import torch, utils; f = torch.load('$FEATS/trained_backbone_features.pt', weights_only=True); [torch.save(utils.fresh_head_outputs(f, k, 0).contiguous(), f'/tmp/tb_{k}.pt') for k in (100, 500)]"
   for IN in /tmp/tb_100.pt /tmp/tb_500.pt "$FEATS/trained_net_outputs.pt"; do
     timeout "${T_KERN:-25}" $PY profile_labeler.py --device cuda --input "$IN" --kernels --repeat 3 \

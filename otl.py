@@ -261,9 +261,8 @@ def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 
                    **kw):
     """A start translation for the exact labeler on outputs held whole: the exact T of every
     `every`-th row (default 4; on a GPU 8 where the rows are at least 8 k: there a round costs
-    its launches whatever its rows, and on the H100 every 8th row took EuroSAT's trained
-    backbone at k = 500 from 0.45 to 0.33 s, others within the calls' spread, docs/labeler.md
-    v30), target scaled to them, or None when that would not pay: k <= 2 x
+    its launches whatever its rows; docs/labeler.md v30 has the H100's timings), target scaled
+    to them, or None when that would not pay: k <= 2 x
     full_rows_up_to (whole rows, where the warm start does this), fewer than every x k rows,
     or the first `probe` rows near balance at their column medians (the
     StreamingTranslator's `_far` test: Gaussian-like outputs, where the medians are a good
@@ -302,7 +301,7 @@ def _std(counts, target) -> float:
 
 def _std_host(counts, target) -> float:
     """_std on numpy above k = 256, where it is installed: no torch operation (on a GPU each is
-    a launch or a host operation, 10 - 25 us, v30).  numpy sums in another order than
+    a launch or a host operation; docs/labeler.md v30).  numpy sums in another order than
     torch, so the last bits may differ from _std's: the exact labeler's own rounds use it; the
     published rules keep _std, whose step sizes follow the std's every bit (v30)."""
     c, t = counts.cpu(), target.cpu()
@@ -1827,7 +1826,7 @@ def _top2_(S):
     (a tie for the best: the first column, and the runner-up equals the best), with cheaper
     passes than topk(2) on the CPU.  S is overwritten: its best entries become -inf.  (max
     with its column, the first at the max as argmax's: one launch on a GPU, and on the CPU
-    0.6 - 0.7x argmax and a gather on float64 candidate lists, docs/labeler.md v30.)"""
+    cheaper than argmax and a gather on float64 candidate lists; docs/labeler.md v30.)"""
     best, arg = S.max(1, keepdim=True)
     best = best[:, 0]
     second = S.scatter_(1, arg, -math.inf).amax(1) if S.shape[1] > 1 else torch.full_like(best, -math.inf)
@@ -2610,8 +2609,7 @@ def _tie_shift(pi, r, scale):
 
 def _newton_block(k, device=None):
     """Rows per block of _newton_counts: about 4 MiB of float32 scores, on a GPU 256 MiB (a
-    block costs a dozen launches there, whatever its rows: EuroSAT's training split at k = 100
-    went over in 3 blocks, now 1)."""
+    block costs its launches there whatever its rows, so fewer blocks; docs/labeler.md v30)."""
     if device is not None and _launch_bound(device):
         return max(1024, (1 << 26) // k)
     return max(1024, (1 << 20) // k)
@@ -2620,7 +2618,7 @@ def _newton_block(k, device=None):
 def _launch_bound(device):
     """Whether each torch operation on `device` costs a kernel launch, and a wait wherever the
     host reads its result, more than its work at the sizes of the labeler's passes and rounds:
-    a GPU (docs/labeler.md, v30: about 18 us an operation on an H100).  There passes go over
+    a GPU (docs/labeler.md, v30, has what an operation cost on an H100).  There passes go over
     all rows at once, not over blocks sized for a CPU's cache."""
     return torch.device(device).type != "cpu"
 

@@ -27,9 +27,9 @@ waits for the device.
 --kernels replaces them by counts of the torch operations one call dispatches (after the
 warm-up): kernels (operations that launch work on a GPU: not views), of them reads by the host
 (.item(), nonzero, masks used as indices: each a wait on a GPU), per stage as --phases, and the
-same for the published rules.  On an H100 ours took about 18 us per kernel from k = 100 up,
-whatever the rows (docs/labeler.md, v30; results/labeler_kernels/v27/), so the count predicts
-its time there from a CPU.  With --as-gpu a CPU run takes the GPU's block sizes.  What the
+same for the published rules.  On an H100 ours took a near-constant time per kernel from
+k = 100 up, whatever the rows (docs/labeler.md, v30; results/labeler_kernels/v27/), so the
+count predicts its time there from a CPU.  With --as-gpu a CPU run takes the GPU's block sizes.  What the
 count misses on the CPU: the steps numpy runs on the host there (the dense path's passes and
 Newton steps at small k, join costs, the rows near a boundary, the tie-break), which a GPU runs
 as torch operations, and copies to and from the host (.cpu(), .to(device)); --as-gpu also gives

@@ -1893,7 +1893,7 @@ def test_gap_after_few_clusters_as_many(dtype):
 @pytest.mark.parametrize("k", [10, 256, 300, 3000])
 def test_std_on_numpy_torch_and_python_floats_is_the_definition(monkeypatch, k):
     """_std_host (the exact labeler's): Python floats up to k = 256, numpy above (no torch
-    operation: each one is a launch or a host operation of 10 - 25 us on a GPU, v30), _std
+    operation: on a GPU each one is a launch or a host operation, v30), _std
     without numpy.  _std (the published rules'): torch above k = 256, the bits they had."""
     g = gen(61)
     counts = torch.randint(0, 90, (k,), generator=g)
