@@ -2744,9 +2744,10 @@ def _gap_after(margin, lab, excess, k):
     excess_j > 0 (the others' entries are not for use; _ExactSolver._shed, _shed_step, the
     Newton step).  Up to 8 such clusters, on the CPU: the smallest excess_j + 1 of each one's
     margins (cheaper than sorting every row there; on a GPU a few launches per cluster).  Else
-    from the margins sorted by cluster, then by value: float32 margins (>= 0: their bits order
-    as int32 as their values do) in one sort of the int64 keys cluster << 32 | bits, faster
-    than two stable argsorts (docs/labeler.md, v18); others by those."""
+    from the margins sorted by cluster, then by value: on the host on numpy (_by_cluster_np);
+    else float32 margins (>= 0: their bits order as int32 as their values do) in one sort of
+    the int64 keys cluster << 32 | bits, faster than two stable argsorts (docs/labeler.md,
+    v18), others by those."""
     cnt = torch.bincount(lab, minlength=k)
     # (on a GPU the sort, whose launches do not grow with the clusters, and no wait to decide)
     few = None if _launch_bound(margin.device) else (excess > 0).nonzero()[:, 0]
@@ -2760,7 +2761,10 @@ def _gap_after(margin, lab, excess, k):
             if ej < mj.numel():
                 b[j] = small[ej]
         return a, b
-    if margin.dtype == torch.float32:
+    if (np is not None and margin.device.type == "cpu" and margin.numel() < (1 << 31)
+            and margin.dtype in (torch.float32, torch.float64)):
+        ms = torch.from_numpy(_by_cluster_np(margin.numpy(), lab.numpy()))
+    elif margin.dtype == torch.float32:
         key = (lab.to(torch.int64) << 32) | (margin.view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
         ms = (torch.sort(key).values & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     else:
@@ -2772,6 +2776,24 @@ def _gap_after(margin, lab, excess, k):
     a = ms.index_select(0, (first + excess - 1).clamp(0, last))
     nxt = ms.index_select(0, (first + excess).clamp(0, last))
     return a, torch.where(excess < cnt, nxt, math.inf)
+
+
+def _by_cluster_np(margin, lab):
+    """_gap_after's margins sorted by cluster, then by value, on numpy (the host): the same
+    values as its torch sorts, in one sort of int64 keys that needs no order back (faster
+    than torch's sorts on the CPU; docs/labeler.md, v31).  float32: the keys cluster << 32 |
+    bits, as there.  float64: the keys cluster << 32 | rank, the rank from one argsort by value (equal
+    values may trade ranks: the values in each place are the same)."""
+    key = lab.astype(np.int64) << 32
+    if margin.dtype == np.float32:
+        key |= margin.view(np.int32).astype(np.int64) & 0xFFFFFFFF
+        key.sort()
+        return (key & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    order = np.argsort(margin)
+    key = key[order]
+    key |= np.arange(order.size, dtype=np.int64)
+    key.sort()
+    return margin[order][key & 0xFFFFFFFF]
 
 
 def _midpoints(a, b, over):

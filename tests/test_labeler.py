@@ -1855,6 +1855,39 @@ def test_gap_after_float32_keys_match_the_stable_sorts():
         assert torch.isinf(b[0])                # the excess is not below the cluster's rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gap_after_numpy_sort_matches_torch_sorts_and_the_definition(monkeypatch, dtype):
+    """On the host _gap_after sorts on numpy (_by_cluster_np: one sort of int64 keys, float64
+    ranked by value first); the same values as its torch sorts (without numpy) and as sorting
+    each cluster's margins alone: zeros, repeated values, inf, excess past a cluster's rows."""
+    g = gen(63)
+    n, k = 30_000, 500
+    m = (torch.rand(n, generator=g, dtype=torch.float64) ** 3).to(dtype)
+    m[::5] = 0.0
+    m[1::3] = m[0]
+    m[::17] = math.inf
+    lab = torch.randint(0, k, (n,), generator=g)
+    cnt = torch.bincount(lab, minlength=k)
+    excess = torch.randint(0, 2 * n // k, (k,), generator=g)
+    excess[:3] = cnt[:3]                                # all of their rows
+    excess[3] = cnt[3] + 5                              # more than its rows
+    ms = otl._by_cluster_np(m.numpy(), lab.numpy())
+    assert ms.dtype == m.numpy().dtype and ms.size == n
+    for j in (0, 4, 77, 499):
+        assert torch.equal(torch.from_numpy(ms[int(cnt[:j].sum()):int(cnt[:j + 1].sum())]),
+                           torch.sort(m[lab == j]).values)
+    a, b = otl._gap_after(m, lab, excess, k)
+    monkeypatch.setattr(otl, "np", None)
+    a0, b0 = otl._gap_after(m, lab, excess, k)
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+    assert bool(torch.isinf(b[:4]).all())
+    inside = ((excess >= 1) & (excess < cnt)).nonzero()[:, 0].tolist()
+    assert len(inside) > 100
+    for j in inside:
+        mj, e = torch.sort(m[lab == j]).values, int(excess[j])
+        assert float(a[j]) == float(mj[e - 1]) and float(b[j]) == float(mj[e])
+
+
 @pytest.mark.parametrize("k", [10, 100])
 def test_expanded_outputs_label_as_their_contiguous_copy(k):
     """Outputs handed as an expanded view (stride 0 over rows, every row alike: torch's median
