@@ -1821,6 +1821,28 @@ def _cat(parts):
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _host_vec(t):
+    """A k-vector on the host for a round's bookkeeping: a numpy view where numpy is installed
+    (a numpy step on a few thousand values costs a fraction of torch's), else the CPU tensor."""
+    t = t.cpu()
+    return t.numpy() if np is not None else t
+
+
+def _as_torch(x):
+    """_host_vec's result as a CPU tensor (shared memory where it is numpy's)."""
+    return torch.from_numpy(x) if np is not None and isinstance(x, np.ndarray) else x
+
+
+def _pos(x):
+    """max(x, 0), numpy's or torch's as x is."""
+    return np.maximum(x, 0) if np is not None and isinstance(x, np.ndarray) else x.clamp(min=0)
+
+
+def _arange_like(x):
+    """0 .. len(x) - 1, numpy's or torch's as x is."""
+    return np.arange(len(x)) if np is not None and isinstance(x, np.ndarray) else torch.arange(len(x))
+
+
 def _top2_(S):
     """(best value, its column as an (n, 1) index, runner-up) of each row of S, like topk(2)
     (a tie for the best: the first column, and the runner-up equals the best), with cheaper
@@ -2146,7 +2168,9 @@ class _ExactSolver:
         for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
             S = vr - self._gathered(self.dT, cr)
             loss = S.amax(1, keepdim=True) - S       # the row's own score (its label) - S
-            m = under.index_select(0, cr.reshape(-1).long()).view(cr.shape) & torch.isfinite(loss)
+            # (loss >= 0 or NaN: below inf is isfinite in one operation, not four: each is a
+            # launch on a GPU)
+            m = self._gathered(under, cr) & (loss < math.inf)
             i, j = m.nonzero(as_tuple=True)
             gl.append(loss[i, j])
             gc.append(cr[i, j].long())
@@ -2202,7 +2226,8 @@ class _ExactSolver:
                 cr = cr.long()
                 own = vr.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
             base = own - vr                                  # +inf for empty slots (vals = -inf)
-            yield r, cr.expand_as(base), lab, base, (cr != lab[:, None]) & torch.isfinite(base)
+            # (base is finite or +inf: below inf is isfinite in one operation)
+            yield r, cr.expand_as(base), lab, base, (cr != lab[:, None]) & (base < math.inf)
 
     def _pairs(self, rows, tau):
         """(row, cluster b, V_ia - V_ib) of every candidate move of `rows` (local, ascending, or
@@ -2315,10 +2340,10 @@ class _ExactSolver:
         _edge_table changed), merged without a sort."""
         k = self.k
         if keys is None:
-            return torch.isfinite(W).nonzero()[:, 0]
+            return (W < math.inf).nonzero()[:, 0]    # (W: finite or +inf)
         old = keys[~touched.index_select(0, keys // k)]
         rows = touched.nonzero()[:, 0]
-        i, b = torch.isfinite(W.view(k, k).index_select(0, rows)).nonzero(as_tuple=True)
+        i, b = (W.view(k, k).index_select(0, rows) < math.inf).nonzero(as_tuple=True)
         new = rows.index_select(0, i) * k + b                # ascending, disjoint from old
         pos = torch.searchsorted(old, new) + torch.arange(new.numel(), device=new.device)
         out = torch.empty(old.numel() + new.numel(), dtype=torch.int64, device=new.device)
@@ -2347,15 +2372,18 @@ class _ExactSolver:
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
         pairs, tau, dT_built, table, keys = None, float(tau0), None, False, None
         n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])   # candidate slots, all ranks
-        lo, hi = self.lo.cpu(), self.hi.cpu()
+        # (a round's k-vectors on the host: numpy's where installed, a fraction of torch's cost
+        # a step, on a GPU's host as on the CPU; docs/labeler.md, v31)
+        lo, hi = (_host_vec(t) for t in (self.lo, self.hi))
         while self.phases < max_phases:
-            counts = self.counts.cpu()
+            counts = _host_vec(self.counts)
             if bool((counts > hi).any()):
-                give, take = (counts - hi).clamp(min=0), (hi - counts).clamp(min=0)
+                give, take = _pos(counts - hi), _pos(hi - counts)
             elif bool((counts < lo).any()):
-                give, take = (counts - lo).clamp(min=0), (lo - counts).clamp(min=0)
+                give, take = _pos(counts - lo), _pos(lo - counts)
             else:
                 return True
+            sources, needs = _as_torch(give > 0), _as_torch(take > 0)
             if not table and pairs is None:
                 # (whole rows in one process: the table at once where tau = inf keeps all of
                 # every row's k - 1 moves, and at k > _TABLE_AT_ONCE, where listing the moves
@@ -2384,14 +2412,14 @@ class _ExactSolver:
                 else:
                     Wg, ag = W, arg
                 # (on a GPU the table comes to the host each round: 8 bytes an entry, once)
-                d, pred = _table_paths(Wg.view(k, k).cpu(), self.dT.cpu(), give > 0, take > 0)
+                d, pred = _table_paths(Wg.view(k, k).cpu(), self.dT.cpu(), sources, needs)
                 # the row of edge pred[x] -> x: the table's own
-                at = pred.clamp(min=0) * k + torch.arange(k)
+                at = _as_torch(_pos(_host_vec(pred)) * k + _arange_like(_host_vec(pred)))
                 row_of = ag.index_select(0, at.to(dev)).cpu()
             else:
                 ek, er, eb, ew, indptr = (self._table_edges(W, arg, tau, keys) if table
                                           else self._list_edges(pairs, W, arg))
-                d, pred = _shortest_paths(k, eb, ew, indptr, give > 0)    # (k,) each, on the CPU
+                d, pred = _shortest_paths(k, eb, ew, indptr, sources)    # (k,) each, on the CPU
                 if ek.numel():   # the row of edge pred[x] -> x, looked up where the edges are
                     at = torch.searchsorted(ek, pred.to(dev) * k + torch.arange(k, device=dev))
                     row_of = er.index_select(0, at.clamp(max=ek.numel() - 1)).cpu()
@@ -2401,7 +2429,9 @@ class _ExactSolver:
             dl, pl, rl = d.tolist(), pred.tolist(), row_of.tolist()
             gl, tl = give.tolist(), take.tolist()
             used, moves, D = set(), [], None
-            for b in torch.argsort(d, stable=True).tolist():
+            dh = _host_vec(d)
+            for b in (np.argsort(dh, kind="stable") if np is not None
+                      else torch.argsort(d, stable=True)).tolist():
                 if not (dl[b] <= trust if table else dl[b] < trust):   # beyond: an edge may be left out
                     break
                 if tl[b] <= 0 or pl[b] < 0:
@@ -2422,18 +2452,18 @@ class _ExactSolver:
                 moves += path
                 D = dl[b]
             if D is None:
-                needy = d[take > 0]
-                if math.isinf(tau) or not needy.numel():
+                needy = dh[_host_vec(needs)]
+                if math.isinf(tau) or not len(needy):
                     return False     # no move reaches a cluster that needs rows
                 # the needy clusters lie beyond tau: let in costlier moves and try again
-                near = float(needy.min()) if needy.numel() else math.inf
+                near = float(needy.min())
                 grown = 2 * max(tau, near) if math.isfinite(near) else math.inf
                 tau = grown if grown > tau else math.inf     # tau = 0 (exact ties, no tie-break)
                 pairs = None
                 continue
             self.phases += 1
             # potentials: every cluster closer than D moves up by D - d; tree edges become ties
-            shift = torch.where(torch.isfinite(d) & (d < D), D - d, torch.zeros_like(d))
+            shift = _as_torch((np if np is not None else torch).where(dh < D, D - dh, 0.0))
             self.dT = self.dT + shift.to(dev)
             ids = torch.tensor([i for i, _, _ in moves], dtype=torch.int64, device=dev)
             to = torch.tensor([b for _, _, b in moves], dtype=torch.int64, device=dev)
@@ -2761,8 +2791,8 @@ def _gap_after(margin, lab, excess, k):
             if ej < mj.numel():
                 b[j] = small[ej]
         return a, b
-    if (np is not None and margin.device.type == "cpu" and margin.numel() < (1 << 31)
-            and margin.dtype in (torch.float32, torch.float64)):
+    if (few is not None and np is not None and margin.numel() < (1 << 31)
+            and margin.dtype in (torch.float32, torch.float64)):   # (on the host: few is not None)
         ms = torch.from_numpy(_by_cluster_np(margin.numpy(), lab.numpy()))
     elif margin.dtype == torch.float32:
         key = (lab.to(torch.int64) << 32) | (margin.view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
