@@ -1605,6 +1605,27 @@ def test_dense_path_collapsed_outputs_sample_steps_stop_at_the_samples_noise(mon
     check_translation(O, r)
 
 
+def test_exact_finish_rounds_numpy_and_torch_agree(monkeypatch):
+    """The exact finish's rounds keep their k-vectors on numpy where it is installed (v31):
+    on outputs collapsing onto a few prototypes at k = 200, whose finish takes rounds on the
+    list of cheap moves and on the k x k table both, the same labels and T as without numpy
+    (and scipy, which needs it): exact and balanced either way."""
+    O = collapsed(3000, 200, 2, protos=8, noise=0.05)
+    seen = []
+    for fn in ("_table_paths", "_shortest_paths"):
+        real = getattr(otl, fn)
+        monkeypatch.setattr(otl, fn, lambda *a, _f=real, _n=fn, **kw: seen.append(_n) or _f(*a, **kw))
+    r = exact(O)
+    assert {"_table_paths", "_shortest_paths"} <= set(seen)
+    with monkeypatch.context() as mp:
+        mp.setattr(otl, "np", None)
+        mp.setattr(otl, "_SCIPY", False)
+        r2 = exact(O)
+    assert torch.equal(r.labels, r2.labels) and torch.equal(r.T, r2.T)
+    check_even(r)
+    check_translation(O, r)
+
+
 def isolated(seed, n=20_000, k=50, own=397):
     """Outputs where cluster 0 wins only its `own` rows (6 against N(0, 1) elsewhere) and every
     other row scores about -6 there: the rows that must join it to fill it lie far from any
