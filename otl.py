@@ -1868,6 +1868,10 @@ class _ExactSolver:
 
     def __init__(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, dT=None,
                  rounds=0, phases=0, labels=None, epoch=None, cuts=None):
+        if _launch_bound(vals.device) and cols.dtype != torch.int32:
+            # (int32 once: every gather of dT by column takes int32 indices, and on a GPU the
+            # conversion a round would otherwise make is a launch; the CPU keeps int16's memory)
+            cols = cols.to(torch.int32)
         self.vals, self.cols, self.theta, self.k = vals, cols, theta, k
         self.epoch = (torch.zeros(vals.shape[0], dtype=torch.int64, device=vals.device)
                       if epoch is None else epoch)
@@ -1967,7 +1971,7 @@ class _ExactSolver:
         """New candidates for `rows`, chosen at the current dT (theta: their bound there); the
         counts are stale until recount() (on every rank: it sums over ranks)."""
         self._last_eval = None
-        self.vals[rows], self.cols[rows], self.theta[rows] = vals, cols, theta
+        self.vals[rows], self.cols[rows], self.theta[rows] = vals, cols.to(self.cols.dtype), theta
         self.natural = self.natural and self._natural(cols)
         if not bool((self.cuts[-1] == self.dT).all()):
             self.cuts = torch.cat([self.cuts, self.dT[None, :]])
