@@ -2418,7 +2418,8 @@ class _ExactSolver:
                 # (on a GPU the table comes to the host each round: 8 bytes an entry, once)
                 d, pred = _table_paths(Wg.view(k, k).cpu(), self.dT.cpu(), sources, needs)
                 # the row of edge pred[x] -> x: the table's own
-                at = _as_torch(_pos(_host_vec(pred)) * k + _arange_like(_host_vec(pred)))
+                ph = _host_vec(pred)
+                at = _as_torch(_pos(ph) * k + _arange_like(ph))
                 row_of = ag.index_select(0, at.to(dev)).cpu()
             else:
                 ek, er, eb, ew, indptr = (self._table_edges(W, arg, tau, keys) if table
@@ -2816,8 +2817,8 @@ def _by_cluster_np(margin, lab):
     """_gap_after's margins sorted by cluster, then by value, on numpy (the host): the same
     values as its torch sorts, in one sort of int64 keys that needs no order back (faster
     than torch's sorts on the CPU; docs/labeler.md, v31).  float32: the keys cluster << 32 |
-    bits, as there.  float64: the keys cluster << 32 | rank, the rank from one argsort by value (equal
-    values may trade ranks: the values in each place are the same)."""
+    bits, as there.  float64: the keys cluster << 32 | rank, the rank from one argsort by
+    value (equal values may trade ranks: the values in each place are the same)."""
     key = lab.astype(np.int64) << 32
     if margin.dtype == np.float32:
         key |= margin.view(np.int32).astype(np.int64) & 0xFFFFFFFF
