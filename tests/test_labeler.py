@@ -562,7 +562,8 @@ def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
     at k = 100; rows of k, not the k x N copy, at k = 50).  Taken on the CPU, they give the
     CPU's labels and T to the bit: the blocks split rows, never a row's values.  Far outputs
     at k > 256 start there from every 8th row, not every 4th: the CPU's labels from that
-    start.  (CI has no GPU; test_exact_on_cuda_equals_cpu compares the devices themselves.)"""
+    start.  The exact solver holds its candidates' clusters as int32 there.  (CI has no GPU;
+    test_exact_on_cuda_equals_cpu compares the devices themselves.)"""
     n = 30_000 if k <= 100 else 6000
     O = {"gaussian": lambda: torch.randn(n, k, generator=gen(15)),
          "dominant": lambda: dominant(n, k, 16),
@@ -574,10 +575,19 @@ def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
     if k == 100:     # blocks on the CPU, one on a GPU
         assert otl._newton_block(k) < n <= otl._newton_block(k, "cuda")
     monkeypatch.setattr(otl, "_launch_bound", lambda device: True)
-    blocks = []
+    blocks, col_types = [], set()
     bufs = otl._newton_bufs
     monkeypatch.setattr(otl, "_newton_bufs", lambda *a, **kw: blocks.append(a) or bufs(*a, **kw))
+    init = otl._ExactSolver.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        col_types.add(self.cols.dtype)
+
+    monkeypatch.setattr(otl._ExactSolver, "__init__", spy)
     gpu = exact(O)
+    # the solver holds its candidates' clusters as int32 on a GPU (no conversion a gather, v31)
+    assert col_types <= {torch.int32} and (k <= 128 or col_types)
     if T8 is not None:
         assert torch.equal(otl.sample_start_T(O), T8)
     if k <= 100:      # the dense path's passes: one block of every row
