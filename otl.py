@@ -2658,6 +2658,20 @@ def _launch_bound(device):
     return torch.device(device).type != "cpu"
 
 
+def _kn_copy(X):
+    """X.T as a contiguous float32 k x N tensor.  On the host from float32 outputs in blocks of
+    rows, about 1 MiB of them at a time: one strided copy of all rows into the k x N layout
+    costs up to twice as much there (docs/labeler.md, v32)."""
+    n, k = X.shape
+    if _launch_bound(X.device) or X.dtype != torch.float32:
+        return X.T.to(torch.float32).contiguous()
+    out = torch.empty((k, n), dtype=torch.float32)
+    step = max(1024, (1 << 18) // k)
+    for s in range(0, n, step):
+        out[:, s:s + step].copy_(X[s:s + step].T)
+    return out
+
+
 def _newton_bufs(n, k, device, scratch=None):
     """Buffers for _newton_counts: (best column, margin, best score, scratch), scratch = (a
     block of scores, a block's runner-up scores, a dict for the k x N copy of the outputs at
@@ -2693,7 +2707,7 @@ def _newton_counts(X, T, out=None):
     kn = k <= (_T_K if gpu else _T_K_CPU)
     if kn and keep.get("of") is not X:
         keep.clear()
-        keep.update(of=X, Xt=X.T.to(torch.float32).contiguous(),
+        keep.update(of=X, Xt=_kn_copy(X),
                     at=torch.empty(block, dtype=torch.int64, device=X.device),
                     first=(k - torch.arange(k, device=X.device)).to(torch.float32)[:, None])
     elif not kn and "first" not in keep:
@@ -2736,7 +2750,7 @@ def _newton_counts_np(X, T32, a1, m, best, V, v2, keep):
     block = V.shape[0]
     if keep.get("of") is not X:
         keep.clear()
-        keep.update(of=X, Xt=np.ascontiguousarray(X.T.numpy(), dtype=np.float32),
+        keep.update(of=X, Xt=_kn_copy(X).numpy(),
                     at=np.empty(block, dtype=np.int64), ar=np.arange(block, dtype=np.int64),
                     first=(k - np.arange(k, dtype=np.float32))[:, None])
     Xt, at, ar, first = keep["Xt"], keep["at"], keep["ar"], keep["first"]
@@ -2948,15 +2962,17 @@ def _newton_step(X, T, at, e, frac):
     W = _count(b1 * k + v.argmax(1), k * k)     # their runner-ups
     W = W.astype(np.float64) if host else W.to(torch.float64).cpu()
     xp, ec = torch, e.cpu()
-    if np is not None and k <= _T_K:    # (the solve on the host in numpy, any device)
+    if np is not None and k <= _NP_SOLVE_K:    # (the solve on the host in numpy, any device)
         xp, W, ec = np, np.asarray(W), ec.numpy()
+    else:
+        W = torch.as_tensor(W)
     W = W.reshape(k, k)
     W = (W + W.T) / (2 * h)
     deg = W.sum(1)
     L = xp.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
-    # (numpy's solve only up to k = _T_K: a fraction of torch's cost on so small a system; above,
-    # numpy's BLAS wakes threads that then slow torch's next operations many times over,
-    # docs/labeler.md v21)
+    # (numpy's solve only up to k = _NP_SOLVE_K: a fraction of torch's cost on so small a
+    # system, and its first call in a process a fraction of torch's; above, numpy's BLAS wakes
+    # threads that then slow torch's next operations many times over, docs/labeler.md v21, v32)
     d = xp.linalg.solve(L, ec).clip(-32 * h, 32 * h)
     d = (torch.from_numpy(d) if xp is np else d).to(T.device)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
@@ -3088,6 +3104,7 @@ _COLLAPSE_EVERY = 4      # collapsed outputs: the first steps on every 4th row (
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
 _T_K_CPU = 63   # and on the host up to this k, where torch's max over rows costs more (v29)
+_NP_SOLVE_K = 64   # the Newton step's k x k solve in numpy up to this k (v21: 32; v32)
 _NP_PASS = 1 << 20  # and on numpy's (one thread) up to this N x k x torch's threads (v22)
 _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided

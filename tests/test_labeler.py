@@ -1369,6 +1369,47 @@ def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
             assert got[1][~tied].min() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_kn_copy_is_the_transpose_in_float32(dtype):
+    """_kn_copy (the passes' k x N copy, on the host in blocks of rows): X.T in float32,
+    contiguous, to the bit, over several blocks and a short last one, on strided rows (a
+    sample's) and on columns cut from wider outputs."""
+    O = torch.randn(5000, 300, generator=gen(90)).to(dtype)   # 1,024 rows a block at k = 300
+    for X in (O, O[::3], O[:, 5:12], O[:1]):
+        got = otl._kn_copy(X)
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert torch.equal(got, X.T.to(torch.float32))
+
+
+@pytest.mark.parametrize("k, numpy_solve", [(12, True), (50, True), (64, True), (100, False)])
+def test_newton_step_solves_in_numpy_up_to_k_64(monkeypatch, k, numpy_solve):
+    """The Newton step's k x k solve runs in numpy up to k = _NP_SOLVE_K = 64 (above, numpy's
+    BLAS starts threads that slow torch's next operations), with torch's solve's step there
+    (to float64's rounding), and the same step whether the outputs are read through numpy or
+    torch."""
+    n = 6000
+    O = dominant(n, k, 91)
+    T = torch.randn(k, generator=gen(92), dtype=torch.float64) * 0.1
+    at = otl._newton_counts(O, T)
+    e = at[2].to(torch.float64) - otl.even_target(n, k)
+    calls = []
+    solve = otl.np.linalg.solve
+
+    def counted(*a):
+        calls.append(a[0].shape)
+        return solve(*a)
+    monkeypatch.setattr(otl.np.linalg, "solve", counted)
+    d = otl._newton_step(O, T, at, e, 0.05)
+    assert bool(calls) == numpy_solve and all(c == (k, k) for c in calls)
+    with monkeypatch.context() as mp:
+        mp.setattr(otl, "_NP_SOLVE_K", 0)
+        ref = otl._newton_step(O, T, at, e, 0.05)
+    assert torch.allclose(d, ref, rtol=1e-9, atol=1e-12) and d.abs().max() > 0
+    with monkeypatch.context() as mp:
+        mp.setattr(otl, "_on_numpy", lambda X, k: False)
+        assert torch.equal(otl._newton_step(O, T, at, e, 0.05), d)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_newton_step_numpy_and_torch_agree(monkeypatch, dtype):
     """The Newton step's rows near a boundary on numpy views (k <= _T_K, on the host) and on
