@@ -3104,8 +3104,8 @@ _COLLAPSE_EVERY = 4      # collapsed outputs: the first steps on every 4th row (
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
 _T_K_CPU = 63   # and on the host up to this k, where torch's max over rows costs more (v29)
-_NP_SOLVE_K = 64   # the Newton step's k x k solve in numpy up to this k (v21: 32; v32)
 _NP_PASS = 1 << 20  # and on numpy's (one thread) up to this N x k x torch's threads (v22)
+_NP_SOLVE_K = 64   # the Newton step's k x k solve in numpy up to this k (v21: 32; v32)
 _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
