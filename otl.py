@@ -2858,20 +2858,41 @@ def _midpoints(a, b, over):
     return torch.where(over, r, 0.0)
 
 
-def _join_costs(X, T32, lab, best, cols):
+def _join_costs(X, T32, lab, best, cols, scratch=None):
     """(clusters, rows) float32: what each row of X (labels `lab`, best scores `best` at T)
     gives up to join each cluster in `cols`, best - (X_j - T_j); inf on the cluster's own rows.
     A numpy array on the host where numpy is installed (a fraction of torch's time for a gather
-    of columns, docs/labeler.md v29), else a tensor."""
+    of columns, docs/labeler.md v29), else a tensor.  scratch: the _newton_bufs scratch of X's
+    passes, whose k x N copy of X (a gather of its rows, contiguous, where X's columns are
+    strided) and block of scores (written over, no new pages) serve where they are there and
+    fit (docs/labeler.md, v33); the result then lives in that block until the next pass."""
+    n, u = X.shape[0], cols.numel()
+    Xt = out = None
+    if scratch is not None:
+        V, _, keep = scratch
+        Xt = keep.get("Xt") if keep.get("of") is X else None
+        out = V.view(-1)[:u * n].view(u, n) if V.numel() >= u * n else None
     if _np_ok(X):
-        Xn, cn, T = X.numpy(), cols.numpy(), T32.numpy()
-        G = Xn.T[cn].astype(np.float32, copy=False)     # (a copy: the gather)
+        cn, T, labn = cols.numpy(), T32.numpy(), lab.numpy()
+        if Xt is None:
+            G = X.numpy().T[cn].astype(np.float32, copy=False)     # (a copy: the gather)
+        else:
+            Xt = Xt if isinstance(Xt, np.ndarray) else Xt.numpy()
+            G = Xt.take(cn, 0) if out is None else np.take(Xt, cn, 0, out=out.numpy(), mode="clip")
         G -= T[cn, None]
         np.subtract(best.numpy()[None, :], G, out=G)
-        np.putmask(G, lab.numpy()[None, :] == cn[:, None], np.inf)
+        # (inf on the clusters' own rows, found through each row's label: a mask of all
+        # clusters x rows costs several times as much)
+        pos = np.full(X.shape[1], -1, dtype=np.int64)
+        pos[cn] = np.arange(u)
+        r = pos[labn]
+        own = np.flatnonzero(r >= 0)
+        G[r[own], own] = np.inf
         return G
-    G = X.T.index_select(0, cols).to(torch.float32) - T32.index_select(0, cols)[:, None]
-    G = best[None, :] - G
+    src = X.T if Xt is None else Xt
+    G = (torch.index_select(src, 0, cols) if out is None or src.dtype != torch.float32
+         else torch.index_select(src, 0, cols, out=out)).to(torch.float32)
+    G = torch.sub(best[None, :], G.sub_(T32.index_select(0, cols)[:, None]), out=G)
     return G.masked_fill_(lab[None, :] == cols[:, None], math.inf)
 
 
@@ -2946,8 +2967,9 @@ def _f32(x):
     return x.to(torch.float32)
 
 
-def _newton_step(X, T, at, e, frac):
-    """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`."""
+def _newton_step(X, T, at, e, frac, scratch=None):
+    """The Newton step of _newton_T (see there) at T, whose _newton_counts are `at`; scratch:
+    the _newton_bufs scratch of X's passes, for _join_costs."""
     k = X.shape[1]
     a1, m, cnt, best = at
     host = _on_numpy(X, k)      # (numpy views: the same values, a fraction of torch's cost)
@@ -3000,7 +3022,7 @@ def _newton_step(X, T, at, e, frac):
             ok = ((n - cnt.index_select(0, ud)) > want).nonzero()[:, 0]
             if ok.numel():      # (ok: fewer than the rows of the others, so below n)
                 ud, want = ud.index_select(0, ok), want.index_select(0, ok)
-                G = _join_costs(X, T.to(torch.float32), a1, best, ud)
+                G = _join_costs(X, T.to(torch.float32), a1, best, ud, scratch)
                 d[ud.to(d.device)] = -_kth_smallest(G, want.cpu()).to(d.device)
     return d
 
@@ -3069,7 +3091,8 @@ def _newton_T(X, T, target, max_steps, tol, frac=None, errs=None, at=None, span_
             break
         got = None
         for shed in ((True, False) if mode.get("shed") else (False, True)):
-            d = _shed_step(at, e) if shed else _newton_step(X, T, at, e, frac)
+            d = (_shed_step(at, e) if shed else
+                 _newton_step(X, T, at, e, frac, None if bufs[0] is None else bufs[0][3]))
             if d is None:
                 continue
             if span_max < math.inf:
@@ -3116,11 +3139,11 @@ _HOST_SOLVE = 1 << 18   # outputs on a GPU: the exact solve on the host up to th
 _F32_INF = 2.0 ** 128 - 2.0 ** 103   # float64 values from here on round to inf in float32
 
 
-def _joiners(X, T, at, B, ic, target, R):
+def _joiners(X, T, at, B, ic, target, R, scratch=None):
     """B and ic with the rows added that a cluster short of rows in B would take first: for a
     cluster j that needs d more rows than B holds (target - ic) and has fewer than 2 d rows in
     B within R of it, the 2 d + 8 rows of other clusters nearest to joining it (least
-    best - (X_j - T_j), at's labels and best scores at T)."""
+    best - (X_j - T_j), at's labels and best scores at T).  scratch: _join_costs'."""
     k = X.shape[1]
     lab, best = at[0], at[3]
     host = _on_numpy(X, k)      # (numpy views: fewer torch operations a first call meets)
@@ -3143,7 +3166,7 @@ def _joiners(X, T, at, B, ic, target, R):
     step = max(1, (1 << 24) // n)           # N x step float32 at a time
     for s in range(0, F.numel(), step):
         f = F[s:s + step]
-        extra.append(_smallest(_join_costs(X, T32, lab, best, f), m[s:s + f.numel()]))
+        extra.append(_smallest(_join_costs(X, T32, lab, best, f, scratch), m[s:s + f.numel()]))
     extra = torch.cat(extra).to(X.device)
     inB = torch.zeros(X.shape[0], dtype=torch.bool, device=X.device)
     inB[B] = True
@@ -3467,7 +3490,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         Bl, ic = got
         B = Bl if P is None else _rows(P, Bl, host)
         if P is None:
-            B, ic = _joiners(X, T, at, B, ic, target, R)
+            B, ic = _joiners(X, T, at, B, ic, target, R, bufs[0][3])
         if B.numel() * k * 10 > (1 << 30):
             return None     # (the streaming path keeps candidate lists where whole rows do not fit)
         # a small solve runs on the host where the outputs are on a GPU: its rounds are a few

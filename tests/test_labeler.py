@@ -1433,7 +1433,7 @@ def test_join_costs_and_their_order_statistics_on_numpy_match_torch(monkeypatch)
     """_join_costs (what each row gives up to join a cluster; inf on its own rows), its rows'
     kth smallest values (_kth_smallest) and their m smallest rows (_smallest): numpy's steps
     on the host and torch's give the same values and rows, float16 / float64 outputs read as
-    float32; and the definition's values."""
+    float32, with or without a pass's scratch; and the definition's values."""
     n, k = 3000, 30
     g = gen(52)
     O = torch.randn(n, k, generator=g)
@@ -1456,6 +1456,23 @@ def test_join_costs_and_their_order_statistics_on_numpy_match_torch(monkeypatch)
                 G = otl._join_costs(X, T.to(torch.float32), lab, best, cols)
                 got.append((torch.as_tensor(G), otl._kth_smallest(G, kth),
                             otl._smallest(G, m)))
+                # through a pass's scratch (its k x N copy of X, its block of scores): the
+                # same values, written into that block; a block too small, or a copy of
+                # other outputs, is not used
+                bufs = otl._newton_bufs(n, k, X.device)
+                otl._newton_counts(X, T, out=bufs)
+                V, _, keep = bufs[3]
+                assert keep["of"] is X
+                Gs = otl._join_costs(X, T.to(torch.float32), lab, best, cols, bufs[3])
+                assert torch.equal(torch.as_tensor(Gs), got[-1][0])
+                assert torch.as_tensor(Gs).data_ptr() == V.data_ptr()
+                small = (V[:10], bufs[3][1], keep)
+                Gt = otl._join_costs(X, T.to(torch.float32), lab, best, cols, small)
+                assert torch.equal(torch.as_tensor(Gt), got[-1][0])
+                other = otl._newton_bufs(n, k, X.device)
+                otl._newton_counts(X + 1, T, out=other)
+                Go = otl._join_costs(X, T.to(torch.float32), lab, best, cols, other[3])
+                assert torch.equal(torch.as_tensor(Go), got[-1][0])
         (Ga, ka, sa), (Gb, kb, sb) = got
         assert torch.equal(Ga, Gb) and torch.equal(ka, kb) and ka.dtype == torch.float64
         if dtype == torch.float32:
@@ -1472,7 +1489,8 @@ def test_join_costs_and_their_order_statistics_on_numpy_match_torch(monkeypatch)
 def test_newton_step_on_an_isolated_cluster_numpy_and_torch_agree(monkeypatch):
     """A Newton step that shifts a cluster far from every boundary alone (an under-full one
     down past its cheapest joiners, as many as it lacks; isolated outputs): the same step with
-    numpy's join costs and with torch's (numpy absent), to the bit, the definition's shift."""
+    numpy's join costs and with torch's (numpy absent), with or without a pass's scratch, to
+    the bit, the definition's shift."""
     O = isolated(0)
     n, k = O.shape
     T = torch.zeros(k, dtype=torch.float64)
@@ -1480,9 +1498,15 @@ def test_newton_step_on_an_isolated_cluster_numpy_and_torch_agree(monkeypatch):
     e = at[2].to(torch.float64) - otl.even_target(n, k)
     assert e[0] < -1        # cluster 0 short of rows, none near its boundary
     d = otl._newton_step(O, T, at, e, 0.05)
+    bufs = otl._newton_bufs(n, k, O.device)
+    otl._newton_counts(O, T, out=bufs)      # (the scratch with its k x N copy of O)
+    assert torch.equal(otl._newton_step(O, T, at, e, 0.05, bufs[3]), d)
     with monkeypatch.context() as mp:
         mp.setattr(otl, "np", None)
         assert torch.equal(otl._newton_step(O, T, at, e, 0.05), d)
+        bufs = otl._newton_bufs(n, k, O.device)
+        otl._newton_counts(O, T, out=bufs)
+        assert torch.equal(otl._newton_step(O, T, at, e, 0.05, bufs[3]), d)
     lab, best = at[0], at[3]
     cost = (best - (O[:, 0] - T[0]).to(torch.float32))[lab != 0].sort().values
     assert float(d[0]) == -float(cost[int(-e[0])])
@@ -1768,7 +1792,7 @@ def test_dense_path_solves_once_with_the_rows_that_join_a_far_cluster(monkeypatc
     check_translation(O, r)
     assert torch.equal(r.labels, exact(O, dense=False).labels)
     solves.clear()
-    monkeypatch.setattr(otl, "_joiners", lambda X, T, at, B, ic, target, R: (B, ic))
+    monkeypatch.setattr(otl, "_joiners", lambda X, T, at, B, ic, target, R, scratch=None: (B, ic))
     assert torch.equal(exact(O).labels, r.labels) and len(solves) == 2
 
 
@@ -1868,7 +1892,7 @@ def test_newton_T_sheds_where_the_newton_step_does_not_help(monkeypatch):
     O = dominant(n, k, 32)
     target = otl.even_target(n, k).double()
     T0 = O[:8192].median(dim=0).values.double()
-    monkeypatch.setattr(otl, "_newton_step", lambda X, T, at, e, frac: torch.zeros_like(T))
+    monkeypatch.setattr(otl, "_newton_step", lambda X, T, at, e, frac, scratch=None: torch.zeros_like(T))
     errs = []
     T, e, at, passes, escaped = otl._newton_T(O, T0, target, 6, 0.0, errs=errs)
     assert len(errs) >= 4 and all(b < a for a, b in zip(errs, errs[1:]))
