@@ -2801,6 +2801,9 @@ def _gap_after(margin, lab, excess, k):
     # (on a GPU the sort, whose launches do not grow with the clusters, and no wait to decide)
     few = None if _launch_bound(margin.device) else (excess > 0).nonzero()[:, 0]
     if few is not None and few.numel() <= 8 and bool((excess <= cnt).all()):
+        if np is not None and margin.dtype in (torch.float32, torch.float64):
+            return _gap_after_few_np(margin.numpy(), lab.numpy(), few.tolist(),
+                                     excess.index_select(0, few).tolist(), k)
         a = torch.zeros(k, dtype=margin.dtype, device=margin.device)
         b = torch.full((k,), math.inf, dtype=margin.dtype, device=margin.device)
         for j, ej in zip(few.tolist(), excess.index_select(0, few).tolist()):
@@ -2825,6 +2828,23 @@ def _gap_after(margin, lab, excess, k):
     a = ms.index_select(0, (first + excess - 1).clamp(0, last))
     nxt = ms.index_select(0, (first + excess).clamp(0, last))
     return a, torch.where(excess < cnt, nxt, math.inf)
+
+
+def _gap_after_few_np(margin, lab, few, excess, k):
+    """_gap_after's (a, b) for a few clusters (`few`, each with 1 <= excess <= its rows) on
+    numpy views of the host's margins and labels: each one's margins partitioned at its excess,
+    the same values as the topk there (a torch operation's first use in a process costs more
+    than this whole search; docs/labeler.md, v34)."""
+    a = np.zeros(k, dtype=margin.dtype)
+    b = np.full(k, math.inf, dtype=margin.dtype)
+    for j, ej in zip(few, excess):
+        mj = margin[lab == j]
+        if ej < mj.size:
+            part = np.partition(mj, ej)     # (part[ej] the (ej + 1)-th smallest, the smaller
+            a[j], b[j] = part[:ej].max(), part[ej]      # ones before it in any order)
+        else:
+            a[j] = mj.max()
+    return torch.from_numpy(a), torch.from_numpy(b)
 
 
 def _by_cluster_np(margin, lab):
@@ -2996,14 +3016,16 @@ def _newton_step(X, T, at, e, frac, scratch=None):
     # system, and its first call in a process a fraction of torch's; above, numpy's BLAS wakes
     # threads that then slow torch's next operations many times over, docs/labeler.md v21, v32)
     d = xp.linalg.solve(L, ec).clip(-32 * h, 32 * h)
-    d = (torch.from_numpy(d) if xp is np else d).to(T.device)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
     # e_j-th smallest margin of its rows; down to the |e_j|-th cheapest row to join it)
     iso = (deg * 2 * h < 0.1 * abs(ec)) & (abs(ec) >= 1)
+    if xp is np:    # (k-vectors on numpy, as the solve: no torch operation met the first time)
+        if iso.any():
+            _isolated_np(X, T, at, d, ec, np.flatnonzero(iso), scratch)
+        return torch.from_numpy(d).to(T.device)
+    d = d.to(T.device)
     if bool(iso.any()):
-        if xp is np:
-            deg, ec, iso = (torch.from_numpy(x) for x in (deg, ec, iso))
         iso = iso.nonzero()[:, 0]
         over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
         if over.numel():      # each one's (e_j + 1)-th smallest margin, where it has the rows
@@ -3025,6 +3047,31 @@ def _newton_step(X, T, at, e, frac, scratch=None):
                 G = _join_costs(X, T.to(torch.float32), a1, best, ud, scratch)
                 d[ud.to(d.device)] = -_kth_smallest(G, want.cpu()).to(d.device)
     return d
+
+
+def _isolated_np(X, T, at, d, ec, iso, scratch):
+    """_newton_step's shift for its isolated clusters `iso` where its k-vectors are numpy's
+    (d, ec: float64; d is written): as its torch steps, the same values."""
+    a1, m, cnt, best = at
+    k, n = X.shape[1], X.shape[0]
+    over, under = iso[ec[iso] > 0], iso[ec[iso] < 0]
+    if over.size:     # each one's (e_j + 1)-th smallest margin, where it has the rows
+        want = np.zeros(k, dtype=np.int64)
+        want[over] = ec[over]
+        b = _gap_after(m, a1, torch.from_numpy(want).to(m.device), k)[1].cpu().numpy()
+        up = over[np.isfinite(b[over])]
+        d[up] = b[up]
+    cn = cnt.cpu().numpy()
+    step = max(1, (1 << 24) // n)
+    for c in range(0, under.size, step):     # their columns read together
+        ud = under[c:c + step]
+        want = (-ec[ud]).astype(np.int64)
+        ok = n - cn[ud] > want      # (fewer than the rows of the others, so below n)
+        ud, want = ud[ok], want[ok]
+        if ud.size:
+            G = _join_costs(X, T.to(torch.float32), a1, best, torch.from_numpy(ud).to(X.device),
+                            scratch)
+            d[ud] = -_kth_smallest(G, torch.from_numpy(want)).numpy()
 
 
 def _shed_step(at, e):

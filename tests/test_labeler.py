@@ -1486,17 +1486,19 @@ def test_join_costs_and_their_order_statistics_on_numpy_match_torch(monkeypatch)
             assert torch.equal(Ga[i, a].sort().values, Ga[i].sort().values[:int(m[i])])
 
 
-def test_newton_step_on_an_isolated_cluster_numpy_and_torch_agree(monkeypatch):
-    """A Newton step that shifts a cluster far from every boundary alone (an under-full one
-    down past its cheapest joiners, as many as it lacks; isolated outputs): the same step with
-    numpy's join costs and with torch's (numpy absent), with or without a pass's scratch, to
-    the bit, the definition's shift."""
-    O = isolated(0)
+@pytest.mark.parametrize("own", [397, 800])
+def test_newton_step_on_an_isolated_cluster_numpy_and_torch_agree(monkeypatch, own):
+    """A Newton step that shifts a cluster far from every boundary alone (isolated outputs: an
+    under-full one down past its cheapest joiners, as many as it lacks; an over-full one up
+    past as many of its rows' margins as it has too many): the same step with numpy's steps
+    (k-vectors, join costs, margins) and with torch's (numpy absent), with or without a pass's
+    scratch, to the bit, the definition's shift."""
+    O = isolated(0, own=own)
     n, k = O.shape
     T = torch.zeros(k, dtype=torch.float64)
     at = otl._newton_counts(O, T)
     e = at[2].to(torch.float64) - otl.even_target(n, k)
-    assert e[0] < -1        # cluster 0 short of rows, none near its boundary
+    assert (e[0] < -1) if own < n / k else (e[0] > 1)   # none near cluster 0's boundary
     d = otl._newton_step(O, T, at, e, 0.05)
     bufs = otl._newton_bufs(n, k, O.device)
     otl._newton_counts(O, T, out=bufs)      # (the scratch with its k x N copy of O)
@@ -1508,8 +1510,11 @@ def test_newton_step_on_an_isolated_cluster_numpy_and_torch_agree(monkeypatch):
         otl._newton_counts(O, T, out=bufs)
         assert torch.equal(otl._newton_step(O, T, at, e, 0.05, bufs[3]), d)
     lab, best = at[0], at[3]
-    cost = (best - (O[:, 0] - T[0]).to(torch.float32))[lab != 0].sort().values
-    assert float(d[0]) == -float(cost[int(-e[0])])
+    if e[0] < 0:
+        cost = (best - (O[:, 0] - T[0]).to(torch.float32))[lab != 0].sort().values
+        assert float(d[0]) == -float(cost[int(-e[0])])
+    else:   # T_0 up to its (e_0 + 1)-th smallest margin: e_0 of its rows then leave
+        assert float(d[0]) == float(at[1][lab == 0].sort().values[int(e[0])])
 
 
 def test_small_helpers_on_numpy_match_torch():
@@ -1998,14 +2003,19 @@ def test_expanded_outputs_label_as_their_contiguous_copy(k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gap_after_few_clusters_as_many(dtype):
-    """_gap_after for the clusters with excess > 0, up to 8 of them one cluster at a time, more
-    by the sort of every row: each one's excess-th smallest margin and the next (inf where the
-    excess takes all its rows), as sorting that cluster's margins gives."""
+@pytest.mark.parametrize("numpy_steps", [True, False])
+def test_gap_after_few_clusters_as_many(monkeypatch, dtype, numpy_steps):
+    """_gap_after for the clusters with excess > 0, up to 8 of them one cluster at a time (on
+    numpy views where numpy is installed, else torch's topk), more by the sort of every row:
+    each one's excess-th smallest margin and the next (inf where the excess takes all its
+    rows), as sorting that cluster's margins gives, in the margins' dtype."""
+    if not numpy_steps:
+        monkeypatch.setattr(otl, "np", None)
     g = gen(48)
     n, k = 4000, 20
     m = torch.rand(n, generator=g, dtype=torch.float64).to(dtype)
     m[:40] = 0
+    m[40:80] = m[80:120]                                  # repeated values
     lab = torch.randint(0, k, (n,), generator=g)
     cnt = torch.bincount(lab, minlength=k)
     for asked in (torch.tensor([1, 5, 7]), torch.arange(k)):
@@ -2013,6 +2023,7 @@ def test_gap_after_few_clusters_as_many(dtype):
         excess[asked] = torch.randint(1, 60, (asked.numel(),), generator=g)
         excess[asked[0]] = cnt[asked[0]]                  # all of its rows
         a, b = otl._gap_after(m, lab, excess, k)
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape == (k,)
         for j in asked.tolist():
             ms = torch.sort(m[lab == j]).values
             e = int(excess[j])
