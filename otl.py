@@ -2791,8 +2791,10 @@ def _gap_after(margin, lab, excess, k):
     """(a, b), one entry per cluster j: the excess_j-th smallest margin among the rows labelled
     j and the next one (b = inf where excess_j is not below its rows), for the clusters with
     excess_j > 0 (the others' entries are not for use; _ExactSolver._shed, _shed_step, the
-    Newton step).  Up to 8 such clusters, on the CPU: the smallest excess_j + 1 of each one's
-    margins (cheaper than sorting every row there; on a GPU a few launches per cluster).  Else
+    Newton step).  Up to 8 such clusters, on the CPU: the excess_j-th smallest of each one's
+    margins and the next, by numpy's partition where numpy is installed (_gap_after_few_np),
+    else torch's topk (cheaper than sorting every row there; on a GPU a few launches per
+    cluster).  Else
     from the margins sorted by cluster, then by value: on the host on numpy (_by_cluster_np);
     else float32 margins (>= 0: their bits order as int32 as their values do) in one sort of
     the int64 keys cluster << 32 | bits, faster than two stable argsorts (docs/labeler.md,
