@@ -2791,14 +2791,13 @@ def _gap_after(margin, lab, excess, k):
     """(a, b), one entry per cluster j: the excess_j-th smallest margin among the rows labelled
     j and the next one (b = inf where excess_j is not below its rows), for the clusters with
     excess_j > 0 (the others' entries are not for use; _ExactSolver._shed, _shed_step, the
-    Newton step).  Up to 8 such clusters, on the CPU: the excess_j-th smallest of each one's
-    margins and the next, by numpy's partition where numpy is installed (_gap_after_few_np),
-    else torch's topk (cheaper than sorting every row there; on a GPU a few launches per
-    cluster).  Else
-    from the margins sorted by cluster, then by value: on the host on numpy (_by_cluster_np);
-    else float32 margins (>= 0: their bits order as int32 as their values do) in one sort of
-    the int64 keys cluster << 32 | bits, faster than two stable argsorts (docs/labeler.md,
-    v18), others by those."""
+    Newton step).  Up to 8 such clusters, on the CPU: each one's excess_j-th smallest margin
+    and the next, by numpy's partition where numpy is installed (_gap_after_few_np), else by
+    torch's topk (cheaper than sorting every row there; not on a GPU, where each cluster would
+    cost its own launches).  Else from the margins sorted by cluster, then by value: on the
+    host on numpy (_by_cluster_np); else float32 margins (>= 0: their bits order as int32 as
+    their values do) in one sort of the int64 keys cluster << 32 | bits, faster than two
+    stable argsorts (docs/labeler.md, v18), others by those."""
     cnt = torch.bincount(lab, minlength=k)
     # (on a GPU the sort, whose launches do not grow with the clusters, and no wait to decide)
     few = None if _launch_bound(margin.device) else (excess > 0).nonzero()[:, 0]
