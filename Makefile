@@ -6,7 +6,7 @@
 #   make labeler-bench-gpu          the same on a CUDA GPU
 #   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
 #   make labeler-compare REV=HEAD   a labeler change: the same labels and T as REV's, and the time
-#   make labeler-matrix             issue 16's matrix: ours vs the published rules on real outputs, k = 10..3000
+#   make labeler-matrix             the matrix: ours vs the published rules on real outputs, k = 10..3000
 #   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
 #   make hmhr                       HMHR by the transfer protocol: OTL from EuroSAT's OTL backbone, beside scratch and supervised
 #   make cifar10                    CIFAR-10 with AlexNet (the CPU twin here), from ../shared/data; likewise
@@ -129,14 +129,14 @@ $(SETS): $(STAMP)
 # The labelers on the same outputs (gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh and
 # of the trained network when data/eurosat and runs/eurosat exist; 1.28M x 3000 streamed in chunks).
 labeler-bench: eurosat-data
-	$(PY) bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
+	$(PY) bench/bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
 
-# issue 16's matrix (results/labeler_matrix_v29.md): ours against the published rules on random and
+# the matrix (results/labeler_matrix_v34.md): ours against the published rules on random and
 # trained networks' outputs, EuroSAT and CIFAR-10, all images and the training split, k = 10 .. 3000;
 # six runs, then the table over them (about an hour on 2 cores).  Needs the trained networks of
 # `make eurosat` and `make cifar10`; MATRIX_V names the files.
 MATRIX_V ?= new
-MATRIX_RUN = $(PY) bench_labeler.py --skip-large --ks 10 --methods exact,published
+MATRIX_RUN = $(PY) bench/bench_labeler.py --skip-large --ks 10 --methods exact,published
 MATRIX_E = --data data/eurosat --net cpu --checkpoint $(RUNS)/eurosat/checkpoint.pth
 MATRIX_C = --data data/cifar10 --net alexnet-cifar-cpu --checkpoint $(RUNS)/cifar10/checkpoint.pth --real-split train
 MATRIX_OUT = $(foreach s,eurosat_small_k eurosat_train_small_k cifar10_small_k eurosat_large_k eurosat_train_large_k cifar10_large_k,results/labeler_bench_$(MATRIX_V)_$(s).json)
@@ -149,30 +149,30 @@ labeler-matrix: eurosat-data cifar10-data
 	$(MATRIX_RUN) $(MATRIX_E) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 4,$(MATRIX_OUT))
 	$(MATRIX_RUN) $(MATRIX_E) --real-split train --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 5,$(MATRIX_OUT))
 	$(MATRIX_RUN) $(MATRIX_C) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 6,$(MATRIX_OUT))
-	$(PY) bench_labeler.py --summary $(MATRIX_OUT) --matrix-plot results/labeler_matrix_$(MATRIX_V).png \
+	$(PY) bench/bench_labeler.py --summary $(MATRIX_OUT) --matrix-plot results/labeler_matrix_$(MATRIX_V).png \
 	  > results/labeler_matrix_$(MATRIX_V).md
 	@tail -n 1 results/labeler_matrix_$(MATRIX_V).md
 
 # the same on a GPU (Gaussian inputs; the published labeler on 640,000 rows, which its float64
-# copies fit in 80 GB); what results/labeler_bench_gpu.json was made with
+# copies fit in 80 GB)
 labeler-bench-gpu: $(STAMP)
-	PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $(PY) bench_labeler.py --device cuda --skip-real \
+	PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $(PY) bench/bench_labeler.py --device cuda --skip-real \
 	  --ref-n 640000 --repeat 3 --out results/labeler_bench_gpu.json --plot results/labeler_bench_gpu.png
 
 labeler-profile-gpu: $(STAMP)
-	$(PY) profile_labeler.py --device cuda --out results/labeler_profile_gpu.txt
+	$(PY) bench/profile_labeler.py --device cuda --out results/labeler_profile_gpu.txt
 
 # otl.py's exact labeler against REV's (a commit, or a path to another otl.py): bit-for-bit labels
 # and T on Gaussian, collapsed and grouped inputs at k = 2 - 3000 and the time of each, 320,000 x
 # 3000 included (about 3 minutes on 2 cores); fails if any case differs
 REV ?= HEAD
 labeler-compare: $(STAMP)
-	$(PY) compare_labelers.py $(REV) otl.py --inputs small,stream,large --expect-same
+	$(PY) bench/compare_labelers.py $(REV) otl.py --inputs small,stream,large --expect-same
 
 # images/s of the OTL step, the label pass and augmentation at 224, 112 and 64 px, and of a plain
 # supervised ResNet-18 loop (the ceiling); torch.compile timed at 112 px
 train-bench-gpu: $(STAMP)
-	$(PY) bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out results/train_throughput_gpu.json
+	$(PY) bench/bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out results/train_throughput_gpu.json
 
 # ------------------------------------------------------------------------- experiments
 # The paper's studies (ablations.py --help; docs/ablations.md): each resumes where it stopped and

@@ -1,4 +1,4 @@
-"""bench_labeler.py: a tiny run end to end (children, JSON, summary), and its argument checks."""
+"""bench/bench_labeler.py: a tiny run end to end (children, JSON, summary), and its argument checks."""
 import json
 import os
 import subprocess
@@ -9,11 +9,14 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+BENCH = os.path.join(ROOT, "bench")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
 
 
 def run_bench(*args):
-    return subprocess.run([sys.executable, "bench_labeler.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, "bench/bench_labeler.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
 
 
 def fresh_checkpoint(small_data, tmp_path):
@@ -194,7 +197,6 @@ def test_bench_labeler_fresh_runs(tmp_path):
 
 
 def test_median_run_keeps_the_middle_run_and_errors():
-    sys.path.insert(0, ROOT)
     import bench_labeler
     runs = [{"seconds": s, "seconds_warm": w, "iterations": i}
             for s, w, i in ((0.3, 0.1, 5), (0.1, 0.3, 6), (0.2, 0.2, 7), (0.5, 0.4, 8))]
@@ -221,7 +223,6 @@ def test_matrix_over_several_results(tmp_path):
     head and its backbone's fresh heads one row), a column per k, the published rules' seconds
     over ours with both max - mins, cells under --goal marked and counted; streamed and
     from-view0 records left out."""
-    sys.path.insert(0, ROOT)
     import bench_labeler
     a = _fake_results("data/eurosat", "all", [
         ("random_net", 50000, 10, "exact", 0.1, 0), ("random_net", 50000, 10, "published", 0.5, 3),

@@ -1,14 +1,18 @@
-"""compare_labelers.py: two versions of the exact labeler on the same inputs, bit for bit."""
+"""bench/compare_labelers.py: two versions of the exact labeler on the same inputs, bit for bit."""
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 
-import compare_labelers
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.join(ROOT, "bench") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import compare_labelers  # noqa: E402
+
 OTL = os.path.join(ROOT, "otl.py")
 
 

@@ -1,4 +1,4 @@
-"""gpu_session.sh, the script a lent GPU session runs, dry: every Python command it would run is
+"""bench/gpu_session.sh, the GPU checks' script, dry: every Python command it would run is
 echoed (PY=echo), so the stages' command lines are checked here without a GPU or the data."""
 import os
 import subprocess
@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def dry(stage, tmp_path, **env):
     e = {**os.environ, "PY": "echo", "OUT": str(tmp_path / "out"), "ZIP": __file__, **env}
-    return subprocess.run(["bash", "gpu_session.sh", stage], cwd=ROOT, env=e, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(["bash", "bench/gpu_session.sh", stage], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_supervised_stage_trains_the_twin_evaluates_it_and_profiles_the_labeler(tmp_path):
@@ -21,9 +21,9 @@ def test_supervised_stage_trains_the_twin_evaluates_it_and_profiles_the_labeler(
     for ev in ("eval_knn.py", "eval_linear.py"):
         assert f"{ev} --checkpoint runs/gpu/eurosat_fast_supervised/checkpoint.pth --device cuda" in out
     assert "--preset fast --epochs 10" in out
-    assert "profile_labeler.py --device cuda --data data/eurosat --checkpoint " \
+    assert "bench/profile_labeler.py --device cuda --data data/eurosat --checkpoint " \
            "runs/gpu/eurosat_fast10/checkpoint.pth --phases" in out
-    assert "bench_labeler.py --device cuda" in out and "--cpu-too" in out
+    assert "bench/bench_labeler.py --device cuda" in out and "--cpu-too" in out
     assert out.index(twin) < out.index("eval_knn.py") < out.index("profile_labeler.py")
     fewer = dry("supervised", tmp_path, D="400", E_SUP="50").stdout
     assert "--supervised --preset fast --epochs 50 --no-progress" in fewer
@@ -46,13 +46,13 @@ def test_eval_stage_evaluates_the_fast_run_and_profiles_its_head_on_request(tmp_
 
 def test_unknown_stage_says_how_to_call_it(tmp_path):
     r = dry("nonsense", tmp_path)
-    assert r.returncode == 2 and "usage: bash gpu_session.sh bench" in r.stderr
+    assert r.returncode == 2 and "usage: bash bench/gpu_session.sh bench" in r.stderr
 
 
 def test_labeler_stage_runs_the_matrix_the_tests_and_counts_kernels(tmp_path):
     out = dry("labeler", tmp_path).stdout
-    assert "bench_labeler.py --device cuda --features .gpu/feat_eu_train --skip-large" in out
-    assert "compare_labelers.py .gpu/ab/otl_v18.py otl.py --device cuda" in out
+    assert "bench/bench_labeler.py --device cuda --features .gpu/feat_eu_train --skip-large" in out
+    assert "bench/compare_labelers.py .gpu/ab/otl_old.py otl.py --device cuda" in out
     assert "-m pytest -q -p no:cacheprovider -k cuda" in out
     for name in ("tb_100", "tb_500", "trained_net_outputs"):     # on the GPU, with its seconds
         assert f"--kernels --repeat 3 --json {tmp_path}/out/labeler_kernels_gpu_{name}.json" in out

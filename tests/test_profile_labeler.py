@@ -1,4 +1,4 @@
-"""profile_labeler.py: --phases (the exact labeler's stages, timed, beside the published rules)
+"""bench/profile_labeler.py: --phases (the exact labeler's stages, timed, beside the published rules)
 on an input saved by bench_labeler.py --save-inputs, --kernels (the torch operations a call
 launches, per stage), and its argument checks."""
 import os
@@ -8,16 +8,18 @@ import sys
 import pytest
 import torch
 
-import otl
-import profile_labeler
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if os.path.join(ROOT, "bench") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import otl  # noqa: E402
+import profile_labeler  # noqa: E402
 
 
 def run(script, *args):
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, os.path.join("bench", script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
 
 
 def far_outputs(n, k, seed):

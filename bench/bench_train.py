@@ -1,6 +1,6 @@
 """Training and label-pass throughput of OTL against a plain supervised ResNet-18 loop (the ceiling).
 
-    python bench_train.py --device cuda --sizes 224,112 --out results/train_throughput_gpu.json
+    python bench/bench_train.py --device cuda --sizes 224,112 --out results/train_throughput_gpu.json
 
 For each image side, on the same uint8 images resident on the device (EuroSAT's 64 px, random
 unless --data names prepared data):
@@ -14,6 +14,9 @@ unless --data names prepared data):
 Figures are views (network inputs) per second, timed after --warmup steps, the device synchronised
 before the clock is read.  The last line is a table; the JSON holds every figure.
 """
+import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds otl, utils)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import platform
 import time

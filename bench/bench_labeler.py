@@ -2,13 +2,13 @@
 authors' published algorithm (otl.translate, method="published": the dense reference) and SeLa's
 Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
 
-    python bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
+    python bench/bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
     make labeler-bench                                       # the same
-    python bench_labeler.py --quick --out /tmp/lb.json       # smoke test, about a minute on 2 cores
+    python bench/bench_labeler.py --quick --out /tmp/lb.json # smoke test, about a minute on 2 cores
     make labeler-bench-gpu                                   # on a CUDA GPU (--device cuda)
-    make labeler-matrix                                      # issue 16's matrix: real outputs, k = 10..3000
-    python bench_labeler.py --summary a.json b.json          # tables, and one over both
-    python bench_labeler.py --save-features F ...; python bench_labeler.py --features F --device cuda
+    make labeler-matrix                                      # the matrix: real outputs, k = 10..3000
+    python bench/bench_labeler.py --summary a.json b.json    # tables, and one over both
+    python bench/bench_labeler.py --save-features F ...; python bench/bench_labeler.py --features F --device cuda
                                     # the real inputs made again where the data and networks are not
 
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
@@ -45,10 +45,9 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   with the few dominant clusters, heavy rows and near-ties of real outputs.
                   Streamed and compared like gaussian_large; needs --data.
 Measured for every (input, k, method), each in a fresh child process (forked from a server that
-has imported torch and done nothing else; before 2026-11-27, spawned) that first builds or
+has imported torch and done nothing else, so no child pays torch's import) that first builds or
 loads its input: wall seconds of the labeling call (scipy, which the exact labeler's finish
-imports on first use, is imported before it: a cost a process pays once, which benchmarks
-before 2026-11-25 counted in ours wherever the finish ran; docs/labeler.md), its
+imports on first use, is imported before it: a cost a process pays once, not the labeler's), its
 iterations, the std of the cluster sizes against the even target N/k (std_floor =
 sqrt(f (1 - f)), f = (N mod k) / k, is the best any labeler can do), max - min of the sizes, and
 the call's peak memory: the child resets its peak RSS (writes 5 to /proc/self/clear_refs), runs
@@ -68,13 +67,15 @@ EuroSAT inputs' networks run on the GPU, and random_net_large is left to the CPU
 Results go to --out as they come (a killed run keeps what it measured); a failed measurement is
 recorded with its error and makes the script exit non-zero, and no numbers are made up for it.
 """
+import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds otl, utils)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import concurrent.futures as cf
 import hashlib
 import inspect
 import json
 import multiprocessing as mp
-import os
 import platform
 import re
 import tempfile
@@ -122,7 +123,7 @@ def get_args_parser():
                    "k, how many times faster ours is than the published rules (--goal)")
     p.add_argument("--goal", type=float, default=3.0, help="with --summary: the factor over the "
                    "published rules that the table over several JSONs marks cells against "
-                   "(default 3, issue 16's)")
+                   "(default 3: the matrix's bar)")
     p.add_argument("--matrix-plot", metavar="PNG", help="with --summary: draw that table's factors "
                    "against k, one line per set of outputs (needs matplotlib)")
     p.add_argument("--out", default="results/labeler_bench.json", help="results JSON (rewritten after "
@@ -368,7 +369,7 @@ def otl_sha256():
 def _import_scipy(settle=0.5):
     """Import scipy's graph routines (otl's exact finish uses them at k > 64), then wait:
     numpy's and scipy's OpenBLAS start threads on import that spin for a while and slow a call
-    timed right after, for both labelers (docs/labeler.md, v17, has the measurement)."""
+    timed right after, for both labelers."""
     otl._scipy_csgraph()
     time.sleep(settle)
 
@@ -476,8 +477,8 @@ def measure_gpu(spec):
 
 def _child_context():
     """Children forked from a server that has imported torch and done nothing else (no tensor
-    made; a fork carries only the forking thread): a fresh process for the labeler, without the
-    3 - 4 s of importing torch again in each one (docs/labeler.md, v25)."""
+    made; a fork carries only the forking thread): a fresh process for the labeler, without
+    importing torch again in each one."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])
     return ctx
@@ -797,7 +798,7 @@ def _set_name(key):
 
 
 def matrix(results, goal=3.0):
-    """One table over several results JSONs (issue 16's question): for each set of outputs
+    """One table over several results JSONs (the matrix): for each set of outputs
     (_outputs_of) and k, the published rules' seconds over ours, on the first call in a fresh
     process and on the second call in it (an epoch after the first), with ours' and their
     max - min; cells under `goal` end in ' <'.  A measurement in several JSONs (the Gaussian

@@ -1,15 +1,17 @@
 """Batched uint8 augmentation (otl.augment) against torchvision's per-image transforms.
 
-    python bench_augment.py --out results/augment_bench.json
+    python bench/bench_augment.py --out results/augment_bench.json
 
 Times both on the same 256 EuroSAT-sized images (64 px uint8) producing 32 px views, simple and
 strong, on the chosen device; writes images/s for each.  The per-image pipeline is the usual
 torchvision one: RandomResizedCrop, flips, ColorJitter (+ RandAugment and RandomErasing for
 strong), applied image by image as a DataLoader worker would.
 """
+import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds otl, utils)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import json
-import os
 import platform
 import time
 
@@ -69,7 +71,7 @@ def main(args):
         print(name, rows[name], flush=True)
     out = {"device": str(device), "torch_threads": torch.get_num_threads(), "batch": args.batch,
            "size": args.size, "results": rows, "machine": platform.platform(),
-           "cpus": os.cpu_count(), "command": "python bench_augment.py " + " ".join(
+           "cpus": os.cpu_count(), "command": "python bench/bench_augment.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

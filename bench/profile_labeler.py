@@ -1,11 +1,11 @@
 """Where the exact labeler's time goes on one input: wall time per otl function (cProfile: on a
 GPU a function's time includes its waits for the device) and per device kernel (torch.profiler).
 
-    python profile_labeler.py --device cuda --n 1280000 --k 3000 --out results/labeler_profile_gpu.txt
-    python profile_labeler.py --checkpoint runs/eurosat/checkpoint.pth --out prof.txt
+    python bench/profile_labeler.py --device cuda --n 1280000 --k 3000 --out results/labeler_profile_gpu.txt
+    python bench/profile_labeler.py --checkpoint runs/eurosat/checkpoint.pth --out prof.txt
 
-    python profile_labeler.py --input inputs/random_net_10.pt --phases
-    python profile_labeler.py --input inputs/random_net_500.pt --kernels --as-gpu --json k.json
+    python bench/profile_labeler.py --input inputs/random_net_10.pt --phases
+    python bench/profile_labeler.py --input inputs/random_net_500.pt --kernels --as-gpu --json k.json
 
 The input is bench_labeler's gaussian (the same seeds), or with --checkpoint the outputs that
 training hands the labeler: a label pass of that network over its training split (one strong
@@ -27,9 +27,9 @@ waits for the device.
 --kernels replaces them by counts of the torch operations one call dispatches (after the
 warm-up): kernels (operations that launch work on a GPU: not views), of them reads by the host
 (.item(), nonzero, masks used as indices: each a wait on a GPU), per stage as --phases, and the
-same for the published rules.  On an H100 ours took a near-constant time per kernel from
-k = 100 up, whatever the rows (docs/labeler.md, v30; results/labeler_kernels/v27/), so the
-count predicts its time there from a CPU.  With --as-gpu a CPU run takes the GPU's block sizes.  What the
+same for the published rules.  On a GPU ours costs about the same per kernel from k = 100 up,
+whatever the rows (launches and host syncs dominate), so the count predicts its time there
+from a CPU.  With --as-gpu a CPU run takes the GPU's block sizes.  What the
 count misses on the CPU: the steps numpy runs on the host there (the dense path's passes and
 Newton steps at small k, join costs, the rows near a boundary, the tie-break), which a GPU runs
 as torch operations, and copies to and from the host (.cpu(), .to(device)); --as-gpu also gives
@@ -42,6 +42,9 @@ Gaussian noise of 1 % of its std (seed 1); per variant the medians of --repeat c
 (after a warm-up), their ratio, max - min, the rows ours solved exactly and whether its dense
 path (translate, k <= 128) finished or the streaming path ran.
 """
+import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds otl, utils)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import contextlib
 import cProfile
@@ -50,7 +53,6 @@ import io
 import json
 import pstats
 import shlex
-import sys
 import time
 from contextlib import contextmanager
 
@@ -158,7 +160,7 @@ class KernelCount(TorchDispatchMode):
 def as_gpu():
     """otl's passes with a GPU's block sizes (otl._launch_bound true) on any device."""
     if not hasattr(otl, "_launch_bound"):
-        raise SystemExit("--as-gpu: this otl.py has no _launch_bound (older than v30): it picks "
+        raise SystemExit("--as-gpu: this otl.py has no _launch_bound (an older labeler): it picks "
                          "its block sizes by device inline, so a CPU run cannot take a GPU's")
     saved = otl._launch_bound
     otl._launch_bound = lambda device: True

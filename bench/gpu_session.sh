@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 14 on a lent GPU (device tool: 15 minutes of device time in all, 64 MiB
-# carried a call): two calls, because the EuroSAT archive (96 MB) is larger than one call may
-# carry.  Ignored files in the checkout that a call does not carry are removed there, but /tmp
-# stays while the machine is warm, so the first piece waits in /tmp.
+# The GPU checks on a GPU machine reached through a remote-run tool that carries at most 64 MiB of
+# the checkout per call and gives a few minutes a call: so the EuroSAT archive (96 MB) travels
+# in two pieces over two calls.  Ignored files in the checkout that a call does not carry are
+# removed there, but /tmp stays while the machine is warm, so the first piece waits in /tmp.
+# Run from anywhere; it works in the repository root.
 #
-#   bash gpu_session.sh bench        call 1 (carry .gpu/eu_part_aa and .gpu/EuroSAT_small.zip):
+#   bash bench/gpu_session.sh bench  call 1 (carry .gpu/eu_part_aa and .gpu/EuroSAT_small.zip):
 #                                    the first piece to /tmp; training / label-pass throughput,
 #                                    the CUDA tests, ours at 1.28M x 3000 (ALL=1: the labeler
 #                                    benchmark's Gaussian sweep and the published rules and
 #                                    Sinkhorn too; PROFILE=1: the labeler's profile; COMPILE=1:
 #                                    torch.compile's throughput)
-#   D=<seconds> bash gpu_session.sh train
+#   D=<seconds> bash bench/gpu_session.sh train
 #                                    call 2 (carry .gpu/eu_part_ab), at once after call 1 (the
-#                                    machine goes back after 30 s idle): EuroSAT from the two
+#                                    machine goes back when idle): EuroSAT from the two
 #                                    pieces, the fast preset trained for as many epochs (<= E_MAX,
 #                                    default the preset's 208) as D seconds allow at the
 #                                    throughput call 1 measured, kNN + linear, the supervised twin
@@ -22,17 +23,19 @@
 #                                    backbone through a fresh k = 3000 head), on the GPU and on
 #                                    the host. FAST_FLAGS: more train_otl.py flags for the fast
 #                                    run (e.g. "--labeler-device cpu"); EVAL=0: the training
-#                                    alone (a call runs 10 minutes at most), then
-#   bash gpu_session.sh eval         call 3, at once: the fast run's kNN + linear evaluations (and
+#                                    alone (when a call's time limit is shorter), then
+#   bash bench/gpu_session.sh eval   call 3, at once: the fast run's kNN + linear evaluations (and
 #                                    PHASES=1's labeler stages on its head)
-#   bash gpu_session.sh labeler      issue 16 in one call (carry .gpu/ab with v18's otl.py as
-#                                    otl_v18.py, .gpu/feat_eu_train from `bench_labeler.py
-#                                    --save-features`, and .gpu/EuroSAT_small.zip): ours against
-#                                    the published rules on the saved features' real outputs at
-#                                    k = 10 - 3000, v18's labeler against this one at 1.28M x 3000
-#                                    and on the trained network's own outputs, the CUDA tests,
-#                                    the kernels three calls launch (profile_labeler --kernels)
-#   D=<seconds> bash gpu_session.sh supervised
+#   bash bench/gpu_session.sh labeler
+#                                    the labeler in one call (carry .gpu/ab with an older otl.py
+#                                    as otl_old.py (AB= names another), .gpu/feat_eu_train from
+#                                    `bench/bench_labeler.py --save-features`, and
+#                                    .gpu/EuroSAT_small.zip): ours against the published rules on
+#                                    the saved features' real outputs at k = 10 - 3000, the older
+#                                    labeler against this one at 1.28M x 3000 and on the trained
+#                                    network's own outputs, the CUDA tests, the kernels three
+#                                    calls launch (profile_labeler --kernels)
+#   D=<seconds> bash bench/gpu_session.sh supervised
 #                                    instead of train (carry .gpu/eu_part_ab): the fast preset's
 #                                    supervised twin for its epochs (E_SUP: fewer), kNN + linear;
 #                                    then a 10-epoch fast OTL network and the labeler on its
@@ -44,9 +47,10 @@
 # EuroSAT_small.zip for the tests' small_data fixture.  Outputs go to $OUT (what comes back).
 # ZIP=<path> names a whole archive already on the machine instead.  On a machine with the
 # archive beside the checkout, `make train-bench-gpu labeler-bench-gpu` and
-# `make eurosat PRESET=fast` are the plain commands.  results/gpu_h100/README.md says how the
-# first session went.
+# `make eurosat PRESET=fast` are the plain commands.  results/gpu/README.md lists what these
+# stages measured and with which command.
 set -u
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/gpu_out}
@@ -82,11 +86,11 @@ bench)
   machine
   # 1. training and label-pass images/s at 112 (fast) and 224 px (paper), against a plain
   #    supervised ResNet-18 loop
-  #    (SKIP_THROUGHPUT=1: the last session's figures, results/gpu_h100_s2, instead)
+  #    (SKIP_THROUGHPUT=1: the kept figures, results/gpu/train_throughput_gpu.json, instead)
   if [ "${SKIP_THROUGHPUT:-0}" = 1 ]; then
-    cp results/gpu_h100_s2/train_throughput_gpu.json /tmp/gpu_state/
+    cp results/gpu/train_throughput_gpu.json /tmp/gpu_state/
   else
-    timeout 110 $PY bench_train.py --device cuda --sizes 112,224 --steps 20 --warmup 5 \
+    timeout 110 $PY bench/bench_train.py --device cuda --sizes 112,224 --steps 20 --warmup 5 \
         --out "$OUT/train_throughput_gpu.json" 2>&1 | tail -4
     cp "$OUT/train_throughput_gpu.json" /tmp/gpu_state/ 2>/dev/null
   fi
@@ -100,43 +104,44 @@ bench)
   #    320,000 rows and the Gaussian sweep as well)
   if [ "${ALL:-0}" = 1 ]; then LB="--ks 50,100,200,500,1000 --ref-n 320000"
   else LB="--ks 1000 --ref-n 64000 --methods exact"; fi
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 130 $PY bench_labeler.py --device cuda \
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 130 $PY bench/bench_labeler.py --device cuda \
       --skip-real --large-inputs gaussian $LB --repeat 3 --out "$OUT/labeler_bench_gpu.json" 2>&1 \
       | tr '\r' '\n' | grep -v "it/s\]$" | tail -10
   # 4. where the exact labeler's time goes at 1.28M x 3000 (PROFILE=1)
   if [ "${PROFILE:-0}" = 1 ]; then
-    timeout 60 $PY profile_labeler.py --device cuda --repeat 3 --out "$OUT/labeler_profile_gpu.txt" \
+    timeout 60 $PY bench/profile_labeler.py --device cuda --repeat 3 --out "$OUT/labeler_profile_gpu.txt" \
         2>&1 | tail -25
   fi
   # 5. torch.compile(model) at 112 px, a minute or so of compiling (COMPILE=1)
   if [ "${COMPILE:-0}" = 1 ]; then
-    timeout 110 $PY bench_train.py --device cuda --sizes 112 --steps 20 --warmup 5 --compile 112 \
+    timeout 110 $PY bench/bench_train.py --device cuda --sizes 112 --steps 20 --warmup 5 --compile 112 \
         --out "$OUT/train_throughput_gpu_compiled.json" 2>&1 | tail -3
   fi
   echo "bench done in $(( $(date +%s) - START )) s"
   ;;
 labeler)
   FEATS=${FEATS:-.gpu/feat_eu_train}
-  machine otl.py .gpu/ab/otl_v18.py $FEATS/*
-  # 1. ours against the published rules on the real outputs at every k (the CPU's matrix, v27)
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_BENCH:-200}" $PY bench_labeler.py \
+  AB=${AB:-.gpu/ab/otl_old.py}
+  machine otl.py "$AB" $FEATS/*
+  # 1. ours against the published rules on the real outputs at every k (the CPU's matrix)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_BENCH:-200}" $PY bench/bench_labeler.py \
       --device cuda --features "$FEATS" --skip-large --ks 10 --real-ks 10,50,100,128,500,1000,3000 \
       --trained-ks 10,50,100,500,1000,3000 --methods exact,published --repeat 3 \
       --out "$OUT/labeler_bench_gpu_matrix.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -22
-  # 2. v18 (the third GPU session's labeler) against this one, alternating, on the same inputs
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_AB:-120}" $PY compare_labelers.py \
-      .gpu/ab/otl_v18.py otl.py --device cuda --inputs large --large-n 1280000 --reps 3 \
-      --pt "$FEATS/trained_net_outputs.pt" --whole-only --out "$OUT/labeler_ab_v18_head_gpu.json" 2>&1 | tail -6
+  # 2. the older labeler (AB) against this one, alternating, on the same inputs
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_AB:-120}" $PY bench/compare_labelers.py \
+      "$AB" otl.py --device cuda --inputs large --large-n 1280000 --reps 3 \
+      --pt "$FEATS/trained_net_outputs.pt" --whole-only --out "$OUT/labeler_ab_head_gpu.json" 2>&1 | tail -6
   # 3. the CUDA tests (small_data reads ../shared/data/EuroSAT.zip: the small archive where none is)
   [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
   timeout "${T_TEST:-150}" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py \
       tests/test_labeler.py tests/test_train_otl.py tests/test_bench.py -rs 2>&1 \
       | tee "$OUT/pytest_cuda.txt" | tail -5
   # 4. the torch operations a call launches, counted on the GPU with the call's seconds, to check
-  # the time per operation docs/labeler.md v30 predicts from --kernels --as-gpu on the CPU
+  # the time per operation that --kernels --as-gpu on the CPU predicts
   $PY -c "import torch, utils; f = torch.load('$FEATS/trained_backbone_features.pt', weights_only=True); [torch.save(utils.fresh_head_outputs(f, k, 0).contiguous(), f'/tmp/tb_{k}.pt') for k in (100, 500)]"
   for IN in /tmp/tb_100.pt /tmp/tb_500.pt "$FEATS/trained_net_outputs.pt"; do
-    timeout "${T_KERN:-25}" $PY profile_labeler.py --device cuda --input "$IN" --kernels --repeat 3 \
+    timeout "${T_KERN:-25}" $PY bench/profile_labeler.py --device cuda --input "$IN" --kernels --repeat 3 \
         --json "$OUT/labeler_kernels_gpu_$(basename "$IN" .pt).json" 2>&1 | grep -E "^(seconds|exact|published)|profile_labeler"
   done
   echo "labeler done in $(( $(date +%s) - START )) s"
@@ -158,11 +163,11 @@ train|supervised)
     if [ "$(left)" -gt 90 ]; then
       timeout 60 $PY train_otl.py --data data/eurosat --output $R/eurosat_fast10 --preset fast \
           --epochs 10 --no-progress 2>&1 | tail -2
-      timeout $(( $(left) - 10 )) $PY profile_labeler.py --device cuda --data data/eurosat \
+      timeout $(( $(left) - 10 )) $PY bench/profile_labeler.py --device cuda --data data/eurosat \
           --checkpoint $R/eurosat_fast10/checkpoint.pth --phases --repeat 3 \
           --out "$OUT/labeler_phases_gpu_fast10.txt" 2>&1 | tail -14
       [ "$(left)" -gt 40 ] && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( $(left) - 10 )) \
-          $PY bench_labeler.py --device cuda --data data/eurosat --real-split train \
+          $PY bench/bench_labeler.py --device cuda --data data/eurosat --real-split train \
           --checkpoint $R/eurosat_fast10/checkpoint.pth --ks 128 --real-ks 128 --skip-large \
           --repeat 2 --cpu-too --out "$OUT/labeler_bench_gpu_fast10.json" 2>&1 | tr '\r' '\n' \
           | grep -v "it/s\]$" | tail -8
@@ -172,13 +177,13 @@ train|supervised)
   fi
   # seconds kept for what follows the fast run: its two evaluations (90), and with PAPER=1 (the
   # default) the paper preset's timing and the labeler on the trained network's outputs (150)
-  # (EVAL=0: the training alone, its evaluations left to `bash gpu_session.sh eval` in the next
+  # (EVAL=0: the training alone, its evaluations left to `bash bench/gpu_session.sh eval` in the next
   # call, as one call may run 10 minutes at most: 20 s kept)
   if [ "${EVAL:-1}" = 0 ]; then AFTER=20; PAPER=0
   elif [ "${PAPER:-1}" = 1 ]; then AFTER=240; else AFTER=90; fi
   # epochs that fit: 2 x 21,600 training views and 2 x 21,600 label-pass views an epoch at the
-  # images/s call 1 measured at 112 px, plus 10 % and 0.5 s for the labeler and the rest (the
-  # first H100 run: 3.47 s an epoch against 2.99 s from the benchmark's figures); the supervised
+  # images/s call 1 measured at 112 px, plus 10 % and 0.5 s for the labeler and the rest (a
+  # training epoch runs a little slower than the benchmark's figures say); the supervised
   # twin (no label pass) only if it can run as many epochs in what is left
   # (labelling on the host, FAST_FLAGS="--labeler-device cpu": 0.15 s for the labeler and the rest)
   case "${FAST_FLAGS:-}" in *"--labeler-device cpu"*) REST=0.15 ;; *) REST=0.5 ;; esac
@@ -213,7 +218,7 @@ eval)
   # PHASES=1: where the exact labeler's time goes on the trained head's outputs (one strong view
   # of the training split, as a label pass hands it), on the GPU, if 40 s are left
   if [ "${PHASES:-0}" = 1 ] && [ "$(left)" -gt 40 ]; then
-    timeout $(( $(left) - 15 )) $PY profile_labeler.py --device cuda --data data/eurosat \
+    timeout $(( $(left) - 15 )) $PY bench/profile_labeler.py --device cuda --data data/eurosat \
         --checkpoint $R/eurosat_fast/checkpoint.pth --phases --repeat 3 \
         --out "$OUT/labeler_phases_gpu_trained.txt" 2>&1 | tail -30
   fi
@@ -225,12 +230,12 @@ eval)
     # hands it): its own k = 128 head, and its backbone through a fresh k = 3000 head; ours, the
     # published rules and Sinkhorn-Knopp, beside a fresh network's (random_net); each on the GPU
     # and, copied, on the host (--cpu-too)
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( $(left) - 15 )) $PY bench_labeler.py \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( $(left) - 15 )) $PY bench/bench_labeler.py \
         --device cuda --data data/eurosat --real-split train --checkpoint $R/eurosat_fast/checkpoint.pth \
         --ks 128 --real-ks 128,3000 --trained-ks 3000 --views --skip-large --repeat 2 --cpu-too \
         --out "$OUT/labeler_bench_gpu_real.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -12
   fi
   pack
   ;;
-*) echo "usage: bash gpu_session.sh bench | D=<seconds> bash gpu_session.sh train|supervised | bash gpu_session.sh eval" >&2; exit 2 ;;
+*) echo "usage: bash bench/gpu_session.sh bench | D=<seconds> bash bench/gpu_session.sh train|supervised | bash bench/gpu_session.sh eval | bash bench/gpu_session.sh labeler" >&2; exit 2 ;;
 esac

@@ -1,12 +1,11 @@
 """Two versions of the exact labeler (otl.translate, method="exact") on the same inputs: do they
 give the same labels and T to the bit, and which is faster?  What to run before committing a
-change to the labeler: on real outputs alone a slowdown on other inputs can pass unseen
-(docs/labeler.md, v27).
+change to the labeler: on real outputs alone a slowdown on other inputs can pass unseen.
 
-    python compare_labelers.py HEAD otl.py                    # the last commit against the tree
-    python compare_labelers.py 7c12066 otl.py --inputs large  # timing at 320,000 x 3000
-    python compare_labelers.py HEAD otl.py --pt 'saved/*.pt' --expect-same
-    python compare_labelers.py old/otl.py otl.py --device cuda --inputs large --large-n 1280000
+    python bench/compare_labelers.py HEAD otl.py                    # the last commit against the tree
+    python bench/compare_labelers.py HEAD~5 otl.py --inputs large   # timing at 320,000 x 3000
+    python bench/compare_labelers.py HEAD otl.py --pt 'saved/*.pt' --expect-same
+    python bench/compare_labelers.py old/otl.py otl.py --device cuda --inputs large --large-n 1280000
 
 A and B: a path to an otl.py, or a git revision whose otl.py is read with `git show REV:otl.py`.
 Input sets (--inputs, comma-separated; default small,stream):
@@ -19,14 +18,15 @@ Each case: one warm-up call of each version, then --reps calls alternating A, B 
 Results: a line a case, a summary, and --out JSON (written after every case); with
 --expect-same the exit status is 1 when any case differs.
 """
+import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds otl, utils)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import glob
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -142,7 +142,7 @@ def main(argv=None):
         p.error("--device cuda, but torch sees no CUDA device here")
     with tempfile.TemporaryDirectory() as tmp:
         A, B = load(args.a, "A", tmp), load(args.b, "B", tmp)
-        rec = {"command": " ".join(["python", os.path.basename(__file__)] + (argv or sys.argv[1:])),
+        rec = {"command": " ".join(["python", "bench/" + os.path.basename(__file__)] + (argv or sys.argv[1:])),
                "a": args.a, "b": args.b, "threads": torch.get_num_threads(),
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                "cases": []}
