@@ -8,9 +8,10 @@ linear_*.json for the final checkpoint and the random-init snapshot, log.jsonl a
 
     python report.py --dataset eurosat --runs runs --otl-run eurosat_exact --name eurosat_exact
 
---overview writes results/tables.md instead: the paper's three tables (ResNet-18 on remote
-sensing, AlexNet and ResNet-50 on natural images), one row per data set, ours where a run
-exists and an empty row that says why where none does.
+--overview writes results/tables.md instead: the paper's results by network (ResNet-18 on remote
+sensing, AlexNet and ResNet-50 on natural images), our row per data set where a run exists (an
+empty row that says why where none does) beside the paper's OTL rows.  The paper's numbers come
+from paper_tables.json, the transcription of every table of the paper.
 
     python report.py --overview --runs runs --out results
 """
@@ -19,22 +20,77 @@ import json
 import os
 import platform
 
-# The paper's numbers (Li et al. 2022), where this repository has them transcribed: EuroSAT's
-# table (ResNet-18, k = 128) and HMHR's from a network pretrained on EuroSAT.  Every other data
-# set of the paper has an entry with no numbers: its table is in the paper, not copied here yet.
-PAPER = {
-    "eurosat": {"otl": {"knn": {"10": 94.4, "50": 94.7, "100": 94.6, "200": 94.4}, "linear": 95.9},
-                "supervised": {"knn": {"10": 96.8, "50": 96.6, "100": 96.3, "200": 95.9},
-                               "linear": 96.9}},
-    # the small-set table: HMHR trained by OTL from a network pretrained by OTL on EuroSAT
-    "hmhr": {"otl from eurosat": {"knn": {"10": 72.4, "50": 73.3, "100": 76.2, "200": 75.2},
-                                  "linear": 81.9}},
-    "ucmerced": {}, "siri_whu": {}, "aid": {}, "patternnet": {}, "nwpu_resisc45": {},
-    "cifar10": {}, "cifar100": {}, "svhn": {}, "imagenet": {},
-}
-# The paper's tables: (title, network, data sets, the run folder of a data set under --runs)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def paper_tables(path=os.path.join(HERE, "paper_tables.json")):
+    """The paper's tables (by LaTeX label) and protocols, as paper_tables.json transcribes them."""
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _scores(rows, j, knn_k=None):
+    """Column j of a table's kNN and linear rows: {"knn": {k: top-1}, "linear": top-1}."""
+    knn = {str(r.get("k", knn_k)): r["values"][j] for r in rows if r["evaluation"] == "kNN"}
+    lin = [r["values"][j] for r in rows if r["evaluation"] == "linear"]
+    return {"knn": knn, "linear": lin[0] if lin else None}
+
+
+def paper_numbers(paper):
+    """{data set: {entry: {"knn", "linear", "network", "table", "note"}}}: the paper's OTL and
+    supervised rows of every data set, from its result tables."""
+    tables, proto = paper["tables"], paper["protocols"]
+    knn_k = proto["all_experiments"]["knn_k"]["value"]     # the natural-image tables' kNN
+    rs = proto["resnet18_remote_sensing"]
+    crop, small = rs["image_size"]["value"]["crop"], rs["pretrained_small_sets"]
+    out = {}
+    for label in rs["tables"]:
+        t = tables[label]
+        if label == "5whu":     # its division 1 is whu; ablations.py splits reads the five
+            continue
+        for j, col in enumerate(t["columns"]):
+            who, _, src = col.partition(" from ")
+            note = (f"ResNet-18 pretrained by OTL on {src}, then {small['epochs']['value']} epochs "
+                    f"{'supervised' if who == 'supervised' else 'of OTL'}, {crop} px" if src else
+                    f"ResNet-18, {rs['from_scratch']['epochs']['value']} epochs, {crop} px"
+                    if who == "OTL" else f"ResNet-18, {crop} px")
+            out.setdefault(t["dataset"], {})[col] = {**_scores(t["rows"], j), "network": t["network"],
+                                                     "table": label, "note": note}
+    for label in ("ev-knn", "ev-res"):
+        t = tables[label]
+        for j, ds in enumerate(t["datasets"]):
+            p = next(v for v in proto.values() if label in v.get("tables", ()) and ds in v["datasets"])
+            for m in dict.fromkeys(r["method"] for r in t["rows"]):
+                if m != "Supervised" and not m.startswith("OTL"):
+                    continue
+                rows = [r for r in t["rows"] if r["method"] == m]
+                feat = {r["evaluation"]: r["feature"] for r in rows}
+                run = t["network"] if m == "Supervised" else f"{t['network']}, {p['epochs']['value']} epochs"
+                out.setdefault(ds, {})[f"{m}, {t['network']}"] = {
+                    **_scores(rows, j, knn_k), "network": t["network"], "table": label,
+                    "note": f"{run}; kNN (k = {knn_k}) on {feat['kNN']}, linear on {feat['linear']}"}
+    t, p = tables["img-eval"], proto["alexnet_imagenet"]
+    conv5, fc = t["columns"].index("conv5"), t["columns"].index("FC")
+    for r in t["rows"]:
+        if r["method"] != "Supervised" and not r["method"].startswith("OTL"):
+            continue
+        knn = r["values"][fc]
+        run = (f"{p['network']['value']}, {p['epochs']['value']} epochs"
+               if r["method"].endswith("*") else t["network"])      # * marks the larger AlexNet
+        convs = ", ".join(str(v) for v in r["values"][:fc])
+        out.setdefault(t["dataset"], {})[f"{r['method'].rstrip(' *')}, {t['network']}"] = {
+            "knn": {} if knn is None else {str(knn_k): knn}, "linear": r["values"][conv5],
+            "network": t["network"], "table": "img-eval",
+            "note": f"{run}; linear on conv5 (conv1 - conv5: {convs})"
+                    + ("" if knn is None else f", kNN (k = {knn_k}) on FC")}
+    return out
+
+
+PAPER = paper_numbers(paper_tables())
+# The overview's tables, one per network of the paper's result tables: (title, network, data
+# sets, the run folder of a data set under --runs)
 TABLES = [
-    ("ResNet-18 on remote-sensing images (k = 128, seeded 80/20 split)", "resnet18",
+    ("ResNet-18 on remote-sensing images (k = 128, random 80/20 split)", "resnet18",
      ("eurosat", "ucmerced", "siri_whu", "aid", "patternnet", "nwpu_resisc45", "hmhr"), "{}"),
     ("AlexNet on natural images (kNN on the 128-d embedding)", "alexnet",
      ("cifar10", "cifar100", "svhn", "imagenet"), "{}"),
@@ -132,12 +188,11 @@ def _note(run):
 
 def overview(args):
     """results/tables.md: the paper's tables, a row per data set, ours beside the paper's."""
-    here = os.path.dirname(os.path.abspath(__file__))
     lines = ["# Every table of the paper: where this repository stands", "",
              "Top-1 accuracy (%) on the test split; kNN weighted by exp(sim/0.1).  Ours: the run "
              f"folder under `{args.runs}/` (its preset says how far from the paper's protocol it "
-             "is); paper: the numbers transcribed in report.py (\"not transcribed\": in the paper, "
-             "not copied here yet).  Written by `python report.py --overview`.", ""]
+             "is); paper: the paper's OTL rows from paper_tables.json (natural images: kNN with "
+             "k = 50, in the kNN@50 column).  Written by `python report.py --overview`.", ""]
     chosen = {}
     for item in args.run_for:
         key, sep, run = item.partition("=")
@@ -157,18 +212,16 @@ def overview(args):
             else:
                 src = SHARED.get(ds)
                 why = (f"no run yet: `make {ds}` runs it from ../shared/data/{src}" if src and
-                       os.path.exists(os.path.join(here, "..", "shared", "data", src)) else
+                       os.path.exists(os.path.join(HERE, "..", "shared", "data", src)) else
+                       f"no run yet: `make {ds} SRC=raw/{ds}` runs it from the images in raw/{ds}"
+                       if os.path.isdir(os.path.join(HERE, "raw", ds)) else
                        f"no run: the data are not on this machine (`make {ds} SRC=<archive "
                        f"or folder>`{', or without SRC to download' if ds in DOWNLOADS else ''})")
                 lines.append(f"| {ds} | ours | - | - | - | - | - | {why} |")
-            paper = PAPER.get(ds, {})
-            if ds == "hmhr" and paper:
-                lines.append(_row(f"{ds} | paper", paper["otl from eurosat"],
-                                  "pretrained by OTL on EuroSAT, then OTL"))
-            elif paper and arch == "resnet18":
-                lines.append(_row(f"{ds} | paper", paper["otl"], "ResNet-18, 300 epochs, 224 px"))
-            else:
-                lines.append(f"| {ds} | paper | - | - | - | - | - | not transcribed |")
+            for key, val in PAPER.get(ds, {}).items():
+                if key.startswith("OTL") and val["network"].lower().replace("-", "") == arch:
+                    lines.append(_row(f"{ds} | paper", val, f"{key}: {val['note']} "
+                                      f"(table {val['table']})"))
         lines.append("")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tables.md"), "w") as fh:
@@ -207,10 +260,8 @@ def main(args):
     rnd = (otl_run or sup_run or {}).get("random_init")
     if rnd:
         lines.append(_row("random init (ours)", rnd, "same architecture, untrained"))
-    notes = {"otl": "ResNet-18, 300 epochs, 224 px", "supervised": "ResNet-18, 224 px",
-             "otl from eurosat": "ResNet-18 pretrained by OTL on EuroSAT, then OTL, 224 px"}
     for key, val in paper.items():
-        lines.append(_row(f"{key} (paper)".replace("otl", "OTL"), val, notes.get(key, "")))
+        lines.append(_row(f"{key} (paper)", val, f"{val['note']} (table {val['table']})"))
     runs_out = {label: run for label, run in runs}
     here = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}"
     lines += ["", f"Machine: {args.machine} (the report made on {here})." if args.machine
