@@ -125,12 +125,23 @@ def preset_for(name: str, device: torch.device, dataset: str | None = None) -> s
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    """'auto' takes CUDA when present, else the CPU."""
+    """'auto' takes CUDA when present, else the CPU.  A device this machine lacks, or a name
+    torch does not know, stops the program with one line naming --device (SystemExit: a user's
+    error, not a fault of the code)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name}: not a device name; use auto, cpu, cuda or "
+                         "cuda:<index>") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name} asked for, but CUDA is not available; use --device cpu")
+        raise SystemExit(f"--device {name} asked for, but CUDA is not available on this machine; "
+                         "use --device cpu (or auto)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SystemExit(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s), numbered from 0; use --device cuda:0 .. "
+                         f"cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 

@@ -157,8 +157,10 @@ def test_presets_and_devices():
     assert utils.pick_device("cpu") == cpu
     if not torch.cuda.is_available():
         assert utils.pick_device("auto") == cpu
-        with pytest.raises(RuntimeError, match="CUDA is not available"):
+        with pytest.raises(SystemExit, match="--device cuda asked for, but CUDA is not available"):
             utils.pick_device("cuda")
+    with pytest.raises(SystemExit, match="--device gpu: not a device name"):
+        utils.pick_device("gpu")
 
 
 def test_git_commit_and_command_line():
