@@ -458,8 +458,7 @@ def main(args):
             row.update(knn_monitor(model, d, args, device))
         st = state(epoch + 1)
         if ranks.main:
-            with open(log_path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            utils.append_line(log_path, json.dumps(row))
             if (args.snapshot_every and (epoch + 1) % args.snapshot_every == 0) or epoch + 1 == args.epochs:
                 utils.save_checkpoint(st, os.path.join(args.output, f"checkpoint{epoch + 1:04d}.pth"))
             utils.save_checkpoint(st, ckpt_path)

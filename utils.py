@@ -6,11 +6,13 @@ one stratified split, and the flags every evaluation takes.  The method itself i
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -256,21 +258,71 @@ def str2bool(v):
 # Files: JSON and checkpoints, written atomically
 # ----------------------------------------------------------------------------------------------
 
+def _disk_full(e: BaseException) -> bool:
+    """Whether a failed write ran out of space: ENOSPC or EDQUOT from Python's own writes, or the
+    short write torch reports when it writes a file by name ("unexpected pos")."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in (
+        "unexpected pos", "No space left", "file write failed"))
+
+
+def disk_full_message(path: str, appended: bool = False) -> str:
+    """One line for a write that ran out of space, naming the file and what to do."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2 ** 20:.0f} MiB free there now"
+    except OSError:
+        free = "its free space unknown"
+    kept = ("its lines before this one are intact" if appended else "the unfinished file removed, "
+            f"the previous {os.path.basename(path)}, if there was one, intact")
+    return (f"cannot write {path}: the disk is full (or over its quota; {free}; {kept}); free "
+            "some space and run the same command again")
+
+
+def _atomic_write(path: str, write) -> None:
+    """write(file object) into a temporary file beside `path`, then rename it over `path`: a crash
+    mid-write leaves the previous file intact.  A failed write removes its temporary file (a full
+    disk is not left fuller), and a full disk stops the program with one line saying so."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if _disk_full(e):
+            raise SystemExit(disk_full_message(path)) from None
+        raise
+
+
 def write_json(obj: dict, path: str) -> None:
     """Write atomically: a crash mid-write never leaves a half-written results file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2) + "\n"      # before the file opens: bad data leave no file
+    _atomic_write(path, lambda fh: fh.write(text.encode()))
 
 
 def save_checkpoint(state: dict, path: str) -> None:
-    """torch.save, atomically: a crash mid-write leaves the previous file intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """torch.save, atomically: a crash mid-write leaves the previous file intact.  Through a
+    Python file object, so that a full disk is reported as ENOSPC (torch's own writer says only
+    "unexpected pos")."""
+    _atomic_write(path, lambda fh: torch.save(state, fh))
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line to a log; a full disk stops the program with one line saying so (a line
+    cut short there is dropped by trim_log on the next resume)."""
+    try:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+    except OSError as e:
+        if _disk_full(e):
+            raise SystemExit(disk_full_message(path, appended=True)) from None
+        raise
 
 
 class DamagedFile(ValueError):
