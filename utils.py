@@ -449,15 +449,32 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
 
 
 def trim_log(path: str, epoch: int) -> None:
-    """Keep the lines of a log.jsonl up to `epoch`: lines of epochs a resumed run will redo go."""
+    """Keep the lines of a log.jsonl up to `epoch`: lines of epochs a resumed run will redo go,
+    and so do lines that are not a JSON record of an epoch (a write cut short by a kill or a full
+    disk, bytes that are not text), each named in a warning: the checkpoint, not the log, is
+    what a run resumes from."""
     if not os.path.isfile(path):
         return
-    with open(path) as fh:
-        lines = [line for line in fh if line.strip() and json.loads(line)["epoch"] <= epoch]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.writelines(lines)
-    os.replace(tmp, path)
+    with open(path, "rb") as fh:
+        raw = fh.read().split(b"\n")
+    kept, damaged = [], []
+    for i, line in enumerate(raw, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+            ep = row["epoch"]
+            if not isinstance(ep, int) or isinstance(ep, bool):
+                raise TypeError(f"epoch {ep!r} is not a whole number")
+        except (ValueError, TypeError, KeyError) as e:   # UnicodeDecodeError is a ValueError
+            damaged.append(f"line {i} ({type(e).__name__})")
+            continue
+        if ep <= epoch:
+            kept.append(line + b"\n")
+    if damaged:
+        print(f"warning: {path}: dropped {len(damaged)} damaged line(s), not a JSON record of an "
+              f"epoch: {', '.join(damaged[:5])}{' ...' if len(damaged) > 5 else ''}", flush=True)
+    _atomic_write(path, lambda fh: fh.writelines(kept))
 
 
 # ----------------------------------------------------------------------------------------------
