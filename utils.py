@@ -387,35 +387,41 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
     the pseudo-labels.  Returns (epoch reached, pseudo-labels or None); (0, None) with no
     checkpoint.  extras: a dict whose keys get the checkpoint's values of the same names (None
-    where it has none).  A damaged checkpoint (a write cut short) gives way to the newest intact
-    snapshot beside it; half-written temporary files are removed.  A checkpoint of another model
-    is refused; other changed flags are warned about."""
+    where it has none).  A damaged checkpoint (a write cut short), or a missing one beside
+    numbered snapshots, gives way to the newest intact snapshot, which the first process then
+    copies over `path` (so a finished run's checkpoint.pth is whole again); half-written
+    temporary files are removed (by the first process only: the run folder is its, under
+    lock_run_folder).  A checkpoint of another model is refused; other changed flags are warned
+    about."""
     folder = os.path.dirname(os.path.abspath(path))
-    for f in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):   # save_checkpoint's, cut short
-        try:
-            os.remove(f)
-        except FileNotFoundError:   # another rank removed it first
-            pass
-    if not os.path.isfile(path):
-        return 0, None
-    try:
-        ck = load_file(path)
-    except DamagedFile as e:
-        ck = None
-        snaps = sorted(glob.glob(os.path.join(folder, "checkpoint[0-9][0-9][0-9][0-9].pth")), reverse=True)
-        for snap in snaps:
+    rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
+    if rank == 0:
+        for f in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):   # save_checkpoint's, cut short
             try:
-                ck = load_file(snap)
-            except DamagedFile:
-                continue
-            print(f"warning: {e}; resuming from the newest intact snapshot, {snap} (epoch "
-                  f"{ck['epoch']})", flush=True)
-            break
-        if ck is None:
-            raise SystemExit(f"{e}, and no intact snapshot is beside it; delete it to start over")
+                os.remove(f)
+            except FileNotFoundError:
+                pass
+    src, why = path, None
+    if os.path.isfile(path):
+        try:
+            ck = load_file(path)
+        except DamagedFile as e:
+            why = str(e)
+    else:
+        why = f"{path} is missing"
+    if why is not None:
+        ck, src = _newest_intact_snapshot(folder)
+        if ck is None and os.path.isfile(path):
+            raise SystemExit(f"{why}, and no intact snapshot is beside it; delete it to start over")
+        if ck is None or (not os.path.isfile(path) and ck["epoch"] == 0):
+            return 0, None      # a new run (from the random-init snapshot alone: the same start)
+        if rank == 0:
+            _atomic_write(path, lambda fh: _copy_into(src, fh))
+            print(f"warning: {why}; resuming from the newest intact snapshot, {src} (epoch "
+                  f"{ck['epoch']}), copied over {os.path.basename(path)}", flush=True)
     if ck["model_cfg"] != model_cfg:
         diff = {k: (v, model_cfg.get(k)) for k, v in ck["model_cfg"].items() if model_cfg.get(k) != v}
-        raise SystemExit(f"{path} holds a different model (checkpoint vs now: {diff}); use another "
+        raise SystemExit(f"{src} holds a different model (checkpoint vs now: {diff}); use another "
                          "--output, or the flags of that run to resume it")
     changed = {k: (v, getattr(args, k)) for k, v in ck["args"].items()
                if k not in RESUMABLE_FLAGS and getattr(args, k, v) != v}
@@ -426,7 +432,6 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     optimizer.load_state_dict(ck["optimizer"])
     if ck["args"].get("init_from"):     # where the run's weights came from stays in its record
         args.init_from = ck["args"]["init_from"]
-    rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
     saved_world = ck.get("world_size", 1)
     if saved_world == world:   # each rank's random streams, as they were
         ranked = ck.get("rng_ranks") or [{"cpu": ck["rng_cpu"], "gen": ck["rng_gen"],
@@ -436,7 +441,7 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
         if device.type == "cuda" and ranked[rank].get("cuda") is not None:
             torch.cuda.set_rng_state(ranked[rank]["cuda"].cpu())
     elif rank == 0:
-        print(f"warning: {path} was written by {saved_world} process(es), this run has {world}: "
+        print(f"warning: {src} was written by {saved_world} process(es), this run has {world}: "
               "the weights, optimizer and pseudo-labels are resumed, but the random streams "
               "(batch order, augmentation) start afresh from --seed, so the run will not repeat an "
               f"uninterrupted {saved_world}-process run exactly", flush=True)
@@ -444,8 +449,25 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     if extras is not None:
         extras.update({key: ck.get(key) for key in extras})
     if rank == 0:
-        print(f"resumed from {path} at epoch {ck['epoch']}", flush=True)
+        print(f"resumed from {src} at epoch {ck['epoch']}", flush=True)
     return ck["epoch"], labels.to(device) if labels is not None else None
+
+
+def _newest_intact_snapshot(folder: str):
+    """(checkpoint dict, path) of the newest numbered snapshot in `folder` that loads, or
+    (None, None)."""
+    pattern = os.path.join(folder, "checkpoint[0-9][0-9][0-9][0-9].pth")
+    for snap in sorted(glob.glob(pattern), reverse=True):
+        try:
+            return load_file(snap), snap
+        except DamagedFile:
+            continue
+    return None, None
+
+
+def _copy_into(src: str, fh) -> None:
+    with open(src, "rb") as f:
+        shutil.copyfileobj(f, fh, 1 << 20)
 
 
 def trim_log(path: str, epoch: int) -> None:
