@@ -16,7 +16,9 @@ Each epoch that is due (--label-every), a label pass puts the training images th
 `otl.translate` spreads the outputs evenly over the k clusters, and the labels it gives become the
 targets of the next epochs' cross-entropy (label-consistent across views with --lct).  The output
 folder gets checkpoint.pth (overwritten every epoch, atomically), numbered snapshots, log.jsonl (one
-JSON line per epoch) and results.json.  Rerunning the same command resumes from checkpoint.pth.
+JSON line per epoch) and results.json.  Rerunning the same command resumes from checkpoint.pth
+(or, when it is damaged or missing, from the newest intact snapshot).  One training at a time
+holds the folder (its .lock): a second one on it stops at once, naming the first.
 """
 import argparse
 import json
@@ -361,9 +363,28 @@ def main(args):
     torch.manual_seed(args.seed)
     torch.backends.cudnn.benchmark = device.type == "cuda"   # a step's shapes repeat: fastest kernels
     gen = torch.Generator().manual_seed(args.seed + ranks.rank)
-    os.makedirs(args.output, exist_ok=True)
 
     # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
+    # ---- one training per run folder: the first process holds its lock until the run ends
+    os.makedirs(args.output, exist_ok=True)
+    release, busy = None, None
+    if ranks.main:
+        try:
+            release = utils.lock_run_folder(args.output)
+        except SystemExit as e:
+            busy = e
+    if ranks.any(busy is not None):                 # every process stops; the first says why
+        raise busy or SystemExit(f"--output {args.output} is in use by another training")
+    try:
+        return run(args, ranks, device)
+    finally:
+        if release is not None:
+            release()
+
+
+def run(args, ranks, device):
+    """The training of main, in a run folder this process holds: data, model, resume, the epochs,
+    results.json."""
     # process holds its contiguous shard of it
     d = utils.load_prepared(args.data)
     manifest = utils.load_manifest(args.data)

@@ -377,6 +377,72 @@ def init_backbone(model, path: str) -> dict:
             "data": src_args.get("data"), "supervised": src_args.get("supervised")}
 
 
+def lock_run_folder(folder: str, flag: str = "--output"):
+    """Hold `folder`/.lock for this process, so that a second training on the same run folder
+    stops at once (SystemExit naming the folder and the process that holds it) instead of both
+    writing the same log and checkpoints.  Returns a function that releases the lock (and removes
+    the file).  The lock is an flock on the file, which the kernel drops when the process ends
+    however it ends (kill -9 too), so a lock file left behind by a dead process is taken over
+    without a word; the file's text (pid, host, start, command) is there to name the holder.
+    Where the file system cannot lock, a warning says so and the run goes on unlocked."""
+    try:
+        import fcntl
+    except ImportError:                         # not a POSIX system
+        print(f"warning: {folder} is not locked (no fcntl here): make sure no other training "
+              "uses it", flush=True)
+        return lambda: None
+    import socket
+    import time
+    path = os.path.join(folder, ".lock")
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SystemExit(f"{flag} {folder}: cannot write there ({e.strerror}); pass a folder "
+                             "you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.read(fd, 1 << 16).decode() or "{}")
+            except ValueError:
+                holder = {}
+            os.close(fd)
+            who = (f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
+                   f"{holder.get('started', '?')}: {holder.get('command', '?')}" if holder
+                   else "another process, starting now")
+            raise SystemExit(f"{flag} {folder} is in use by another training ({who}); wait for "
+                             f"it to end, or pass another {flag}") from None
+        except OSError as e:                    # e.g. ENOLCK on some network file systems
+            os.close(fd)
+            print(f"warning: {path} cannot be locked ({e}): make sure no other training uses "
+                  f"{folder}", flush=True)
+            return lambda: None
+        try:        # the last holder may have removed the file between our open and flock
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    info = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line()}
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(info).encode())
+
+    held = [fd]
+
+    def release():
+        if not held:            # released already
+            return
+        try:                    # removed before it is unlocked: a waiter then sees a new file
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        os.close(held.pop())
+    return release
+
+
 # flags that may change when a run is resumed, without a warning
 RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monitor", "compile",
                    "labeler_device")
