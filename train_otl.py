@@ -360,11 +360,6 @@ def main(args):
         print(f"*** preset: {args.preset_used} (device {device}, {ranks.world} process(es)) ***",
               flush=True)
         utils.print_run_header(args)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.benchmark = device.type == "cuda"   # a step's shapes repeat: fastest kernels
-    gen = torch.Generator().manual_seed(args.seed + ranks.rank)
-
-    # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
     # ---- one training per run folder: the first process holds its lock until the run ends
     os.makedirs(args.output, exist_ok=True)
     release, busy = None, None
@@ -385,6 +380,11 @@ def main(args):
 def run(args, ranks, device):
     """The training of main, in a run folder this process holds: data, model, resume, the epochs,
     results.json."""
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.benchmark = device.type == "cuda"   # a step's shapes repeat: fastest kernels
+    gen = torch.Generator().manual_seed(args.seed + ranks.rank)
+
+    # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
     # process holds its contiguous shard of it
     d = utils.load_prepared(args.data)
     manifest = utils.load_manifest(args.data)

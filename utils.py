@@ -448,6 +448,23 @@ RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monito
                    "labeler_device")
 
 
+def _newest_intact_snapshot(folder: str):
+    """(checkpoint dict, path) of the newest numbered snapshot in `folder` that loads, or
+    (None, None)."""
+    pattern = os.path.join(folder, "checkpoint[0-9][0-9][0-9][0-9].pth")
+    for snap in sorted(glob.glob(pattern), reverse=True):
+        try:
+            return load_file(snap), snap
+        except DamagedFile:
+            continue
+    return None, None
+
+
+def _copy_into(src: str, fh) -> None:
+    with open(src, "rb") as f:
+        shutil.copyfileobj(f, fh, 1 << 20)
+
+
 def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args,
                             ranks=None, extras=None):
     """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
@@ -517,23 +534,6 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     if rank == 0:
         print(f"resumed from {src} at epoch {ck['epoch']}", flush=True)
     return ck["epoch"], labels.to(device) if labels is not None else None
-
-
-def _newest_intact_snapshot(folder: str):
-    """(checkpoint dict, path) of the newest numbered snapshot in `folder` that loads, or
-    (None, None)."""
-    pattern = os.path.join(folder, "checkpoint[0-9][0-9][0-9][0-9].pth")
-    for snap in sorted(glob.glob(pattern), reverse=True):
-        try:
-            return load_file(snap), snap
-        except DamagedFile:
-            continue
-    return None, None
-
-
-def _copy_into(src: str, fh) -> None:
-    with open(src, "rb") as f:
-        shutil.copyfileobj(f, fh, 1 << 20)
 
 
 def trim_log(path: str, epoch: int) -> None:
