@@ -341,6 +341,12 @@ def knn_monitor(model, d, args, device):
 def main(args):
     ranks = utils.Ranks(args.device)      # torchrun's processes, or this one alone
     device = ranks.device
+    why = utils.prepared_problem(args.data)     # before the run folder is made: a typo makes none
+    if why:
+        raise SystemExit(why)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise SystemExit(f"--output {args.output} is a file; pass a folder for the run (it is "
+                         "created if missing)")
     args = resolve_args(args, device)
     if ranks.world > 1 and args.labeler_device != "same":
         raise SystemExit("--labeler-device cpu works in one process; across processes the exact "
@@ -386,8 +392,7 @@ def run(args, ranks, device):
 
     # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
     # process holds its contiguous shard of it
-    d = utils.load_prepared(args.data)
-    manifest = utils.load_manifest(args.data)
+    d, manifest = utils.open_prepared(args.data)
     data_identity = utils.data_identity(args.data)   # checked when the checkpoint is evaluated
     n_total = len(d["train_idx"])
     lo, hi = ranks.shard(n_total)

@@ -575,17 +575,69 @@ def trim_log(path: str, epoch: int) -> None:
 #   manifest.json  source, its sha256, image size, per-class counts, split sizes, channel mean
 #                  and std, skipped files; written last, so its presence marks a complete folder
 
+PREPARED_FILES = ("manifest.json", "cache.pt", "split.json")
+
+
+def prepared_problem(data_dir: str, flag: str = "--data") -> str | None:
+    """What keeps `data_dir` from being a prepared data set, as one line naming the folder (after
+    `flag`, the flag that gave it, when there is one) or the file, and what to do; None when its
+    three files are there and its JSON files read."""
+    again = f"run prepare_data.py --out {data_dir} (with the --source it was made from) again"
+    name = f"{flag} {data_dir}" if flag else data_dir
+    if not os.path.exists(data_dir):
+        return (f"{name}: no such folder; pass the folder that prepare_data.py --out wrote, or "
+                "make it with prepare_data.py")
+    if not os.path.isdir(data_dir):
+        return (f"{name} is a file, not a prepared data folder; pass the folder that "
+                "prepare_data.py --out wrote (it holds cache.pt, split.json and manifest.json)")
+    for f in PREPARED_FILES:
+        if not os.path.isfile(os.path.join(data_dir, f)):
+            return f"{os.path.join(data_dir, f)} is missing: {again}"
+    for f in ("manifest.json", "split.json"):
+        try:
+            _read_json(os.path.join(data_dir, f), again)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def _read_json(path: str, again: str) -> dict:
+    """A JSON file of a prepared data set; ValueError naming it when it is cut short or not
+    JSON (prepare_data.py writes them atomically, so that is damage from elsewhere)."""
+    try:
+        with open(path, "rb") as fh:
+            obj = json.loads(fh.read().decode("utf-8"))
+    except ValueError as e:             # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{path} is damaged or cut short ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]}): {again}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not the object "
+                         f"prepare_data.py writes: {again}")
+    return obj
+
+
 def load_prepared(data_dir: str) -> dict:
-    """The prepared data set in `data_dir`: images, labels, classes, train and test indices."""
+    """The prepared data set in `data_dir`: images, labels, classes, train and test indices.
+    FileNotFoundError or ValueError (a damaged file), each one line naming the file and what to
+    run."""
+    again = f"run prepare_data.py --out {data_dir} first"
     cache, split = os.path.join(data_dir, "cache.pt"), os.path.join(data_dir, "split.json")
     for p in (cache, split):
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"{p} is missing: run prepare_data.py --out {data_dir} first")
+            raise FileNotFoundError(f"{p} is missing: {again}")
     d = load_file(cache)
-    with open(split) as fh:
-        sp = json.load(fh)
-    d["train_idx"] = torch.tensor(sp["train"], dtype=torch.long)
-    d["test_idx"] = torch.tensor(sp["test"], dtype=torch.long)
+    sp = _read_json(split, again)
+    try:
+        d["train_idx"] = torch.tensor(sp["train"], dtype=torch.long)
+        d["test_idx"] = torch.tensor(sp["test"], dtype=torch.long)
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{split} does not hold lists of train and test indices: "
+                         f"{again}") from None
+    n = d["images"].shape[0]
+    for part in ("train_idx", "test_idx"):
+        if d[part].numel() and not (0 <= int(d[part].min()) and int(d[part].max()) < n):
+            raise ValueError(f"{split} names images past the {n} of {cache} (the two files are "
+                             f"of different preparations): {again}")
     d["split_seed"] = sp.get("seed")
     return d
 
@@ -650,8 +702,25 @@ def data_identity(data_dir: str) -> str:
 
 
 def load_manifest(data_dir: str) -> dict:
-    with open(os.path.join(data_dir, "manifest.json")) as fh:
-        return json.load(fh)
+    """manifest.json of a prepared data set; FileNotFoundError or ValueError naming the file."""
+    path = os.path.join(data_dir, "manifest.json")
+    again = f"run prepare_data.py --out {data_dir} (with the --source it was made from) again"
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: {again}")
+    return _read_json(path, again)
+
+
+def open_prepared(data_dir: str, flag: str = "--data"):
+    """(data, manifest) of a prepared data set for a stage script: load_prepared and
+    load_manifest, with every problem (a missing or damaged file, a path that is not a prepared
+    folder) one line naming the flag or file and what to do (SystemExit)."""
+    why = prepared_problem(data_dir, flag)
+    if why:
+        raise SystemExit(why)
+    try:
+        return load_prepared(data_dir), load_manifest(data_dir)
+    except (OSError, ValueError) as e:
+        raise SystemExit(str(e)) from None
 
 
 def stratified_split(labels, frac: float, seed: int = 0):
@@ -686,11 +755,14 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     given, data_dir = data_dir, data_dir or args.get("data")
     if not data_dir:
         raise ValueError(f"{ckpt_path} does not say which data set it was trained on: pass --data")
-    if not os.path.isfile(os.path.join(data_dir, "manifest.json")):
-        where = ("" if given else f" that {ckpt_path} was trained on (paths are relative to the "
-                 f"folder you run from, now {os.getcwd()})")
-        raise FileNotFoundError(f"no prepared data set at {data_dir}{where}; pass --data with the "
-                                "folder prepare_data.py wrote")
+    if not os.path.exists(data_dir) and not given:
+        raise FileNotFoundError(f"no prepared data set at {data_dir} that {ckpt_path} was trained "
+                                "on (paths are relative to the folder you run from, now "
+                                f"{os.getcwd()}); pass --data with the folder prepare_data.py "
+                                "wrote")
+    why = prepared_problem(data_dir, "--data" if given else "")
+    if why:
+        raise FileNotFoundError(why)
     if ckpt.get("data_identity") and ckpt["data_identity"] != data_identity(data_dir):
         raise ValueError(f"{data_dir} is not the data set {ckpt_path} was trained on (other "
                          f"classes, counts, image size or split: {load_manifest(data_dir).get('classes')}); "
@@ -757,7 +829,7 @@ def eval_features(args):
         feats = checkpoint_features(args.checkpoint, args.data, device=device,
                                     batch_size=args.batch_size, progress=not args.no_progress,
                                     layer=getattr(args, "feature", "pool"))
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:       # missing, damaged or unreadable files: one line
         raise SystemExit(str(e)) from None
     if hasattr(args, "feature"):
         args.feature = feats["layer"]        # "auto" resolved, so output names say which layer
