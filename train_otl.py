@@ -394,6 +394,7 @@ def run(args, ranks, device):
     # process holds its contiguous shard of it
     d, manifest = utils.open_prepared(args.data)
     data_identity = utils.data_identity(args.data)   # checked when the checkpoint is evaluated
+    images_sha256 = utils.images_identity(args.data)["sha256"]   # evaluation notes a rebuild
     n_total = len(d["train_idx"])
     lo, hi = ranks.shard(n_total)
     images = d["images"][d["train_idx"][lo:hi]]             # (n, 3, H, W) uint8
@@ -455,7 +456,8 @@ def run(args, ranks, device):
                 "pseudo_labels": torch.cat([p[1] for p in parts], 1) if labels is not None else None,
                 "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
                 "labeler_starts": starts,
-                "git_commit": utils.git_commit(), "data_identity": data_identity}
+                "git_commit": utils.git_commit(), "data_identity": data_identity,
+                "images_sha256": images_sha256}
 
     if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
         args.init_from = utils.init_backbone(model, args.init)

@@ -701,6 +701,19 @@ def data_identity(data_dir: str) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+def images_identity(data_dir: str) -> dict:
+    """Which preparation of the images `data_dir` holds: the sha256 of cache.pt that its
+    manifest records (prepare_data.py writes it) and the file's size and modification time
+    (which change on every rebuild, also where the manifest has no sha256).  Cheap: cache.pt is
+    not read."""
+    st = os.stat(os.path.join(data_dir, "cache.pt"))
+    try:
+        sha = (load_manifest(data_dir).get("files_sha256") or {}).get("cache.pt")
+    except (OSError, ValueError):
+        sha = None
+    return {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def load_manifest(data_dir: str) -> dict:
     """manifest.json of a prepared data set; FileNotFoundError or ValueError naming the file."""
     path = os.path.join(data_dir, "manifest.json")
@@ -774,15 +787,22 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     if layer != "pool":
         stem += f"_{layer}"
     cache = os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"features_{stem}.pt")
-    # keyed on content: a checkpoint or split replaced in place (same size, same mtime) is seen
+    # keyed on content: a checkpoint or split replaced in place (same size, same mtime) is seen,
+    # and so are images prepared again (prepare_data.py rebuilding cache.pt from a changed source)
     key = {"checkpoint_sha256": sha256_file(ckpt_path), "data": os.path.abspath(data_dir),
-           "split_sha256": sha256_file(os.path.join(data_dir, "split.json")), "img_size": size}
+           "split_sha256": sha256_file(os.path.join(data_dir, "split.json")), "img_size": size,
+           "images": images_identity(data_dir)}
     if layer != "pool":
         key["layer"] = layer
     if os.path.isfile(cache):
         saved = load_file(cache)
         if saved.get("key") == key:
             return {**saved, "layer": layer}
+    trained_on, now = ckpt.get("images_sha256"), key["images"]["sha256"]
+    if trained_on and now and trained_on != now:
+        print(f"note: the images of {data_dir} were prepared again since {ckpt_path} was trained "
+              "(its cache.pt is another file than then): the features are of the images as they "
+              "are now", flush=True)
     d = load_prepared(data_dir)
     feats = otl.extract_features(model, d["images"], size, batch_size, device, progress,
                                  layer=layer)                                          # (N, D)
