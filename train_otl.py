@@ -467,6 +467,8 @@ def run(args, ranks, device):
         first = state(0)
         if ranks.main:
             utils.save_checkpoint(first, os.path.join(args.output, "checkpoint0000.pth"))  # baseline
+            if args.epochs == 0:     # the untrained network is the run: results.json names it
+                utils.save_checkpoint(first, ckpt_path)
 
     # ---- the loop: label pass when due, one epoch, then its log line and snapshot, and last the
     # checkpoint, which commits the epoch (a kill before it redoes the epoch, after it loses nothing);
