@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import re
+import stat
 import sys
 import tarfile
 import time
@@ -32,6 +33,11 @@ import torch
 import utils
 
 IMG_EXT = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp")
+# The most pixels an image may have (--max-pixels): a 12000 x 12000 scene would take over 2 GB
+# to decode and resize to a cache side of at most 256, so a file this large is far more likely
+# a wrong file (a whole scene or a mosaic among patches) than a sample; 50 million (about
+# 7000 x 7000) is well above every data set in DATASETS.
+MAX_PIXELS = 50_000_000
 
 # ----------------------------------------------------------------------------------------------
 # The paper's data sets.  classes: as the official archive's folders name them (compared
@@ -170,6 +176,11 @@ def get_args_parser():
                    "of an image found in two classes; they are counted in the manifest either way")
     p.add_argument("--skip-bad", action="store_true", help="skip corrupt or unreadable images and list "
                    "them in the manifest (default: stop at the first one, naming it)")
+    p.add_argument("--max-pixels", type=positive_int, default=MAX_PIXELS, help="images with more "
+                   "pixels (width x height) are refused before they are decoded, naming the file "
+                   "(--skip-bad leaves them out): each costs about 3 bytes a pixel in memory per "
+                   "worker; the default, 50 million (about 7000 x 7000), is far above any data "
+                   "set listed here; raise it only for sources of large scenes")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="processes that decode images")
     p.add_argument("--force", action="store_true", help="rebuild even if a valid cache exists")
@@ -179,13 +190,10 @@ def get_args_parser():
 SPLIT_DIRS = {"train": "train", "test": "test", "val": "test"}
 
 
-def _classes_of(paths, source):
-    """[(class, path, part)] for image paths ("a/b/c.jpg"): the folders all of them share are left
-    out (EuroSAT's "2750/", HMHR's "RS Image Dataset/"), and the next folder is the class, or,
-    when those are train/ and test/ (or val/), the part of the official split and the folder
-    below it the class; images in deeper subfolders belong to that class.  An image with no class
-    folder is an error."""
-    parts = [p.split("/") for p in paths]
+def _class_level(parts):
+    """(index of the class folder in each split path, whether the level above it is an official
+    split's train/ and test/ (or val/)): the folders all paths share are left out, and so is a
+    train/test level."""
     shared = 0
     while (all(len(q) > shared + 1 for q in parts)
            and len({q[shared] for q in parts}) == 1):
@@ -194,37 +202,92 @@ def _classes_of(paths, source):
         shared -= 1
     tops = {q[shared].lower() for q in parts}
     if "train" in tops and tops <= set(SPLIT_DIRS) and len(tops) > 1 and all(len(q) - shared >= 3 for q in parts):
-        return sorted((q[shared + 1], p, SPLIT_DIRS[q[shared].lower()]) for p, q in zip(paths, parts))
+        return shared + 1, True
     if len(tops) == 1 and shared:   # one class: keep its folder as the class
         shared -= 1
-    loose = [p for p, q in zip(paths, parts) if len(q) - shared < 2]
+    return shared, False
+
+
+def _classes_of(paths, source):
+    """[(class, path, part)] for image paths ("a/b/c.jpg"): the folders all of them share are left
+    out (EuroSAT's "2750/", HMHR's "RS Image Dataset/"), and the next folder is the class, or,
+    when those are train/ and test/ (or val/), the part of the official split and the folder
+    below it the class; images in deeper subfolders belong to that class.  An image with no class
+    folder is an error."""
+    parts = [p.split("/") for p in paths]
+    level, split = _class_level(parts)
+    if split:
+        return sorted((q[level], p, SPLIT_DIRS[q[level - 1].lower()]) for p, q in zip(paths, parts))
+    loose = [p for p, q in zip(paths, parts) if len(q) - level < 2]
     if loose:
         raise ValueError(f"{len(loose)} image(s) in {source} sit outside any class folder (first: "
-                         f"{loose[0]}); put each class's images in a folder named after the class")
-    return sorted((q[shared], p, None) for p, q in zip(paths, parts))
+                         f"{shown(loose[0])}); put each class's images in a folder named after "
+                         "the class")
+    return sorted((q[level], p, None) for p, q in zip(paths, parts))
+
+
+def _empty_class_folders(paths, dirs):
+    """The folders beside the class folders of `paths` that hold no image (a class folder left
+    empty, or holding other files only), sorted: such a class would vanish without a word."""
+    parts = [p.split("/") for p in paths]
+    level, _ = _class_level(parts)
+    parents = {"/".join(q[:level]) for q in parts}
+    with_images = {"/".join(q[:i]) for q in parts for i in range(1, len(q))}
+    return sorted(d for d in dirs if d.rpartition("/")[0] in parents and d not in with_images)
+
+
+def shown(name):
+    """A file name as messages and the manifest give it: names that are not UTF-8 (which Python
+    carries as lone surrogates) with their odd bytes as \\xNN."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def list_source(source):
-    """[(class name, member path, split part or None)] sorted, and a fingerprint of the source.
-    Images may sit in subfolders of their class folder."""
+    """([(class name, member path, split part or None)] sorted, a fingerprint of the source,
+    [(file, why)] of image files that cannot be read as such (a name that is not UTF-8, a
+    symlink loop or a dangling link, not a regular file), [folders beside the class folders that
+    hold no image]).  Images may sit in subfolders of their class folder."""
     if os.path.isdir(source):
-        paths, fp = [], hashlib.sha256()
-        for root, dirs, files in os.walk(source):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        paths, dirs, bad, fp = [], [], [], hashlib.sha256()
+        for root, subdirs, files in os.walk(source):
+            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+            dirs += [os.path.relpath(os.path.join(root, d), source).replace(os.sep, "/")
+                     for d in subdirs]
             for f in sorted(files):
                 if f.lower().endswith(IMG_EXT) and not f.startswith("."):
                     rel = os.path.relpath(os.path.join(root, f), source).replace(os.sep, "/")
-                    st = os.stat(os.path.join(root, f))
+                    fp.update(rel.encode("utf-8", "surrogateescape"))
+                    try:
+                        rel.encode("utf-8")
+                        st = os.stat(os.path.join(root, f))
+                        if not stat.S_ISREG(st.st_mode):
+                            raise OSError("not a regular file")
+                    except UnicodeEncodeError:
+                        bad.append((shown(rel), "its name is not UTF-8; rename it"))
+                        continue
+                    except OSError as e:
+                        why = e.strerror or str(e)
+                        bad.append((rel, f"{why}; replace it with the image or remove it"))
+                        fp.update(b"\0bad\n")
+                        continue
                     paths.append(rel)
-                    fp.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        return (_classes_of(paths, source) if paths else []), "folder-sha256:" + fp.hexdigest()
+                    fp.update(f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        items = _classes_of(paths, source) if paths else []
+        empty = [shown(d) for d in _empty_class_folders(paths, dirs)] if paths else []
+        return items, "folder-sha256:" + fp.hexdigest(), bad, empty
     if zipfile.is_zipfile(source):
         with zipfile.ZipFile(source) as z:
-            names = [n for n in z.namelist() if n.lower().endswith(IMG_EXT) and not n.endswith("/")
-                     and not n.startswith("__MACOSX/")]
-        return (_classes_of(names, source) if names else []), "sha256:" + utils.sha256_file(source)
+            every = [n for n in z.namelist() if not n.startswith("__MACOSX/")]
+        names = [n for n in every if n.lower().endswith(IMG_EXT) and not n.endswith("/")]
+        dirs = set()            # every folder of the archive, listed or implied by its members
+        for n in every:
+            q = n.rstrip("/").split("/")
+            dirs.update("/".join(q[:i]) for i in range(1, len(q) + n.endswith("/")))
+        items = _classes_of(names, source) if names else []
+        empty = _empty_class_folders(names, dirs) if names else []
+        return items, "sha256:" + utils.sha256_file(source), [], empty
     if tarfile.is_tarfile(source):
-        return [], "sha256:" + utils.sha256_file(source)       # CIFAR's pickles: load_arrays
+        return [], "sha256:" + utils.sha256_file(source), [], []     # CIFAR's pickles: load_arrays
     raise ValueError(f"--source {source} is neither a folder nor a zip or tar archive; pass the "
                      "official archive (e.g. ../shared/data/EuroSAT.zip) or a folder of class "
                      "subfolders")
@@ -312,30 +375,44 @@ def _to_rgb(im):
 
 def _decode(job):
     """Decode a chunk of images in a worker: (uint8 arrays (3, s, s) or None, [bad (name, why)],
-    number of images scaled from 16 or 32 bits, [(sha256 of the file, sha256 of its pixels)])."""
+    number of images scaled from 16 or 32 bits, [(sha256 of the file, sha256 of its pixels)]).
+    An image of more than max_pixels pixels is bad, found from its header before it is decoded."""
     from PIL import Image
-    source, names, size = job
+    source, names, size, max_pixels = job
+    # PIL's own guard (a warning past its limit, an error past twice that) gives way to this
+    # one, which names the file and the flag; restored after (with one worker this is the
+    # calling process)
+    pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
     z = zipfile.ZipFile(source) if not os.path.isdir(source) else None
     out, bad, scaled, hashes = [], [], 0, []
-    for name in names:
-        try:
-            raw = z.read(name) if z else open(os.path.join(source, name), "rb").read()
-            with Image.open(io.BytesIO(raw)) as im:
-                im, s = _to_rgb(im)
-                scaled += s
-                pix = np.asarray(im, dtype=np.uint8)
-                if im.size != (size, size):
-                    im = im.resize((size, size), Image.BILINEAR, reducing_gap=None)
-                a = np.asarray(im, dtype=np.uint8).transpose(2, 0, 1)
-            out.append(a)
-            hashes.append((hashlib.sha256(raw).hexdigest(), _pixel_hash(pix)))
-        except Exception as e:  # PIL raises several types for broken files
-            why = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", repr(name), str(e))
-            bad.append((name, f"{type(e).__name__}: {why}"))
-            out.append(None)
-            hashes.append(None)
-    if z:
-        z.close()
+    try:
+        for name in names:
+            try:
+                raw = z.read(name) if z else open(os.path.join(source, name), "rb").read()
+                with Image.open(io.BytesIO(raw)) as im:
+                    w, h = im.size
+                    if w * h > max_pixels:
+                        raise ValueError(f"{w} x {h} = {w * h:,} pixels, more than --max-pixels "
+                                         f"{max_pixels:,} (decoding it would take about "
+                                         f"{3 * w * h / 1e9:.1f} GB); crop or shrink it, or "
+                                         "raise --max-pixels")
+                    im, s = _to_rgb(im)
+                    scaled += s
+                    pix = np.asarray(im, dtype=np.uint8)
+                    if im.size != (size, size):
+                        im = im.resize((size, size), Image.BILINEAR, reducing_gap=None)
+                    a = np.asarray(im, dtype=np.uint8).transpose(2, 0, 1)
+                out.append(a)
+                hashes.append((hashlib.sha256(raw).hexdigest(), _pixel_hash(pix)))
+            except Exception as e:  # PIL raises several types for broken files
+                why = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", repr(name), str(e))
+                bad.append((name, f"{type(e).__name__}: {why}"))
+                out.append(None)
+                hashes.append(None)
+    finally:
+        Image.MAX_IMAGE_PIXELS = pil_limit
+        if z:
+            z.close()
     return out, bad, scaled, hashes
 
 
@@ -344,10 +421,10 @@ def _pixel_hash(a):
     return hashlib.sha256(str(a.shape).encode() + np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def decode_all(source, names, size, workers, progress=True):
+def decode_all(source, names, size, workers, progress=True, max_pixels=MAX_PIXELS):
     from tqdm import tqdm
     chunk = 500
-    jobs = [(source, names[i:i + chunk], size) for i in range(0, len(names), chunk)]
+    jobs = [(source, names[i:i + chunk], size, max_pixels) for i in range(0, len(names), chunk)]
     results = []
     bar = tqdm(total=len(names), desc="decoding", unit="img", disable=not progress, dynamic_ncols=True)
     if workers > 1:
@@ -525,10 +602,18 @@ def main(args):
 
     # ---- what the source holds: image files (class, name, split part) or arrays
     try:
-        items, fingerprint = list_source(source)
-        arrays = None if items else load_arrays(source)
+        items, fingerprint, unlisted, empty_dirs = list_source(source)
+        if unlisted and not args.skip_bad:
+            name, why = unlisted[0]
+            raise SystemExit(f"cannot read {name} in {source} ({why}); {len(unlisted)} such "
+                             "file(s) in all: fix them, or pass --skip-bad to leave them out "
+                             "(they are listed in manifest.json)")
+        arrays = None if items or unlisted else load_arrays(source)
     except (ValueError, OSError, tarfile.TarError, pickle.UnpicklingError) as e:
         raise SystemExit(str(e)) from None
+    if unlisted and not items:
+        raise SystemExit(f"none of the {len(unlisted)} image files in {source} could be read "
+                         f"(first: {unlisted[0][0]}: {unlisted[0][1]})")
     if not items and arrays is None:
         tar = os.path.isfile(source) and tarfile.is_tarfile(source)
         raise SystemExit(f"no images ({', '.join(IMG_EXT)}), CIFAR pickles or SVHN .mat files "
@@ -554,6 +639,8 @@ def main(args):
     key = {"dataset": args.dataset, "source": os.path.abspath(source), "fingerprint": fingerprint,
            "size": size, "test_frac": args.test_frac, "seed": args.seed, "per_class": args.per_class,
            "skip_bad": args.skip_bad, "split": split, "drop_duplicates": args.drop_duplicates}
+    if args.max_pixels != MAX_PIXELS:   # (only then: caches made before the flag stay valid)
+        key["max_pixels"] = args.max_pixels
     man_path = os.path.join(args.out, "manifest.json")
     if not args.force and os.path.isfile(man_path):
         old, why = _check_folder(args.out, key)
@@ -571,7 +658,8 @@ def main(args):
     print(f"{args.dataset}: {len(names)} images in {len(set(classes_of))} classes from {source}, "
           f"at {size} px, {split} split")
     if arrays is None:
-        images, bad, scaled, hashes = decode_all(source, names, size, args.workers)
+        images, bad, scaled, hashes = decode_all(source, names, size, args.workers,
+                                                 max_pixels=args.max_pixels)
     else:
         raw = arrays["images"][picked]
         hashes = [(None, _pixel_hash(a)) for a in raw]
@@ -581,6 +669,7 @@ def main(args):
         raise SystemExit(f"cannot read {name} in {source} ({why}); {len(bad)} bad image(s) in all. "
                          "Replace the file, or pass --skip-bad to leave such images out (they are "
                          "listed in manifest.json)")
+    bad = unlisted + bad                       # (listed first: they were found first)
     for name, why in bad:
         print(f"skipped {name}: {why}", file=sys.stderr)
     keep = [i for i, a in enumerate(images) if a is not None]
@@ -594,7 +683,14 @@ def main(args):
         if not has_parts or parts[i] == "train":
             found[classes_of[i]] = found.get(classes_of[i], 0) + 1
     notes = [] if args.per_class else check_against_registry(args.dataset, classes, found, has_parts)
-    for line in notes:
+    # what the tree itself says about its classes: folders with no image, a lone class
+    warnings = [f"{source}/{d} holds no image ({', '.join(IMG_EXT)}): it is not a class of this "
+                "data set; put its images in it or remove the folder" for d in empty_dirs]
+    if len({classes_of[i] for i in keep}) == 1:
+        warnings.append(f"{source} holds one class ({classes_of[keep[0]]}): training works, but "
+                        "kNN and linear evaluation need two or more classes (with one, every "
+                        "classifier scores 100 %); is --source the folder of the class folders?")
+    for line in notes + warnings:
         print(f"note: {line}", file=sys.stderr)
 
     # ---- exact duplicates: counted always, dropped on request
@@ -652,6 +748,7 @@ def main(args):
                 "split_seed": args.seed if split == "random" else None,
                 "channel_mean": mean, "channel_std": std,
                 "duplicates": {**dups, "dropped": dropped}, "registry_notes": notes,
+                "empty_class_folders": empty_dirs, "warnings": warnings,
                 "skipped": [{"file": n, "error": w} for n, w in bad], "scaled_to_8_bit": scaled,
                 "files_sha256": {f: utils.sha256_file(os.path.join(args.out, f)) for f in FILES},
                 "seconds": round(time.time() - t0, 1)}

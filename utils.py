@@ -858,6 +858,12 @@ def eval_features(args):
             raise SystemExit(f"the {part} split of {feats['data_dir']} is empty: nothing to "
                              f"{'fit' if part == 'train' else 'score'}; prepare the data again "
                              "with a --test-frac that leaves images on both sides")
+    if feats["train_labels"].unique().numel() < 2:
+        names = sorted({feats["classes"][i] for i in feats["train_labels"].unique().tolist()})
+        raise SystemExit(f"{feats['data_dir']} holds one class ({', '.join(names)}): every "
+                         "classifier scores 100 % on it, whatever the features; evaluate on a data "
+                         "set of two or more classes (prepare_data.py --source <folder of class "
+                         "folders>)")
     return device, feats
 
 
