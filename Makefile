@@ -162,12 +162,12 @@ labeler-bench-gpu: $(STAMP)
 labeler-profile-gpu: $(STAMP)
 	$(PY) bench/profile_labeler.py --device cuda --out results/labeler_profile_gpu.txt
 
-# otl.py's exact labeler against REV's (a commit, or a path to another otl.py): bit-for-bit labels
-# and T on Gaussian, collapsed and grouped inputs at k = 2 - 3000 and the time of each, 320,000 x
-# 3000 included (about 3 minutes on 2 cores); fails if any case differs
+# otl_scale.py's tuned labeler against REV's (a commit, or a path to another otl_scale.py): bit-for-bit
+# labels and T on Gaussian, collapsed and grouped inputs at k = 2 - 3000 and the time of each,
+# 320,000 x 3000 included (about 3 minutes on 2 cores); fails if any case differs
 REV ?= HEAD
 labeler-compare: $(STAMP)
-	$(PY) bench/compare_labelers.py $(REV) otl.py --inputs small,stream,large --expect-same
+	$(PY) bench/compare_labelers.py $(REV) otl_scale.py --inputs small,stream,large --expect-same
 
 # images/s of the OTL step, the label pass and augmentation at 224, 112 and 64 px, and of a plain
 # supervised ResNet-18 loop (the ceiling); torch.compile timed at 112 px

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import otl
+import otl_scale
 import utils
 
 
@@ -97,8 +98,8 @@ def get_args_parser():
     g.add_argument("--beta", type=float, default=1.5, help="decay rate of the translation step "
                    "(--labeler published); the paper finds any value from 1.5 to 50 works")
     g.add_argument("--labeler", choices=("exact", "published", "sinkhorn"), default="exact",
-                   help="exact (default, as in otl.translate): counts within 1 of the target in "
-                   "every epoch; published: the paper's Algorithm 1 as the authors run it, which "
+                   help="exact (default: otl.translate's problem, by otl_scale's tuned labeler): "
+                   "counts within 1 of the target in every epoch; published: the paper's Algorithm 1 as the authors run it, which "
                    "stops short of balance and is faster on some outputs (docs/labeler.md, 'Which "
                    "labeler by default', has the measurement); sinkhorn: SeLa's Sinkhorn-Knopp "
                    "(lam 25), the baseline the paper compares with (even target only)")
@@ -107,16 +108,15 @@ def get_args_parser():
                    "column medians), views (default: every other view from the first view's "
                    "translation, the same network's outputs; the first view, in one process, "
                    "from every 4th row's when k > 256 and the outputs are far from balance, as "
-                   "otl.translate does) or epochs (the first view too, from "
-                   "the last label pass's; kept in the checkpoint; docs/labeler.md, v13, has how "
-                   "it compared with views). The labels are exactly "
-                   "balanced either way; a start near the answer saves most of the work at large "
-                   "k (docs/labeler.md, 'A start from the other view')")
+                   "otl_scale.translate does) or epochs (the first view too, from the last label "
+                   "pass's; kept in the checkpoint). The labels are exactly balanced either way; "
+                   "a start near the answer saves most of the work at large k (docs/labeler.md, "
+                   "'Where the solve starts')")
     g.add_argument("--labeler-device", choices=("same", "cpu"), default="same", help="where the "
                    "labeler runs: same (default: where the outputs are) or cpu (the outputs are "
                    "copied to the host first, the copy counted in the log's labeler_s; one process "
                    "only). On a GPU the exact labeler's many short steps on a small input can wait "
-                   "on the host more than they compute (results/gpu_h100_s2/README.md)")
+                   "on the host more than they compute (docs/labeler.md, 'On a GPU')")
     g.add_argument("--label-batch-size", type=int, help="images per forward pass of the label pass "
                    "(BatchNorm's batch with --label-bn batch); default: the larger of --batch-size "
                    "and 256 on the CPU, 1024 on CUDA")
@@ -200,8 +200,8 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
     """Label pass + translation of this rank's images: pseudo-labels (label_views, n_rank),
     statistics of all ranks for the log, and each head's translation of the first view (the
     exact labeler's start next time with --labeler-start epochs; `starts` holds the last ones).
-    Across ranks the exact labeler runs on every rank's outputs at once
-    (otl.StreamingTranslator: only k-vectors and k x k matrices travel)."""
+    The exact labeler is otl_scale's (the tuned one); across ranks it runs on every rank's
+    outputs at once (otl_scale.StreamingTranslator: only k-vectors and k x k matrices travel)."""
     t0 = time.time()
     batches, bs = None, args.label_batch_size
     if ranks.world > 1:   # the same number of forward passes on every rank (SyncBatchNorm)
@@ -223,17 +223,17 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
         if args.labeler_device == "cpu":
             o = o.cpu()
         t_copy = time.perf_counter() - t_copy
-        if args.labeler == "exact":   # otl.translate's exact method, with the head size given
+        if args.labeler == "exact":   # otl.translate's problem, by the tuned labeler
             start = (first.get(h) if v > 0 and args.labeler_start != "medians" else
                      (starts or {}).get(h) if args.labeler_start == "epochs" else None)
             if ranks.world == 1:   # translate: the dense path at k <= 128, the sample start at k > 256
-                res = otl.translate(o, target=target, seed=seed, start=start,
-                                    sample_start=args.labeler_start != "medians",
-                                    n_init=args.label_head_rows)
+                res = otl_scale.translate(o, target=target, seed=seed, start=start,
+                                          sample_start=args.labeler_start != "medians",
+                                          n_init=args.label_head_rows)
             else:
-                st = otl.StreamingTranslator(k, target=target, seed=seed,
-                                             n_init=args.label_head_rows, distributed=True,
-                                             row_offset=lo, rows_hint=n, start=start)
+                st = otl_scale.StreamingTranslator(k, target=target, seed=seed,
+                                                   n_init=args.label_head_rows, distributed=True,
+                                                   row_offset=lo, rows_hint=n, start=start)
                 for s in range(0, n, st.chunk):
                     st.add(o[s:s + st.chunk])
                 res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
@@ -249,7 +249,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
                 std=(counts.double() - even).pow(2).mean().sqrt().item(),
                 std_max=n * (k - 1) ** 0.5 / k)           # all n rows in one cluster
         else:
-            res = otl.translate(o, target=target, beta=args.beta, seed=seed, method=args.labeler)
+            res = otl.translate_published(o, target=target, beta=args.beta, seed=seed)
         labels.append(res.labels)
         raw_counts = ranks.sum(torch.bincount(o.argmax(1), minlength=k))
         hi_lo = ranks.gather((o.max().item(), o.min().item()))

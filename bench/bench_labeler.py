@@ -1,6 +1,7 @@
-"""The three labelers side by side on the same outputs: ours (otl.translate, method="exact"), the
-authors' published algorithm (otl.translate, method="published": the dense reference) and SeLa's
-Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25).
+"""The labelers side by side on the same outputs: the tuned exact labeler (otl_scale.translate,
+what training uses), the authors' published algorithm (otl.translate, method="published"), SeLa's
+Sinkhorn-Knopp (otl.sinkhorn_knopp, lam = 25) and, with --methods ...,reference, otl.py's
+reference exact labeler (otl.translate).
 
     python bench/bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
     make labeler-bench                                       # the same
@@ -85,9 +86,10 @@ import torch
 from tqdm import tqdm
 
 import otl
+import otl_scale
 import utils
 
-METHODS = ("exact", "published", "sinkhorn")
+METHODS = ("exact", "published", "sinkhorn", "reference")
 FULL = dict(n=50_000, ks=list(range(50, 1001, 50)), real_ks=[10, 50, 100, 200, 500, 1000],
             large_n=1_280_000, large_k=3000, ref_n=64_000, real_images=None)
 QUICK = dict(n=2000, ks=[10, 50], real_ks=[10, 50], large_n=20_000, large_k=300, ref_n=10_000,
@@ -146,7 +148,8 @@ def get_args_parser():
     p.add_argument("--aug-images", type=int, default=4096, help="images whose augmented views fit "
                    "random_net_large's displacement (default 4096)")
     p.add_argument("--skip-real", action="store_true", help="leave out random_net and trained_net")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {', '.join(METHODS)}")
+    p.add_argument("--methods", default="exact,published,sinkhorn", help=f"comma list from {', '.join(METHODS)} "
+                   "(reference: otl.py's reference exact labeler, not run by default)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test (the flags above "
                    "that you give still win); real inputs use a seeded subset of 2000 images")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: inputs made on the GPU, each "
@@ -328,18 +331,24 @@ def _mem_kib():
 
 
 def call_labeler(method, O, start=None):
-    """(labels, iterations, stop_reason, the call as text, extra fields) of one labeler on O;
-    the exact labeler's extra fields say how many rows it read again and solved.  start: the
-    exact labeler's start translation (otl.translate's start=)."""
+    """(labels, iterations, stop_reason, the call as text, extra fields) of one labeler on O:
+    exact (otl_scale.translate, the tuned labeler training uses), reference (otl.translate's
+    reference exact labeler), published (Algorithm 1 as the authors run it) or sinkhorn; the
+    tuned labeler's extra fields say how many rows it read again and solved.  start: an exact
+    labeler's start translation (translate's start=)."""
     if method == "sinkhorn":
         labels, _, iters = otl.sinkhorn_knopp(O, lam=25.0)
         return labels, iters, None, "otl.sinkhorn_knopp(O, lam=25)", {}
+    fn, name, kw = {"exact": (otl_scale.translate, "otl_scale.translate", {}),
+                    "reference": (otl.translate, "otl.translate", {}),
+                    "published": (otl.translate, "otl.translate", {"method": "published"})}[method]
+    args = ", ".join(["O"] + [f"{a}={v!r}" for a, v in kw.items()])
     if start is not None:
-        res = otl.translate(O, method=method, start=start.to(O.device))
-        call = f"otl.translate(O, method={method!r}, start=T of the first view)"
+        res = fn(O, start=start.to(O.device), **kw)
+        call = f"{name}({args}, start=T of the first view)"
     else:
-        res = otl.translate(O, method=method)
-        call = f"otl.translate(O, method={method!r})"
+        res = fn(O, **kw)
+        call = f"{name}({args})"
     extra = ({"refetched": res.refetched, "working_set": res.active} if method == "exact" else {})
     return res.labels, res.iterations, res.stop_reason, call, extra
 
@@ -362,15 +371,19 @@ def _record(labels, n, k, seconds, iters, reason, call, rss):
 
 
 def otl_sha256():
-    with open(otl.__file__, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
+    """The sha256 of otl.py and otl_scale.py together: the labelers measured."""
+    h = hashlib.sha256()
+    for path in (otl.__file__, otl_scale.__file__):
+        with open(path, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
 
 
 def _import_scipy(settle=0.5):
     """Import scipy's graph routines (otl's exact finish uses them at k > 64), then wait:
     numpy's and scipy's OpenBLAS start threads on import that spin for a while and slow a call
     timed right after, for both labelers."""
-    otl._scipy_csgraph()
+    otl_scale._scipy_csgraph()
     time.sleep(settle)
 
 
@@ -415,7 +428,7 @@ def measure_stream(spec):
            else GaussianRows(k, seed))
     _import_scipy()        # imported once per process: not the labeler's time
     rss = _start_peak()
-    st = otl.StreamingTranslator(k, distributed=False)
+    st = otl_scale.StreamingTranslator(k, distributed=False)
     seconds = 0.0
     for c, s in enumerate(tqdm(range(0, n, GEN_CHUNK), desc="streaming", leave=False)):
         X = src.chunk(c)[:n - s]
@@ -427,7 +440,7 @@ def measure_stream(spec):
     res = st.result(refetch=src.rows)
     seconds += time.perf_counter() - t0
     rec = _record(res.labels, n, k, seconds, res.iterations, res.stop_reason,
-                  "otl.StreamingTranslator(k).add(chunk) per 8192 rows, then .result(refetch=...)", rss)
+                  "otl_scale.StreamingTranslator(k).add(chunk) per 8192 rows, then .result(refetch=...)", rss)
     rec.update(refetched=res.refetched, working_set=res.active, streamed=True)
     return rec
 
@@ -459,7 +472,7 @@ def measure_gpu(spec):
     rec.update(seconds_all=[round(t, 4) for t in times], gpu_peak_mib=round(max(peaks), 1),
                device=torch.cuda.get_device_name(dev))
     if spec.get("cpu_too"):   # the same input labelled on the host: the copy, then the call
-        otl._scipy_csgraph()
+        otl_scale._scipy_csgraph()
         cpu_times = []
         for _ in range(spec["repeat"] + 1):          # the first call warms up, untimed
             torch.cuda.synchronize(dev)
@@ -625,7 +638,7 @@ def real_inputs(args, skipped, keep=None):
     def views(outs):    # (V, N, k) -> the input, or (second view, first view's T) with --views
         if not args.views:
             return outs[0].cpu()
-        return outs[1].cpu(), otl.translate(outs[0]).T.cpu()
+        return outs[1].cpu(), otl_scale.translate(outs[0]).T.cpu()
 
     outs = label_pass(True)
     if args.save_features:
@@ -702,7 +715,7 @@ def plot(records, path):
     if plt is None:
         return
     fig, (ax_std, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colour = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green")))
+    colour = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
     for inp, style in (("gaussian", "o-"), ("random_net", "s--")):
         for m in METHODS:
             rs = sorted((r for r in records if r["input"] == inp and r["method"] == m and "std" in r),
@@ -741,9 +754,10 @@ def summary(res):
         lines[-1:] = ["", f"Seconds: the median of {fresh} fresh processes per method, the "
                       "methods taking turns (every run's in the JSON).", ""]
     host = any("seconds_cpu" in r for r in recs)     # --cpu-too: the same inputs on the host
-    head = "| input | N | k | " + " | ".join(f"{m} s (max-min, std)" for m in METHODS) + \
+    methods = [m for m in METHODS if m != "reference" or any(r["method"] == m for r in recs)]
+    head = "| input | N | k | " + " | ".join(f"{m} s (max-min, std)" for m in methods) + \
         " | published / ours | second call: exact s, published s, published / ours |" + \
-        (" on the host (--cpu-too): " + ", ".join(f"{m} s" for m in METHODS) + " |" if host else "")
+        (" on the host (--cpu-too): " + ", ".join(f"{m} s" for m in methods) + " |" if host else "")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     keys = sorted({(r["input"], r["n"], r["k"]) for r in recs},
                   key=lambda x: (INPUT_ORDER.index(x[0]) if x[0] in INPUT_ORDER else 9,
@@ -751,7 +765,7 @@ def summary(res):
     for inp, n, k in keys:
         by = {r["method"]: r for r in recs if (r["input"], r["n"], r["k"]) == (inp, n, k)}
         cells = [f"{by[m]['seconds']:.2f} ({by[m]['max_minus_min']}, {by[m]['std']:.2f})" if m in by
-                 else "" for m in METHODS]
+                 else "" for m in methods]
         if "published" not in by and inp.endswith("_from_view0"):   # the same outputs' published
             base = [r for r in recs if (r["input"], r["n"], r["k"], r["method"]) ==
                     (inp[:-len("_from_view0")], n, k, "published")]
@@ -764,7 +778,7 @@ def summary(res):
         lines.append(f"| {inp} | {n:,} | {k} | " + " | ".join(cells) + f" | {ratio} | "
                      + (second if any(w is not None for w in warm) else "") + " |"
                      + (" " + ", ".join(f"{by[m]['seconds_cpu']:.2f}" if "seconds_cpu" in by.get(m, {})
-                                        else "-" for m in METHODS) + " |" if host else ""))
+                                        else "-" for m in methods) + " |" if host else ""))
     for r in recs:   # ours fed chunk by chunk (records before the field: told by their call)
         if r.get("streamed", "StreamingTranslator" in r.get("call", "")):
             lines.append(f"\n{r['input']} N = {r['n']:,}, k = {r['k']}, {r['method']} streamed: "
@@ -888,7 +902,7 @@ def main(args):
     print(f"torch threads: {threads} (the cores this process may use)", flush=True)
     out = {"machine": machine_info(threads), "command": utils.command_line(),
            "git_commit": utils.git_commit(), "otl_sha256": otl_sha256(),
-           "translate_signature": str(inspect.signature(otl.translate)),
+           "translate_signature": str(inspect.signature(otl_scale.translate)),
            "args": vars(args), "inputs": {
                "gaussian": f"torch.randn(N, k) float32, seed {args.seed}, N = {args.n}",
                "random_net": f"images of {args.data} through the freshly initialised {args.net}-preset "

@@ -1,13 +1,14 @@
-"""Two versions of the exact labeler (otl.translate, method="exact") on the same inputs: do they
+"""Two versions of the tuned exact labeler (otl_scale.translate) on the same inputs: do they
 give the same labels and T to the bit, and which is faster?  What to run before committing a
 change to the labeler: on real outputs alone a slowdown on other inputs can pass unseen.
 
-    python bench/compare_labelers.py HEAD otl.py                    # the last commit against the tree
-    python bench/compare_labelers.py HEAD~5 otl.py --inputs large   # timing at 320,000 x 3000
-    python bench/compare_labelers.py HEAD otl.py --pt 'saved/*.pt' --expect-same
-    python bench/compare_labelers.py old/otl.py otl.py --device cuda --inputs large --large-n 1280000
+    python bench/compare_labelers.py HEAD otl_scale.py              # the last commit against the tree
+    python bench/compare_labelers.py HEAD~5 otl_scale.py --inputs large   # at 320,000 x 3000
+    python bench/compare_labelers.py HEAD otl_scale.py --pt 'saved/*.pt' --expect-same
+    python bench/compare_labelers.py old/otl_scale.py otl_scale.py --device cuda --inputs large --large-n 1280000
 
-A and B: a path to an otl.py, or a git revision whose otl.py is read with `git show REV:otl.py`.
+A and B: a path to an otl_scale.py (or to an older otl.py, which held the tuned labeler), or a git
+revision, read with `git show` (its otl_scale.py and otl.py, or its otl.py alone).
 Input sets (--inputs, comma-separated; default small,stream):
   small   Gaussian with a drift across columns, k = 2 - 100, N = 600 - 20,000 (the dense path)
   stream  k = 200 - 3000 (the streaming path): Gaussian with and without a drift, identical rows,
@@ -33,24 +34,50 @@ import time
 import torch
 
 
-def load(spec, name, tmp):
-    """The otl module at path `spec`, or at git revision `spec` (its otl.py)."""
-    path = spec
-    if not os.path.isfile(spec):
-        try:
-            src = subprocess.run(["git", "show", f"{spec}:otl.py"], capture_output=True, text=True,
-                                 check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-        except (subprocess.CalledProcessError, FileNotFoundError) as err:
-            raise SystemExit(f"{spec!r} is neither a file nor a git revision with an otl.py "
-                             f"({err}); give a path to an otl.py or a commit") from None
-        path = os.path.join(tmp, f"otl_{name}.py")
-        with open(path, "w") as f:
-            f.write(src)
-    mod_spec = importlib.util.spec_from_file_location(f"otl_{name}", path)
+def _load_file(path, name):
+    mod_spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(mod_spec)
-    sys.modules[f"otl_{name}"] = mod
+    sys.modules[name] = mod
     mod_spec.loader.exec_module(mod)
     return mod
+
+
+def load(spec, name, tmp):
+    """The tuned exact labeler at `spec`: a path to an otl_scale.py (read with the otl.py beside
+    it) or to an older otl.py that held the labeler itself, or a git revision (its otl_scale.py
+    with its otl.py; its otl.py alone where it has no otl_scale.py)."""
+    if os.path.isfile(spec):
+        files = {os.path.basename(spec): open(spec).read()}
+        if os.path.basename(spec) == "otl_scale.py":
+            with open(os.path.join(os.path.dirname(os.path.abspath(spec)), "otl.py")) as fh:
+                files["otl.py"] = fh.read()
+    else:
+        files = {}
+        for f in ("otl.py", "otl_scale.py"):
+            r = subprocess.run(["git", "show", f"{spec}:{f}"], capture_output=True, text=True,
+                               cwd=os.path.dirname(os.path.abspath(__file__)))
+            if r.returncode == 0:
+                files[f] = r.stdout
+        if "otl.py" not in files:
+            raise SystemExit(f"{spec!r} is neither a file nor a git revision with an otl.py; give "
+                             "a path to an otl_scale.py (or an older otl.py) or a commit")
+    d = os.path.join(tmp, name)
+    os.makedirs(d, exist_ok=True)
+    for f, text in files.items():
+        with open(os.path.join(d, f if f in ("otl.py", "otl_scale.py") else "otl.py"), "w") as fh:
+            fh.write(text)
+    base = _load_file(os.path.join(d, "otl.py"), f"otl_{name}")
+    if "otl_scale.py" not in files:
+        return base
+    saved = sys.modules.get("otl")
+    sys.modules["otl"] = base          # its otl_scale imports its own otl
+    try:
+        return _load_file(os.path.join(d, "otl_scale.py"), f"otl_scale_{name}")
+    finally:
+        if saved is None:
+            sys.modules.pop("otl", None)
+        else:
+            sys.modules["otl"] = saved
 
 
 def cases(which, args):

@@ -18,7 +18,7 @@ One warm-up call, --repeat timed calls (their median is printed), then one profi
 warm-up): each solve (the sample start's, the warm start's sample, the dense path's, the main
 one; its rows) with the time and the steps of its approach (the published step rule), its
 auction rounds, its exact finish's rounds (the dense path's solve by shortest paths at
-k <= 64, otl._PathSolver: those paths, one row moved along each) and its strict argmax, the
+k <= 64, otl_scale._PathSolver: those paths, one row moved along each) and its strict argmax, the
 dense path's Newton steps (time and passes over the rows, per call), and the rest of the call
 (reading the outputs into the store, the tie-break, taking rows out of it); then the published
 rules' median time on the same input and the ratio.  On a GPU a stage's time includes its
@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench_labeler
 import otl
+import otl_scale
 import utils
 
 
@@ -90,12 +91,12 @@ def get_args_parser():
                    "dispatches (each a kernel launch on a GPU), per stage as --phases, for ours "
                    "and the published rules, instead of the profiles")
     p.add_argument("--as-gpu", action="store_true", help="with --kernels on the CPU: take the "
-                   "passes' GPU block sizes (otl._launch_bound), so the count is the one a GPU's "
+                   "passes' GPU block sizes (otl_scale._launch_bound), so the count is the one a GPU's "
                    "call would launch (within the limits the docstring gives)")
     p.add_argument("--json", default=None, metavar="PATH", help="with --kernels: the counts as "
                    "JSON here too (per stage, per operation, the call's seconds)")
-    p.add_argument("--otl", default=None, metavar="SPEC", help="profile this otl.py instead of "
-                   "the working tree's: a path, or a git revision (its otl.py), as "
+    p.add_argument("--otl", default=None, metavar="SPEC", help="profile this tuned labeler "
+                   "instead of the working tree's otl_scale.py: a path or a git revision, as "
                    "compare_labelers.py takes them")
     p.add_argument("--method", default="exact", choices=["exact", "published"])
     p.add_argument("--out", default=None, help="write the report here too")
@@ -123,7 +124,7 @@ def network_outputs(a, dev):
 STAGES = ("newton", "approach", "auction", "finish", "strict argmax")
 _METHODS = {"_approach": "approach", "_auction": "auction", "_finish": "finish",
             "strictify": "strict argmax"}
-_PATH_METHODS = {"run": "finish", "strictify": "strict argmax"}   # otl._PathSolver's
+_PATH_METHODS = {"run": "finish", "strictify": "strict argmax"}   # otl_scale._PathSolver's
 
 
 _VIEWS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand",
@@ -158,34 +159,34 @@ class KernelCount(TorchDispatchMode):
 
 @contextmanager
 def as_gpu():
-    """otl's passes with a GPU's block sizes (otl._launch_bound true) on any device."""
-    if not hasattr(otl, "_launch_bound"):
-        raise SystemExit("--as-gpu: this otl.py has no _launch_bound (an older labeler): it picks "
+    """otl's passes with a GPU's block sizes (otl_scale._launch_bound true) on any device."""
+    if not hasattr(otl_scale, "_launch_bound"):
+        raise SystemExit("--as-gpu: this labeler has no _launch_bound (an older labeler): it picks "
                          "its block sizes by device inline, so a CPU run cannot take a GPU's")
-    saved = otl._launch_bound
-    otl._launch_bound = lambda device: True
+    saved = otl_scale._launch_bound
+    otl_scale._launch_bound = lambda device: True
     try:
         yield
     finally:
-        otl._launch_bound = saved
+        otl_scale._launch_bound = saved
 
 
 @contextmanager
 def stage_timer(dev, counter=None):
     """Records (solve, stage, seconds, steps, (kernels, reads)) for every stage the exact
     labeler runs while the context is open; a solve is (where, rows): where is 'sample start'
-    (otl.sample_start_T), 'warm start' (StreamingTranslator._warm_start's own solve), 'dense'
+    (otl_scale.sample_start_T), 'warm start' (StreamingTranslator._warm_start's own solve), 'dense'
     (translate's dense path: its Newton steps on the counts, one record per call of
-    otl._newton_T with the rows it read, and its solve of the rows near a boundary) or 'main'.
+    otl_scale._newton_T with the rows it read, and its solve of the rows near a boundary) or 'main'.
     kernels and reads: what an open KernelCount `counter` counted in the stage (else 0); host:
-    whether a GPU runs the stage on the host (the dense path's small solves, otl._HOST_SOLVE;
+    whether a GPU runs the stage on the host (the dense path's small solves, otl_scale._HOST_SOLVE;
     as a CPU run with --as-gpu decides it, from the solve's size)."""
     records, where = [], ["main"]
-    solvers = ((otl._ExactSolver, _METHODS), (otl._PathSolver, _PATH_METHODS))
+    solvers = ((otl_scale._ExactSolver, _METHODS), (otl_scale._PathSolver, _PATH_METHODS))
     saved = [(cls, name, getattr(cls, name), stage) for cls, names in solvers
              for name, stage in names.items()]
-    saved_warm, saved_sample = otl.StreamingTranslator._warm_start, otl.sample_start_T
-    saved_dense, saved_newton = otl._dense_translate, otl._newton_T
+    saved_warm, saved_sample = otl_scale.StreamingTranslator._warm_start, otl_scale.sample_start_T
+    saved_dense, saved_newton = otl_scale._dense_translate, otl_scale._newton_T
 
     def counted():
         return (counter.kernels, counter.reads) if counter is not None else (0, 0)
@@ -212,9 +213,9 @@ def stage_timer(dev, counter=None):
                 return fn(self, *args, **kw)
             finally:
                 utils.synchronize(dev)
-                v = self.vals     # (otl._PathSolver's: a numpy array, on the host always)
+                v = self.vals     # (otl_scale._PathSolver's: a numpy array, on the host always)
                 host = not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and (
-                    dev.type != "cpu" or where[-1] == "dense" and v.numel() <= otl._HOST_SOLVE))
+                    dev.type != "cpu" or where[-1] == "dense" and v.numel() <= otl_scale._HOST_SOLVE))
                 records.append(((where[-1], id(self), self.vals.shape[0]), stage,
                                 time.perf_counter() - t, self.rounds + self.phases - steps0,
                                 since(c0, host)))
@@ -231,18 +232,18 @@ def stage_timer(dev, counter=None):
 
     for cls, name, fn, stage in saved:
         setattr(cls, name, timed(fn, stage))
-    otl.StreamingTranslator._warm_start = inside("warm start", saved_warm)
-    otl.sample_start_T = inside("sample start", saved_sample)
-    otl._dense_translate = inside("dense", saved_dense)
-    otl._newton_T = newton
+    otl_scale.StreamingTranslator._warm_start = inside("warm start", saved_warm)
+    otl_scale.sample_start_T = inside("sample start", saved_sample)
+    otl_scale._dense_translate = inside("dense", saved_dense)
+    otl_scale._newton_T = newton
     try:
         yield records
     finally:
         for cls, name, fn, _ in saved:
             setattr(cls, name, fn)
-        otl.StreamingTranslator._warm_start = saved_warm
-        otl.sample_start_T = saved_sample
-        otl._dense_translate, otl._newton_T = saved_dense, saved_newton
+        otl_scale.StreamingTranslator._warm_start = saved_warm
+        otl_scale.sample_start_T = saved_sample
+        otl_scale._dense_translate, otl_scale._newton_T = saved_dense, saved_newton
 
 
 def phases_report(records, total):
@@ -339,21 +340,21 @@ def variants_report(O, repeat, dev):
     """Markdown lines: ours and the published rules on input_variants(O)."""
     lines = ["| variant | N | ours s | published s | published / ours | max-min ours / published "
              "| rows solved | path |", "|---|---|---|---|---|---|---|---|"]
-    saved, used = otl._dense_translate, []
+    saved, used = otl_scale._dense_translate, []
 
     def dense(*args, **kw):
         r = saved(*args, **kw)
         used.append(r is not None)
         return r
-    otl._dense_translate = dense
+    otl_scale._dense_translate = dense
     try:
         for name, V in input_variants(O).items():
             V = V.contiguous()
             med, res = {}, {}
             for method in ("exact", "published"):
-                otl.translate(V, method=method)
+                otl_scale.translate(V, method=method)
                 used.clear()
-                times, res[method] = timed_calls(lambda: otl.translate(V, method=method), repeat, dev)
+                times, res[method] = timed_calls(lambda: otl_scale.translate(V, method=method), repeat, dev)
                 med[method] = median(times)
                 if method == "exact":
                     path = "dense" if used and used[-1] else "streaming"
@@ -363,7 +364,7 @@ def variants_report(O, repeat, dev):
                          f"{med['published'] / med['exact']:.2f}x | {mm[0]} / {mm[1]} | "
                          f"{res['exact'].active:,} | {path} |")
     finally:
-        otl._dense_translate = saved
+        otl_scale._dense_translate = saved
     return lines
 
 
@@ -377,7 +378,7 @@ def report(lines, out):
 
 
 def main(a):
-    global otl
+    global otl_scale
     if (a.as_gpu or a.json) and not a.kernels:
         raise SystemExit("--as-gpu and --json go with --kernels")
     if a.kernels and (a.phases or a.variants or a.method != "exact"):
@@ -389,7 +390,7 @@ def main(a):
     if a.otl:
         import tempfile
         import compare_labelers
-        otl = compare_labelers.load(a.otl, "profiled", tempfile.mkdtemp())
+        otl_scale = compare_labelers.load(a.otl, "profiled", tempfile.mkdtemp())
     if a.input:
         O = torch.load(a.input, weights_only=True)
         if not isinstance(O, torch.Tensor) or O.dim() != 2:
@@ -412,8 +413,8 @@ def main(a):
         return
 
     def call():
-        return otl.translate(O, method=a.method)
-    otl.translate(O[:65536], method=a.method)
+        return otl_scale.translate(O, method=a.method)
+    otl_scale.translate(O[:65536], method=a.method)
     times, res = timed_calls(call, a.repeat, dev)
     counts = torch.bincount(res.labels, minlength=k)
     lines = [f"{header(dev, n, k, what)}  method {a.method}",
@@ -431,11 +432,11 @@ def main(a):
             on_host = host_kernels(records)
             lines += [f"exact: {counter.kernels:,} kernels ({counter.reads:,} reads); "
                       f"{counter.kernels - on_host:,} where a GPU runs its small solves on the "
-                      f"host (otl._HOST_SOLVE: {on_host:,} there)", ""]
+                      f"host (otl_scale._HOST_SOLVE: {on_host:,} there)", ""]
             lines += kernels_report(records, counter) + ["", top_ops(counter), ""]
-            otl.translate(O, method="published")
+            otl_scale.translate(O, method="published")
             with KernelCount() as pub:
-                otl.translate(O, method="published")
+                otl_scale.translate(O, method="published")
         lines += [f"published rules: {pub.kernels:,} kernels ({pub.reads:,} reads); "
                   f"ours / theirs {counter.kernels / max(pub.kernels, 1):.2f}", "", top_ops(pub)]
         report(lines, a.out)
@@ -445,7 +446,7 @@ def main(a):
                       for (where, _, rows), stage, _, steps, (kern, reads, host) in records]
             out = dict(command="python " + " ".join(map(shlex.quote, sys.argv)),
                        git_commit=utils.git_commit(), otl=a.otl or "working tree",
-                       otl_sha256=hashlib.sha256(open(otl.__file__, "rb").read()).hexdigest(),
+                       otl_sha256=hashlib.sha256(open(otl_scale.__file__, "rb").read()).hexdigest(),
                        device=str(dev), as_gpu=a.as_gpu, input=what, n=n, k=k,
                        exact=dict(seconds=median(times), kernels=counter.kernels,
                                   reads=counter.reads, host_on_gpu=on_host, stages=stages,
@@ -464,8 +465,8 @@ def main(a):
             utils.synchronize(dev)
             total = time.perf_counter() - t
         lines += ["", f"one call with its stages timed: {total:.4f} s", ""] + phases_report(records, total)
-        otl.translate(O, method="published")
-        pub, _ = timed_calls(lambda: otl.translate(O, method="published"), a.repeat, dev)
+        otl_scale.translate(O, method="published")
+        pub, _ = timed_calls(lambda: otl_scale.translate(O, method="published"), a.repeat, dev)
         med, ours = median(pub), median(times)
         lines += ["", f"published rules: {med:.4f} s (median of {[round(t, 4) for t in pub]}); "
                       f"published / ours {med / ours:.2f}x"]

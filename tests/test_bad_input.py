@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import otl
+import otl_scale
 import utils
 from evalkit import untrained_checkpoint
 
@@ -99,17 +100,18 @@ def test_uneven_target_bad_exponent(x):
         otl.uneven_target(5000, 50, x)
 
 
+@pytest.mark.parametrize("translate", [otl.translate, otl_scale.translate])
 @pytest.mark.parametrize("method", ["exact", "published"])
 @pytest.mark.parametrize("target", ["abc", {"a": 1}, [[1, 2], [3, 4]]])
-def test_translate_target_not_numbers(target, method):
+def test_translate_target_not_numbers(target, method, translate):
     with pytest.raises(ValueError, match="target"):
-        otl.translate(torch.randn(100, 4, generator=gen(0)), target=target, method=method)
+        translate(torch.randn(100, 4, generator=gen(0)), target=target, method=method)
 
 
 @pytest.mark.parametrize("k", [2.5, "10", True, None])
 def test_streaming_translator_k_must_be_an_integer(k):
     with pytest.raises(ValueError, match="k must be an integer"):
-        otl.StreamingTranslator(k, distributed=False)
+        otl_scale.StreamingTranslator(k, distributed=False)
 
 
 @pytest.mark.parametrize("bad", [5, -1])

@@ -13,7 +13,7 @@ if os.path.join(ROOT, "bench") not in sys.path:
 
 import compare_labelers  # noqa: E402
 
-OTL = os.path.join(ROOT, "otl.py")
+OTL = os.path.join(ROOT, "otl_scale.py")   # the tuned labeler
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Behavioural tests for otl.py through its public names (CPU only, small and fast); the exact
-labeler's own properties at scale are in test_labeler.py."""
+"""Behavioural tests for otl.py through its public names (CPU only, small and fast); the tuned
+labeler of otl_scale.py, against this reference, is in test_otl_scale.py."""
 import copy
 import math
 
@@ -38,7 +38,7 @@ def pop_std(counts, target):
 
 
 # ------------------------------------------------------------------------------------------------
-# translate
+# translate: the reference exact labeler (default) and Algorithm 1 as published
 # ------------------------------------------------------------------------------------------------
 
 SHAPES = [(5000, 50), (21600, 128)]
@@ -62,6 +62,15 @@ def run_translate(kind, n, k, method):
     return _CACHE[key]
 
 
+def assert_argmax(O, r, tol=1e-9):
+    """Every label is a best cluster of O - T; rows not counted as tied are strictly in it."""
+    Z = O.double() - r.T.to(O.device)
+    own = Z.gather(1, r.labels[:, None].to(O.device)).squeeze(1)
+    assert bool((own >= Z.max(1).values - tol).all())
+    strict = Z.argmax(1) == r.labels.to(O.device)
+    assert int((~strict).sum()) <= r.ties_left
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -75,6 +84,7 @@ def test_translate_balances(kind, n, k, method):
     assert (r.counts - n / k).abs().max().item() <= SPREAD[method]
     if method == "exact":
         assert r.stop_reason == "balanced"
+        assert_argmax(O, r)
     # the reported std is the std of the returned counts
     assert r.std == pytest.approx(pop_std(r.counts, r.target), abs=1e-9)
 
@@ -88,18 +98,44 @@ def test_translate_default_method_is_the_trainers():
     assert train_otl.get_args_parser().get_default("labeler") == default
 
 
-@pytest.mark.parametrize("method", METHODS)
+def test_exact_labels_are_strict_argmax_of_translated_outputs():
+    # distinct outputs: every row strictly in its cluster, no row left tied
+    for n, k in [(5000, 50), (3000, 7), (4000, 300)]:
+        O = torch.randn(n, k, generator=gen(n + k))
+        r = otl.translate(O)
+        assert r.ties_left == 0
+        assert torch.equal((O.double() - r.T).argmax(1), r.labels)
+        assert int(r.counts.max() - r.counts.min()) <= 1
+
+
+def test_exact_ties_between_equal_rows_are_counted():
+    # equal rows cannot be told apart by any T: the counts are still balanced, every label is
+    # one of the row's best clusters, and the rows left tied are counted
+    n, k = 500, 10
+    O = collapsed(n, k, seed=9)
+    r = otl.translate(O)
+    assert r.counts.tolist() == [n // k] * k
+    assert r.ties_left > 0
+    assert_argmax(O, r)
+    # half equal rows, half random: the random half stays strict
+    O = torch.cat([collapsed(n, k, seed=9), torch.randn(n, k, generator=gen(4))])
+    r = otl.translate(O)
+    assert int(r.counts.max() - r.counts.min()) <= 1
+    assert_argmax(O, r)
+    assert torch.equal((O[n:].double() - r.T).argmax(1), r.labels[n:])
+
+
 @pytest.mark.parametrize("kind", ["random", "collapsed"])
-def test_translate_labels_are_argmax_of_translated_outputs(kind, method):
+def test_published_labels_are_argmax_of_translated_outputs(kind):
     n, k = SHAPES[0]
-    O, r = run_translate(kind, n, k, method)
+    O, r = run_translate(kind, n, k, "published")
     assert r.T.shape == (k,)
     assert r.labels.shape == (n,) and r.labels.dtype == torch.int64
     Z = O.double() - r.T
     top = Z.topk(2, dim=1).values
     gap = top[:, 0] - top[:, 1]
-    # ties are broken by a perturbation of at most 1e-6 x the spread of O (published) or
-    # 2^-26 x max|O| (exact): outside it the label is the argmax of O - T
+    # ties are broken by a perturbation of at most 1e-6 x the spread of O: outside it the
+    # label is the argmax of O - T
     clear = gap > 1e-6 * (O.max() - O.min()).item()
     assert torch.equal(Z.argmax(1)[clear], r.labels[clear])
     if kind == "random":
@@ -148,13 +184,15 @@ def test_translate_dtypes_and_device(dtype, device, method):
     top = Z.topk(2, dim=1).values
     clear = (top[:, 0] - top[:, 1]) > 1e-6 * (O.max() - O.min()).item()
     assert torch.equal(Z.argmax(1)[clear], r.labels[clear])
+    if method == "exact":
+        assert_argmax(O, r)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_translate_does_not_modify_float64_input_without_jitter(method):
+def test_translate_does_not_modify_float64_input_without_jitter():
     O = torch.randn(500, 10, generator=gen(6), dtype=torch.float64)
     before = O.clone()
-    otl.translate(O, tie_eps=0, method=method)
+    otl.translate(O, tie_eps=0, method="published")
+    otl.translate(O)
     assert torch.equal(O, before)
 
 
@@ -178,6 +216,16 @@ def test_translate_uneven_target(x, method):
     assert pop_std(r.counts, target) < pop_std(even.counts, target) / 10
 
 
+def test_exact_fractional_target_within_one():
+    # targets that are not whole: every count within 1 of its target (floor or ceil)
+    n, k = 3001, 7
+    target = torch.tensor([0.5, 1, 1.5, 2, 2.5, 3, 3.5], dtype=torch.float64)
+    target = target / target.sum() * n
+    r = otl.translate(torch.randn(n, k, generator=gen(17)), target=target)
+    assert int(r.counts.sum()) == n
+    assert bool(((r.counts.double() - target).abs() < 1).all())
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_translate_custom_target(method):
     n = 2000
@@ -188,17 +236,10 @@ def test_translate_custom_target(method):
     assert (r.counts.double() - r.target).abs().max().item() <= (0 if method == "exact" else 0.01 * n)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_translate_collapsed_without_tie_break_cannot_split(method):
-    # the docstring: without the perturbation, identical rows stay identical whatever T is;
-    # the exact labeler says so (a RuntimeWarning since v26, it was silent) and in stop_reason
+def test_published_collapsed_without_tie_break_cannot_split():
+    # the docstring: without the perturbation, identical rows stay identical whatever T is
     n, k = 500, 10
-    if method == "exact":
-        with pytest.warns(RuntimeWarning, match="tie_eps=0"):
-            r = otl.translate(collapsed(n, k, seed=9), tie_eps=0, method=method)
-        assert r.stop_reason == "max_iter"
-    else:
-        r = otl.translate(collapsed(n, k, seed=9), tie_eps=0, method=method)
+    r = otl.translate(collapsed(n, k, seed=9), tie_eps=0, method="published")
     assert int((r.counts > 0).sum()) == 1
     assert r.std == pytest.approx(r.std_max)
 
@@ -216,7 +257,6 @@ def test_translate_small_problems(method):
 
 def test_translate_result_fields():
     n, k = 5000, 50
-    # the published rules' bookkeeping (method="exact" has its own test)
     r = otl.translate(torch.randn(n, k, generator=gen(1)), method="published")
     assert isinstance(r.iterations, int) and r.iterations >= 1
     assert isinstance(r.std_history, list)
@@ -229,13 +269,14 @@ def test_translate_result_fields():
     # undone steps are worse, so the final std is the best one seen, and never above the start
     assert r.std == pytest.approx(min(r.std_history))
     assert r.std <= r.std_history[0]
-    assert isinstance(r.stop_reason, str)
     assert r.stop_reason in {"balanced", "alpha0", "patience", "max_iter"}
     assert r.seconds >= 0
     r3 = otl.translate(torch.randn(n, k, generator=gen(1)), max_iter=3, method="published")
     assert r3.iterations == 3 and len(r3.std_history) == 4 and r3.stop_reason == "max_iter"
-    if r.stop_reason == "balanced":
-        assert r.std == 0
+    # the exact labeler: the std after each Newton step, then the final one
+    e = otl.translate(torch.randn(n, k, generator=gen(1)))
+    assert e.std_history[0] == pytest.approx(r0.std) and e.std_history[-1] == e.std
+    assert e.iterations >= 1 and e.seconds >= 0
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -245,22 +286,33 @@ def test_translate_balanced_stop_reason(method):
     O = 10 * F.one_hot(torch.arange(n) % k, k).float() + 0.01 * torch.randn(n, k, generator=gen(13))
     r = otl.translate(O, method=method)
     assert r.std == 0.0 and r.stop_reason == "balanced"
-    assert r.iterations == 0 and r.std_history == [0.0]
+    assert r.iterations == 0 and r.std_history[0] == 0.0
     assert torch.equal(r.labels, torch.arange(n) % k)
     assert r.counts.tolist() == [n // k] * k
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_translate_deterministic(method):
+def test_exact_start_is_used():
+    # from an earlier result's T the labeler has nothing left to do; a bad start is refused
+    O = torch.randn(4000, 40, generator=gen(18))
+    r = otl.translate(O)
+    again = otl.translate(O, start=r.T)
+    assert again.iterations <= 1 and torch.equal(again.labels, r.labels)
+    with pytest.raises(ValueError, match="start"):
+        otl.translate(O, start=torch.zeros(3))
+    with pytest.raises(ValueError, match="start"):
+        otl.translate(O, start=r.T, method="published")
+
+
+def test_translate_deterministic():
     O = torch.randn(3000, 30, generator=gen(14))
-    a, b = otl.translate(O, seed=3, method=method), otl.translate(O.clone(), seed=3, method=method)
-    assert torch.equal(a.labels, b.labels)
-    assert torch.equal(a.T, b.T)
+    for method in METHODS:
+        a, b = otl.translate(O, method=method), otl.translate(O.clone(), method=method)
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.T, b.T)
+    # the published rules' tie-break on tied outputs: the seed decides
     C = collapsed(3000, 30, seed=15)
-    a, b = otl.translate(C, seed=3, method=method), otl.translate(C, seed=3, method=method)
+    a, b = (otl.translate(C, seed=3, method="published") for _ in range(2))
     assert torch.equal(a.labels, b.labels)
-    # on tied outputs the seed is what decides
-    c = otl.translate(C, seed=4, method=method)
+    c = otl.translate(C, seed=4, method="published")
     assert not torch.equal(a.labels, c.labels)
 
 
@@ -287,7 +339,7 @@ def test_translate_nan_message_names_rows(method):
         otl.translate(O, method=method)
 
 
-def test_translate_bad_target_and_beta():
+def test_translate_bad_target_beta_and_method():
     O = torch.randn(100, 4, generator=gen(16))
     with pytest.raises(ValueError, match="sum to"):
         otl.translate(O, target=[10, 20, 30, 39])
@@ -299,7 +351,11 @@ def test_translate_bad_target_and_beta():
         otl.translate(O, target=[float("nan"), 40, 30, 30])
     for beta in (1.0, 0.5, 0.0, -2.0):
         with pytest.raises(ValueError, match="beta"):
-            otl.translate(O, beta=beta)
+            otl.translate(O, beta=beta, method="published")
+    with pytest.raises(ValueError, match="published"):
+        otl.translate(O, beta=2.0)          # a setting of the published rules only
+    with pytest.raises(ValueError, match="method"):
+        otl.translate(O, method="sinkhorn")
 
 
 # ------------------------------------------------------------------------------------------------

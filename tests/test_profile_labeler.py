@@ -14,6 +14,7 @@ if os.path.join(ROOT, "bench") not in sys.path:
     sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import otl  # noqa: E402
+import otl_scale  # noqa: E402
 import profile_labeler  # noqa: E402
 
 
@@ -31,18 +32,18 @@ def far_outputs(n, k, seed):
 
 
 def _labeler_functions():
-    return (otl._ExactSolver._approach, otl._ExactSolver._auction, otl._ExactSolver._finish,
-            otl._ExactSolver.strictify, otl.StreamingTranslator._warm_start, otl.sample_start_T,
-            otl._dense_translate, otl._newton_T)
+    return (otl_scale._ExactSolver._approach, otl_scale._ExactSolver._auction, otl_scale._ExactSolver._finish,
+            otl_scale._ExactSolver.strictify, otl_scale.StreamingTranslator._warm_start, otl_scale.sample_start_T,
+            otl_scale._dense_translate, otl_scale._newton_T)
 
 
 def test_stage_timer_records_each_solve_and_restores_the_labeler():
     O = far_outputs(20_000, 20, 0)
     originals = _labeler_functions()
     # the streaming path: the warm start's sample, then the main solve
-    plain = otl.translate(O, dense=False)
+    plain = otl_scale.translate(O, dense=False)
     with profile_labeler.stage_timer(torch.device("cpu")) as records:
-        timed = otl.translate(O, dense=False)
+        timed = otl_scale.translate(O, dense=False)
     assert torch.equal(timed.labels, plain.labels) and torch.equal(timed.T, plain.T)
     assert {solve[0] for solve, _, _, _, _ in records} == {"warm start", "main"}
     main = [r for r in records if r[0][0] == "main"]
@@ -62,7 +63,7 @@ def test_stage_timer_records_each_solve_and_restores_the_labeler():
     # the dense path (k <= 128): its Newton steps on the sample-free 20,000 rows (then perhaps
     # on the rows near a boundary only), then one solve
     with profile_labeler.stage_timer(torch.device("cpu")) as records:
-        dense = otl.translate(O)
+        dense = otl_scale.translate(O)
     assert dense.active < 20_000
     newton = [r for r in records if r[1] == "newton"]
     assert newton and newton[0][0] == ("dense", "newton", 20_000)
@@ -161,15 +162,15 @@ def test_stage_timer_counts_kernels_per_stage_and_keeps_the_labels():
     a solve on numpy), together at most the call's; the dense path's small solve is marked
     as the host's on a GPU.  Counting changes no label."""
     O = far_outputs(20_000, 20, 0)
-    plain = otl.translate(O)
+    plain = otl_scale.translate(O)
     with profile_labeler.KernelCount() as c, profile_labeler.stage_timer(torch.device("cpu"), c) as records:
-        counted = otl.translate(O)
+        counted = otl_scale.translate(O)
     assert torch.equal(counted.labels, plain.labels)
     assert all(0 <= reads <= kern for _, _, _, _, (kern, reads, _) in records)
     assert all(r[4][0] >= 1 for r in records if r[1] == "newton")   # (a numpy solve: none)
     assert sum(r[4][0] for r in records) <= c.kernels
     solve = [r for r in records if r[1] != "newton"]
-    assert solve and all(r[4][2] == (r[0][2] * 20 <= otl._HOST_SOLVE) for r in solve)
+    assert solve and all(r[4][2] == (r[0][2] * 20 <= otl_scale._HOST_SOLVE) for r in solve)
     assert profile_labeler.host_kernels(records) == sum(r[4][0] for r in solve if r[4][2])
     lines = profile_labeler.kernels_report(records, c)
     assert lines[0].startswith("| solve | rows | newton: kernels (reads) [steps]")
@@ -201,7 +202,7 @@ def test_kernels_as_gpu_json(tmp_path):
 
 def test_kernels_refuses_an_otl_without_launch_bound_and_bad_flags(tmp_path):
     old = tmp_path / "otl_old.py"
-    old.write_text(open(os.path.join(ROOT, "otl.py")).read().replace("_launch_bound", "_lb_renamed"))
+    old.write_text(open(os.path.join(ROOT, "otl_scale.py")).read().replace("_launch_bound", "_lb_renamed"))
     good = tmp_path / "good.pt"
     torch.save(torch.randn(2000, 12), good)
     p = run("profile_labeler.py", "--input", str(good), "--kernels", "--as-gpu", "--otl", str(old))

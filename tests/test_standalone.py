@@ -22,13 +22,24 @@ import torch
 import otl
 
 g = torch.Generator().manual_seed(0)
-for k in (20, 300):            # whole rows, and candidate lists with the exact finish
+for k in (20, 300):
     O = torch.randn(6000, k, generator=g) + torch.linspace(0, 1, k)
     for method in ("exact", "published"):
         r = otl.translate(O, method=method)
         spread = int(r.counts.max() - r.counts.min())
         assert spread <= (1 if method == "exact" else 5), (k, method, spread)
         print(k, method, spread)
+    r = otl.translate(O)       # the exact labeler's labels are argmax(O - T), strictly
+    assert torch.equal((O.double() - r.T).argmax(1), r.labels) and r.ties_left == 0
+target = otl.uneven_target(6000, 20, 2)      # an uneven target: met exactly
+r = otl.translate(torch.randn(6000, 20, generator=g), target=target)
+assert torch.equal(r.counts.double(), target), r.counts
+O = torch.randn(1, 10, generator=g).expand(1000, 10)     # collapsed: equal rows
+r = otl.translate(O)
+Z = O.double() - r.T
+assert r.counts.tolist() == [100] * 10, r.counts
+assert bool((Z.gather(1, r.labels[:, None]).squeeze(1) >= Z.max(1).values - 1e-9).all())
+print("uneven and collapsed ok")
 logits = torch.randn(2, 8, 5, requires_grad=True)
 loss = otl.lct_loss(logits, torch.randint(0, 5, (2, 8), generator=g))
 loss.backward()
@@ -50,3 +61,4 @@ def test_otl_alone_with_only_torch(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "ok" in p.stdout
     assert "20 exact 0" in p.stdout and "300 exact" in p.stdout
+    assert "uneven and collapsed ok" in p.stdout

@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 import otl
+import otl_scale
 
 from conftest import EUROSAT
 
@@ -20,7 +21,7 @@ def gen(seed):
 
 
 def exact(O, **kw):
-    return otl.translate(O, method="exact", **kw)
+    return otl_scale.translate(O, method="exact", **kw)
 
 
 def check_translation(O, r, tie_eps=2.0 ** -26):
@@ -194,7 +195,7 @@ def test_exact_is_a_translation():
 # ---------------------------------------------------------------------------------------------
 
 def _stream(O, sizes, **kw):
-    st = otl.StreamingTranslator(O.shape[1], distributed=False, **kw)
+    st = otl_scale.StreamingTranslator(O.shape[1], distributed=False, **kw)
     s = 0
     for b in sizes:
         st.add(O[s:s + b])
@@ -216,7 +217,7 @@ def test_streaming_equals_dense(full):
     check_even(stream)
     if not full:
         # the candidate lists are small: much less memory than the dense outputs
-        st = otl.StreamingTranslator(k, distributed=False, **kw)
+        st = otl_scale.StreamingTranslator(k, distributed=False, **kw)
         assert st.width == 24
 
 
@@ -226,7 +227,7 @@ def test_result_holds_each_row_once(monkeypatch, k, shift):
     twice), also when the working set widens and a second solve takes more rows (here k = 50
     and k = 200 do); the result is the same as translate's, and the translator is spent."""
     O = torch.randn(20_000, k, generator=gen(17)) + torch.linspace(0, shift, k)
-    seen, solve = [], otl.StreamingTranslator._solve
+    seen, solve = [], otl_scale.StreamingTranslator._solve
 
     def checked(self, vals, cols, theta, epoch, cuts, rows, *a, **kw):
         seen.append(rows.numel())
@@ -235,14 +236,14 @@ def test_result_holds_each_row_once(monkeypatch, k, shift):
         assert torch.equal(self.kept, torch.tensor(rest, dtype=torch.long))
         return solve(self, vals, cols, theta, epoch, cuts, rows, *a, **kw)
 
-    monkeypatch.setattr(otl.StreamingTranslator, "_solve", checked)
-    st = otl.StreamingTranslator(k, distributed=False)
+    monkeypatch.setattr(otl_scale.StreamingTranslator, "_solve", checked)
+    st = otl_scale.StreamingTranslator(k, distributed=False)
     st.add(O)
     r = st.result(refetch=lambda rows: O[rows])
     assert seen and seen[-1] == r.active
     if k != 300:
         assert len(seen) > 1                  # the widening path ran
-    monkeypatch.setattr(otl.StreamingTranslator, "_solve", solve)
+    monkeypatch.setattr(otl_scale.StreamingTranslator, "_solve", solve)
     ref = exact(O, dense=False)       # translate's streaming path (k <= 128: dense by default)
     assert torch.equal(r.labels, ref.labels) and torch.equal(r.T, ref.T)
     check_even(r)
@@ -265,8 +266,8 @@ def test_recut_bound_holds_wherever_T_moves():
 
     vals, cols, theta = cut(torch.zeros(k, dtype=torch.float64))
     t = torch.full((k,), n / k, dtype=torch.float64)
-    solver = otl._ExactSolver(vals.clone(), cols.clone(), theta.clone(), k, t, t.floor().long(),
-                              t.ceil().long(), otl._Comm(False), 128, torch.arange(n))
+    solver = otl_scale._ExactSolver(vals.clone(), cols.clone(), theta.clone(), k, t, t.floor().long(),
+                              t.ceil().long(), otl_scale._Comm(False), 128, torch.arange(n))
     dT1 = torch.rand(k, generator=gen(4), dtype=torch.float64) * 3
     solver.dT = dT1.clone()
     again = torch.arange(0, n, 2)
@@ -291,7 +292,7 @@ def test_reread_rows_keep_exact_values_and_a_true_bound():
     n, k = 3000, 300
     O = torch.randn(n, k, generator=gen(21)) * torch.linspace(0.5, 2.0, k)
     O[-40:, 30:] = -math.inf                    # fewer finite columns than the width
-    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0, n_init=1000,
+    st = otl_scale.StreamingTranslator(k, distributed=False, full_rows_up_to=0, n_init=1000,
                                  tie_eps=2.0 ** -10)       # a tie-break large enough to matter
     st.add(O[:1000])
     st.offset = 0
@@ -327,7 +328,7 @@ def test_extraction_counts_dense_rows_apart_and_lists_them_unless_whole(monkeypa
     values, theta bounds every dropped column, and a row with more hits than the width keeps
     the best `width` columns that its whole row gives."""
     n0, k = 1000, 300
-    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0, n_init=n0)
+    st = otl_scale.StreamingTranslator(k, distributed=False, full_rows_up_to=0, n_init=n0)
     st.add(torch.randn(n0, k, generator=gen(40)))
     w = st.width
     T0 = st.T0.to(torch.float32)
@@ -338,8 +339,8 @@ def test_extraction_counts_dense_rows_apart_and_lists_them_unless_whole(monkeypa
     many = torch.arange(40, 50)
     X[many, :w + 4] = T0[:w + 4] + 8.0 + torch.randn(10, w + 4, generator=gen(43)) * 1e-3
     calls = []
-    hits = otl.StreamingTranslator._hits
-    monkeypatch.setattr(otl.StreamingTranslator, "_hits",
+    hits = otl_scale.StreamingTranslator._hits
+    monkeypatch.setattr(otl_scale.StreamingTranslator, "_hits",
                         staticmethod(lambda *a: calls.append(1) or hits(*a)))
     first = st.n + st.row_offset
     st._extract_block(X)
@@ -368,8 +369,8 @@ def test_auction_has_its_own_rounds_after_a_long_approach():
     O = torch.randn(n, k, generator=gen(22), dtype=torch.float64) + torch.linspace(0, 1, k)
     t = torch.full((k,), n / k, dtype=torch.float64)
     cols = torch.arange(k, dtype=torch.int16).expand(n, k).contiguous()
-    solver = otl._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
-                              k, t, t.floor().long(), t.ceil().long(), otl._Comm(False), 1024,
+    solver = otl_scale._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
+                              k, t, t.floor().long(), t.ceil().long(), otl_scale._Comm(False), 1024,
                               torch.arange(n), rounds=500)
     excess = int((solver.counts - solver.hi).clamp(min=0).sum())
     solver._auction(200, [])
@@ -386,8 +387,8 @@ def test_reverse_round_pulls_in_deficits_and_keeps_labels_argmax():
     O = torch.randn(n, k, generator=gen(24), dtype=torch.float64) - torch.linspace(0, 1.5, k)
     t = torch.full((k,), n / k, dtype=torch.float64)
     cols = torch.arange(k, dtype=torch.int16).expand(n, k).contiguous()
-    solver = otl._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
-                              k, t, t.floor().long(), t.ceil().long(), otl._Comm(False), 1024,
+    solver = otl_scale._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
+                              k, t, t.floor().long(), t.ceil().long(), otl_scale._Comm(False), 1024,
                               torch.arange(n))
     deficit = (solver.lo - solver.counts).clamp(min=0)
     assert int((deficit > 0).sum()) > 10                # many under-full clusters at once
@@ -417,8 +418,8 @@ def test_reverse_round_pulls_all_it_can_reach_just_past_the_dearest():
     O[0, 3], O[1, 3] = O[0, 0] - 0.5, O[1, 0] - 0.7
     t = torch.tensor([132.0, 132.0, 133.0, 3.0], dtype=torch.float64)   # only cluster 3 is short
     cols = torch.arange(k, dtype=torch.int16).expand(n, k).contiguous()
-    solver = otl._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
-                              k, t, t.floor().long(), t.ceil().long(), otl._Comm(False), 1024,
+    solver = otl_scale._ExactSolver(O.clone(), cols, torch.full((n,), -math.inf, dtype=torch.float64),
+                              k, t, t.floor().long(), t.ceil().long(), otl_scale._Comm(False), 1024,
                               torch.arange(n))
     assert int(solver.counts[3]) == 0
     solver._attract()
@@ -435,13 +436,13 @@ def test_warm_start_from_a_sample(monkeypatch):
     rows, or outputs near balance at the medians (Gaussian): no warm start."""
     n, k = 20_000, 10
     O = dominant(n, k, 8)
-    calls, warm = [], otl.StreamingTranslator._warm_start
+    calls, warm = [], otl_scale.StreamingTranslator._warm_start
 
     def spy(self, *a):
         calls.append(self.n)
         warm(self, *a)
 
-    monkeypatch.setattr(otl.StreamingTranslator, "_warm_start", spy)
+    monkeypatch.setattr(otl_scale.StreamingTranslator, "_warm_start", spy)
     r = exact(O, dense=False)     # the streaming path (translate's dense one has no warm start)
     assert calls == [n]
     check_even(r)
@@ -470,14 +471,14 @@ def test_far_outputs_stay_on_candidates(monkeypatch):
     scale = torch.exp(torch.randn(k, generator=g) * 0.6) * 0.05
     O = torch.randn(k, generator=g) * 0.05 + torch.randn(n, k, generator=g) * scale
     assert int((torch.bincount(O.argmax(1), minlength=k) > 0).sum()) < k // 3
-    widths, init = [], otl._ExactSolver.__init__
+    widths, init = [], otl_scale._ExactSolver.__init__
 
     def spy(self, vals, *a, **kw):
         widths.append(vals.shape[1])
         init(self, vals, *a, **kw)
 
-    monkeypatch.setattr(otl._ExactSolver, "__init__", spy)
-    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0)
+    monkeypatch.setattr(otl_scale._ExactSolver, "__init__", spy)
+    st = otl_scale.StreamingTranslator(k, distributed=False, full_rows_up_to=0)
     st.add(O)
     r = st.result(refetch=lambda rows: O[rows])
     assert widths == [st.width]            # one solver, on candidates
@@ -491,7 +492,7 @@ def test_widening_after_whole_rows(monkeypatch):
     its solver cut back to their best candidates (with a true bound on the rest), and the
     result is still exact and translation-only."""
     O = torch.randn(20_000, 200, generator=gen(17)) + torch.linspace(0, 2.0, 200)
-    run, take, widths = otl._ExactSolver.run, otl.StreamingTranslator._take, []
+    run, take, widths = otl_scale._ExactSolver.run, otl_scale.StreamingTranslator._take, []
     forced, rows = [], []
 
     def fail_twice(self, *a, **kw):    # as if no cheap move reached a needy cluster, also after
@@ -505,9 +506,9 @@ def test_widening_after_whole_rows(monkeypatch):
             widths.append(prev[1].vals.shape[1])
         return take(self, rows, prev)
 
-    monkeypatch.setattr(otl._ExactSolver, "run", fail_twice)
-    monkeypatch.setattr(otl.StreamingTranslator, "_take", spy)
-    st = otl.StreamingTranslator(200, distributed=False, full_rows_up_to=0)
+    monkeypatch.setattr(otl_scale._ExactSolver, "run", fail_twice)
+    monkeypatch.setattr(otl_scale.StreamingTranslator, "_take", spy)
+    st = otl_scale.StreamingTranslator(200, distributed=False, full_rows_up_to=0)
     st.add(O)
     r = st.result(refetch=lambda rows: O[rows])
     assert forced[:3] == [48, 48, 200] and 200 in widths    # the cut-back path ran
@@ -519,12 +520,12 @@ def test_widening_after_whole_rows(monkeypatch):
 def test_streaming_needs_refetch_when_candidates_fall_short():
     n, k = 5000, 200
     O = torch.randn(n, k, generator=gen(10)) + torch.linspace(0, 3, k)   # far from balance
-    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0, max_candidates=4,
+    st = otl_scale.StreamingTranslator(k, distributed=False, full_rows_up_to=0, max_candidates=4,
                                  candidates=2)
     st.add(O)
     with pytest.raises(RuntimeError, match="refetch"):
         st.result()
-    st = otl.StreamingTranslator(k, distributed=False, full_rows_up_to=0, max_candidates=4,
+    st = otl_scale.StreamingTranslator(k, distributed=False, full_rows_up_to=0, max_candidates=4,
                                  candidates=2)
     st.add(O)
     r = st.result(refetch=lambda rows: O[rows])
@@ -543,7 +544,7 @@ def test_exact_on_cuda_equals_cpu(k, kw, host, monkeypatch):
     the k x N copy, the solve by shortest paths; k = 100: row passes, _ExactSolver; its solve on
     the host, or with host = 0 on the GPU), candidates (k = 300), and candidate lists so short
     that rows are re-read."""
-    monkeypatch.setattr(otl, "_HOST_SOLVE", host)
+    monkeypatch.setattr(otl_scale, "_HOST_SOLVE", host)
     O = torch.randn(30_000, k, generator=gen(14))
     cpu = exact(O, **kw)
     gpu = exact(O.cuda(), **kw)
@@ -557,7 +558,7 @@ def test_exact_on_cuda_equals_cpu(k, kw, host, monkeypatch):
 @pytest.mark.parametrize("k, shape", [(10, "gaussian"), (50, "gaussian"), (100, "gaussian"),
                                       (100, "dominant"), (300, "gaussian"), (300, "clustered")])
 def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
-    """A GPU's passes go over all rows at once (otl._launch_bound): the candidate extraction,
+    """A GPU's passes go over all rows at once (otl_scale._launch_bound): the candidate extraction,
     the solver's blocks and the Newton passes (one block of 30,000 rows where the CPU takes 3
     at k = 100; rows of k, not the k x N copy, at k = 50).  Taken on the CPU, they give the
     CPU's labels and T to the bit: the blocks split rows, never a row's values.  Far outputs
@@ -569,29 +570,29 @@ def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
          "dominant": lambda: dominant(n, k, 16),
          "clustered": lambda: _clustered(n, k, 17)}[shape]()
     # far outputs at k > 256 start from a sample: on a GPU every 8th row (n >= 8 k), not 4th
-    T8 = otl.sample_start_T(O, every=8)
+    T8 = otl_scale.sample_start_T(O, every=8)
     assert (T8 is not None) == (shape == "clustered")
     cpu = exact(O, start=T8) if T8 is not None else exact(O)
     if k == 100:     # blocks on the CPU, one on a GPU
-        assert otl._newton_block(k) < n <= otl._newton_block(k, "cuda")
-    monkeypatch.setattr(otl, "_launch_bound", lambda device: True)
+        assert otl_scale._newton_block(k) < n <= otl_scale._newton_block(k, "cuda")
+    monkeypatch.setattr(otl_scale, "_launch_bound", lambda device: True)
     blocks, col_types = [], set()
-    bufs = otl._newton_bufs
-    monkeypatch.setattr(otl, "_newton_bufs", lambda *a, **kw: blocks.append(a) or bufs(*a, **kw))
-    init = otl._ExactSolver.__init__
+    bufs = otl_scale._newton_bufs
+    monkeypatch.setattr(otl_scale, "_newton_bufs", lambda *a, **kw: blocks.append(a) or bufs(*a, **kw))
+    init = otl_scale._ExactSolver.__init__
 
     def spy(self, *a, **kw):
         init(self, *a, **kw)
         col_types.add(self.cols.dtype)
 
-    monkeypatch.setattr(otl._ExactSolver, "__init__", spy)
+    monkeypatch.setattr(otl_scale._ExactSolver, "__init__", spy)
     gpu = exact(O)
     # the solver holds its candidates' clusters as int32 on a GPU (no conversion a gather, v31)
     assert col_types <= {torch.int32} and (k <= 128 or col_types)
     if T8 is not None:
-        assert torch.equal(otl.sample_start_T(O), T8)
+        assert torch.equal(otl_scale.sample_start_T(O), T8)
     if k <= 100:      # the dense path's passes: one block of every row
-        assert blocks and all(min(a[0], otl._newton_block(a[1], "cuda")) == a[0] for a in blocks)
+        assert blocks and all(min(a[0], otl_scale._newton_block(a[1], "cuda")) == a[0] for a in blocks)
     assert torch.equal(cpu.labels, gpu.labels)
     assert torch.equal(cpu.T, gpu.T)
     check_even(gpu)
@@ -603,10 +604,10 @@ def test_exact_without_scipy(monkeypatch, k):
     same balance and the same translation-only labels."""
     O = torch.randn(6000, k, generator=gen(15)) + torch.linspace(0, 1, k)   # needs the finish
     with_scipy = exact(O)
-    assert otl._scipy_csgraph() is not None      # scipy is a requirement: the C path ran above
-    monkeypatch.setattr(otl, "_SCIPY", False)    # as if scipy were not installed
-    calls, paths = [], otl._shortest_paths
-    monkeypatch.setattr(otl, "_shortest_paths", lambda *a: calls.append(1) or paths(*a))
+    assert otl_scale._scipy_csgraph() is not None      # scipy is a requirement: the C path ran above
+    monkeypatch.setattr(otl_scale, "_SCIPY", False)    # as if scipy were not installed
+    calls, paths = [], otl_scale._shortest_paths
+    monkeypatch.setattr(otl_scale, "_shortest_paths", lambda *a: calls.append(1) or paths(*a))
     r = exact(O)
     assert calls                                 # the finish ran, on the torch Dijkstra
     check_even(r)
@@ -619,10 +620,10 @@ def test_small_k_finishes_without_scipy(monkeypatch):
     process's first call); above, scipy's (the streaming path's finish: the dense one solves
     k <= 64 by _PathSolver)."""
     looked_up = []
-    lookup = otl._scipy_csgraph
-    monkeypatch.setattr(otl, "_scipy_csgraph", lambda: looked_up.append(1) or lookup())
-    calls, paths = [], otl._shortest_paths
-    monkeypatch.setattr(otl, "_shortest_paths", lambda *a: calls.append(a[0]) or paths(*a))
+    lookup = otl_scale._scipy_csgraph
+    monkeypatch.setattr(otl_scale, "_scipy_csgraph", lambda: looked_up.append(1) or lookup())
+    calls, paths = [], otl_scale._shortest_paths
+    monkeypatch.setattr(otl_scale, "_shortest_paths", lambda *a: calls.append(a[0]) or paths(*a))
     for k in (20, 64):
         O = torch.randn(6000, k, generator=gen(15)) + torch.linspace(0, 1, k)   # needs the finish
         r = exact(O, dense=False)
@@ -654,10 +655,10 @@ def test_shortest_paths_against_bellman_ford(monkeypatch, k, density, scipy):
     without scipy, scipy's above k = 64): Bellman-Ford's distances, and each predecessor on a
     shortest path."""
     if not scipy:
-        monkeypatch.setattr(otl, "_SCIPY", False)
+        monkeypatch.setattr(otl_scale, "_SCIPY", False)
     for seed in range(8):
         eb, ew, indptr, src, W, edge = _graph(k, density, seed, ties=seed % 2 == 0)
-        d, pred = otl._shortest_paths(k, eb, ew, indptr, src)
+        d, pred = otl_scale._shortest_paths(k, eb, ew, indptr, src)
         ref = torch.where(src, 0.0, math.inf).double()
         Wm = torch.where(edge, W, math.inf)
         for _ in range(k):
@@ -670,7 +671,7 @@ def test_shortest_paths_against_bellman_ford(monkeypatch, k, density, scipy):
 
 
 def test_streaming_bad_batches():
-    st = otl.StreamingTranslator(10, distributed=False)
+    st = otl_scale.StreamingTranslator(10, distributed=False)
     with pytest.raises(ValueError, match="k=10"):
         st.add(torch.randn(5, 9))
     bad = torch.randn(20, 10)
@@ -686,7 +687,7 @@ def test_streaming_bad_values_with_candidate_lists(bad):
     with its global row number."""
     O = torch.randn(20_000, 300, generator=gen(16))
     O[15_000, 7] = bad
-    st = otl.StreamingTranslator(300, distributed=False)
+    st = otl_scale.StreamingTranslator(300, distributed=False)
     with pytest.raises(ValueError, match=r"NaN or infinite values in 1 rows \(first: \[15000\]\)"):
         for s in range(0, 20_000, 4096):
             st.add(O[s:s + 4096])
@@ -702,10 +703,10 @@ def test_streaming_collapsed_rows_break_ties_by_global_row():
     O = torch.randn(1, k, generator=gen(12)).expand(n, k).contiguous()
     dense = exact(O)
     check_even(dense)
-    st = otl.StreamingTranslator(k, distributed=False, row_offset=half)
+    st = otl_scale.StreamingTranslator(k, distributed=False, row_offset=half)
     st.add(O[half:])
     X = torch.cat(st.cols).long()                    # candidates of the second half
-    one = otl.StreamingTranslator(k, distributed=False)
+    one = otl_scale.StreamingTranslator(k, distributed=False)
     one.add(O)
     assert torch.equal(X, torch.cat(one.cols)[half:].long())
     assert X[:, 0].unique().numel() > 50             # not the same first candidate everywhere
@@ -722,10 +723,10 @@ def test_tie_jitter_numpy_and_torch_agree(monkeypatch, r, m, dtype):
     for cols in (torch.randint(0, 3000, (r, m), generator=gen(6)).to(dtype),
                  torch.arange(m, dtype=dtype).expand(r, m)):
         for seed in (0, 7, 123_456_789):
-            small = otl._tie_jitter(rows, cols, seed)
-            monkeypatch.setattr(otl, "_JITTER_NP", -1)
-            big = otl._tie_jitter(rows, cols, seed)
-            monkeypatch.setattr(otl, "_JITTER_NP", 1 << 16)
+            small = otl_scale._tie_jitter(rows, cols, seed)
+            monkeypatch.setattr(otl_scale, "_JITTER_NP", -1)
+            big = otl_scale._tie_jitter(rows, cols, seed)
+            monkeypatch.setattr(otl_scale, "_JITTER_NP", 1 << 16)
             assert small.dtype == big.dtype == torch.float64
             assert torch.equal(small, big)
             assert ((small >= 0) & (small < 1)).all()
@@ -738,16 +739,16 @@ def test_tie_shift_and_dense_path_without_numpy(monkeypatch):
     of the numpy paths: the same labels (N / k whole)."""
     a = torch.tensor([0, 1, 2, 0, 5])
     b = torch.tensor([1, 2, 3, 4, 4])               # chains 0 -> 1 -> 2 -> 3, 0 / 5 -> 4
-    with_np = otl._tie_shift(otl._tie_order(a, b, 6)[0], 1e-3, 1.0)
+    with_np = otl_scale._tie_shift(otl_scale._tie_order(a, b, 6)[0], 1e-3, 1.0)
     assert with_np.tolist() == pytest.approx([0, 1e-3 / 8, 2e-3 / 8, 3e-3 / 8, 1e-3 / 8, 0])
     cycle = (torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0]))
-    assert otl._tie_order(*cycle, 6)[1] and not otl._tie_order(a, b, 6)[1]
+    assert otl_scale._tie_order(*cycle, 6)[1] and not otl_scale._tie_order(a, b, 6)[1]
     O = dominant(19_980, 20, 42)
     solves = _solver_spy(monkeypatch)
     r = exact(O)
-    monkeypatch.setattr(otl, "np", None)
-    assert torch.equal(otl._tie_shift(otl._tie_order(a, b, 6)[0], 1e-3, 1.0), with_np)
-    assert otl._tie_order(*cycle, 6)[1] and not otl._tie_order(a, b, 6)[1]
+    monkeypatch.setattr(otl_scale, "np", None)
+    assert torch.equal(otl_scale._tie_shift(otl_scale._tie_order(a, b, 6)[0], 1e-3, 1.0), with_np)
+    assert otl_scale._tie_order(*cycle, 6)[1] and not otl_scale._tie_order(a, b, 6)[1]
     r2 = exact(O)
     assert [name for name, _ in solves] == ["_PathSolver", "_ExactSolver"]
     assert torch.equal(r.labels, r2.labels)
@@ -774,7 +775,7 @@ def _rank_main(rank, world, port, O, kw, out):
         n = O.shape[0]
         lo, hi = rank * n // world, (rank + 1) * n // world
         shard = O[lo:hi]
-        st = otl.StreamingTranslator(O.shape[1], row_offset=lo, **kw)
+        st = otl_scale.StreamingTranslator(O.shape[1], row_offset=lo, **kw)
         for s in range(0, shard.shape[0], 1000):
             st.add(shard[s:s + 1000])
         r = st.result(refetch=lambda rows: O[rows])   # global row numbers
@@ -790,12 +791,12 @@ def test_distributed_equals_single_process(full, far, tmp_path, monkeypatch):
     shards), candidates far from balance the auction's reverse rounds (whose cut ranks find by
     bisection where one process sorts)."""
     n, k = 20_000, 120   # rank 0 holds the first n_init = 8192 rows, as one process sees them
-    assert n >= 4 * otl.StreamingTranslator(k)._warm_rows()
+    assert n >= 4 * otl_scale.StreamingTranslator(k)._warm_rows()
     O = dominant(n, k, 11) if far else torch.randn(n, k, generator=gen(11))
     kw = {} if full else {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
-    rounds, attract = [], otl._ExactSolver._attract
-    monkeypatch.setattr(otl._ExactSolver, "_attract", lambda self: rounds.append(1) or attract(self))
-    st = otl.StreamingTranslator(k, distributed=False, **kw)   # as the ranks: no rows_hint
+    rounds, attract = [], otl_scale._ExactSolver._attract
+    monkeypatch.setattr(otl_scale._ExactSolver, "_attract", lambda self: rounds.append(1) or attract(self))
+    st = otl_scale.StreamingTranslator(k, distributed=False, **kw)   # as the ranks: no rows_hint
     st.add(O)
     assert st.far == far and st.all_cols == full
     single = st.result(refetch=lambda rows: O[rows])
@@ -827,7 +828,7 @@ def dominant(n, k, seed):
 
 def _keeps_whole(O, **kw):
     """Whether a StreamingTranslator keeps O's rows whole, decided once its first rows are in."""
-    st = otl.StreamingTranslator(O.shape[1], distributed=False, **kw)
+    st = otl_scale.StreamingTranslator(O.shape[1], distributed=False, **kw)
     st.add(O)
     assert st.T0 is not None
     return st.all_cols
@@ -845,7 +846,7 @@ def test_real_like_outputs_keep_whole_rows_when_they_fit():
     assert not _keeps_whole(O, rows_hint=n, full_rows_up_to=99)          # k > 2 x full_rows_up_to
     # above k = 256 candidates, even when whole rows would fit (passes over them cost more)
     big = dominant(n, 300, 5)
-    st = otl.StreamingTranslator(300, distributed=False, rows_hint=n)
+    st = otl_scale.StreamingTranslator(300, distributed=False, rows_hint=n)
     st.add(big)
     assert st.far and not st.all_cols
     r = exact(O)
@@ -871,14 +872,14 @@ def test_far_outputs_are_solved_in_one_pass(k):
     either way, whole rows (k = 10) or candidates (k = 300, rows not known)."""
     n = 20_000
     O = dominant(n, k, 6)
-    st = otl.StreamingTranslator(k, distributed=False, warm_start=False)   # (it re-centres)
+    st = otl_scale.StreamingTranslator(k, distributed=False, warm_start=False)   # (it re-centres)
     st.add(O)
     r = st.result(refetch=lambda rows: O[rows])
     assert st.far and r.active == n
     check_even(r)
     assert check_translation(O, r) <= 0.01 * n
     G = torch.randn(n, k, generator=gen(7))
-    st = otl.StreamingTranslator(k, distributed=False)
+    st = otl_scale.StreamingTranslator(k, distributed=False)
     st.add(G)
     r = st.result()
     assert not st.far and r.active < n
@@ -916,20 +917,20 @@ def test_collapsed_outputs_widen_the_candidate_lists():
     exact and the labels translation-only.  Random outputs and 60 % filled keep the usual width."""
     n, k = 12_000, 400
     O = _collapsing(n, k, 80, seed=21)
-    st = otl.StreamingTranslator(k, distributed=False, rows_hint=n)
+    st = otl_scale.StreamingTranslator(k, distributed=False, rows_hint=n)
     st.add(O)
     assert (st.widen, st.width, st.candidates) == (2, 96, 48) and not st.all_cols
     r = exact(O)
     check_even(r)
     assert check_translation(O, r) <= 0.01 * n
     for O2 in (torch.randn(n, k, generator=gen(22)), _collapsing(n, k, 240, seed=23)):
-        st = otl.StreamingTranslator(k, distributed=False, rows_hint=n)
+        st = otl_scale.StreamingTranslator(k, distributed=False, rows_hint=n)
         st.add(O2)
         assert (st.widen, st.width) == (1, 48)
     # the expectation follows the target: n_i ~ i^6 leaves many clusters nearly empty, so its
     # first 8192 rows would fill about 234 of them, and 80 filled is not under a third of that
     target = otl.uneven_target(n, k, 6, first=1)
-    st = otl.StreamingTranslator(k, target=target, distributed=False, rows_hint=n)
+    st = otl_scale.StreamingTranslator(k, target=target, distributed=False, rows_hint=n)
     st.add(O)
     assert st.widen == 1
 
@@ -939,8 +940,8 @@ def test_reverse_rounds_start_once_a_collapsed_solve_has_spread(monkeypatch):
     and the approach have spread the rows over half of the clusters, they are turned on (here
     with short candidate lists, so that the first solve falls short).  Balance stays exact."""
     calls = []
-    attract = otl._ExactSolver._attract
-    monkeypatch.setattr(otl._ExactSolver, "_attract",
+    attract = otl_scale._ExactSolver._attract
+    monkeypatch.setattr(otl_scale._ExactSolver, "_attract",
                         lambda self: calls.append(1) or attract(self))
     O = _collapsing(12_000, 400, 80, seed=21)
     r = exact(O, candidates=6, max_candidates=16)
@@ -957,8 +958,8 @@ def test_sparse_table_keys_and_edges_search_as_the_table_itself():
     W = torch.randn(k * k, generator=g, dtype=torch.float64).abs()
     W[torch.rand(k * k, generator=g) < 0.7] = math.inf
     arg = torch.randint(0, 10_000, (k * k,), generator=g)
-    s = object.__new__(otl._ExactSolver)
-    s.k, s.comm = k, otl._Comm(False)
+    s = object.__new__(otl_scale._ExactSolver)
+    s.k, s.comm = k, otl_scale._Comm(False)
     keys = s._table_keys(W)
     for step in range(5):
         touched = torch.rand(k, generator=g) < 0.2
@@ -973,8 +974,8 @@ def test_sparse_table_keys_and_edges_search_as_the_table_itself():
         assert torch.equal(ek, keys) and torch.equal(er, arg[keys])
         src = torch.rand(k, generator=g) < 0.1
         src[0] = True
-        d, _ = otl._shortest_paths(k, eb, ew, indptr, src)
-        assert torch.equal(d, otl._table_paths(W.view(k, k), s.dT, src, ~src)[0]), step
+        d, _ = otl_scale._shortest_paths(k, eb, ew, indptr, src)
+        assert torch.equal(d, otl_scale._table_paths(W.view(k, k), s.dT, src, ~src)[0]), step
         ek, _, _, ew, _ = s._table_edges(W, arg, 0.5, keys)     # only the moves up to tau
         cost = (W + s.dT.repeat(k) - s.dT.repeat_interleave(k))[keys]
         assert torch.equal(ek, keys[cost <= 0.5]) and (ew <= 0.5).all()
@@ -987,7 +988,7 @@ def test_table_paths_against_bellman_ford(monkeypatch, numpy_steps):
     a shortest path; stopped at the last needy cluster, every cluster nearer than it exact and
     the rest left at inf; numpy's steps and torch's alike."""
     if not numpy_steps:
-        monkeypatch.setattr(otl, "np", None)
+        monkeypatch.setattr(otl_scale, "np", None)
     k = 70
     for seed in range(6):
         g = gen(100 + seed)
@@ -1005,7 +1006,7 @@ def test_table_paths_against_bellman_ford(monkeypatch, numpy_steps):
             ref = torch.minimum(ref, (ref[:, None] + C).amin(0))
         needy = ~src & torch.isfinite(ref) & (torch.rand(k, generator=g) < 0.15)
         for want in (~src, needy):
-            d, pred = otl._table_paths(W, dT, src, want)
+            d, pred = otl_scale._table_paths(W, dT, src, want)
             far = float(ref[want].max()) if want.any() else math.inf
             done = torch.isfinite(d)
             assert torch.equal(d[done], ref[done]) and (ref[~done] >= far).all(), seed
@@ -1037,7 +1038,7 @@ def test_start_near_the_answer_balances(k):
     for r in (cold, warm, stream_path):
         check_even(r)
         check_translation(O, r)
-    st = otl.StreamingTranslator(k, distributed=False, start=T1)
+    st = otl_scale.StreamingTranslator(k, distributed=False, start=T1)
     for s in range(0, 12000, 2500):
         st.add(O[s:s + 2500])
     streamed = st.result(refetch=lambda rows: O[rows])
@@ -1062,7 +1063,7 @@ def test_start_bad_values():
     with pytest.raises(ValueError, match="k = 10 finite numbers"):
         exact(O, start=torch.tensor([math.nan] + [0.0] * 9))
     with pytest.raises(ValueError, match="published rules start at 0"):
-        otl.translate(O, method="published", start=torch.zeros(10))
+        otl_scale.translate(O, method="published", start=torch.zeros(10))
 
 
 def _clustered(n, k, seed):
@@ -1078,7 +1079,7 @@ def test_sample_start_on_far_outputs():
     starts from its T (the same labels as start= that T); balanced, translation-only labels,
     also for an uneven target (scaled to the sample)."""
     O = _clustered(6000, 300, 44)
-    T = otl.sample_start_T(O)
+    T = otl_scale.sample_start_T(O)
     assert T is not None and T.shape == (300,)
     r = exact(O)
     assert torch.equal(r.labels, exact(O, start=T).labels)
@@ -1093,14 +1094,14 @@ def test_sample_start_on_far_outputs():
 def test_sample_start_only_where_it_pays():
     """No sample where the medians are a good start (Gaussian outputs), where rows are too few
     (under 4 k), or with whole rows by k (k <= 256: the warm start's ground)."""
-    assert otl.sample_start_T(torch.randn(6000, 300, generator=gen(45))) is None
-    assert otl.sample_start_T(_clustered(1000, 300, 46)) is None
-    assert otl.sample_start_T(_clustered(6000, 200, 47)) is None             # whole rows by k
-    assert otl.sample_start_T(_clustered(6000, 300, 47), full_rows_up_to=150) is None
+    assert otl_scale.sample_start_T(torch.randn(6000, 300, generator=gen(45))) is None
+    assert otl_scale.sample_start_T(_clustered(1000, 300, 46)) is None
+    assert otl_scale.sample_start_T(_clustered(6000, 200, 47)) is None             # whole rows by k
+    assert otl_scale.sample_start_T(_clustered(6000, 300, 47), full_rows_up_to=150) is None
     calls = []
-    real = otl.sample_start_T
+    real = otl_scale.sample_start_T
     try:
-        otl.sample_start_T = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        otl_scale.sample_start_T = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         exact(_clustered(6000, 200, 47))
         assert not calls
         exact(_clustered(6000, 300, 47))
@@ -1108,7 +1109,7 @@ def test_sample_start_only_where_it_pays():
         exact(_clustered(6000, 300, 47), sample_start=False)
         assert len(calls) == 1
     finally:
-        otl.sample_start_T = real
+        otl_scale.sample_start_T = real
 
 
 def test_sample_start_leaves_bad_outputs_to_the_whole_call():
@@ -1128,7 +1129,7 @@ def _dense_spy(monkeypatch, rows=None):
     each exact solve it made (by either solver: the tie-break of the rows solved is drawn
     right before each); rows (a list): each solve's rows appended."""
     calls, solves = [], []
-    dense, jitter = otl._dense_translate, otl._tie_jitter
+    dense, jitter = otl_scale._dense_translate, otl_scale._tie_jitter
 
     def spy(*a):
         solves.clear()
@@ -1142,8 +1143,8 @@ def _dense_spy(monkeypatch, rows=None):
             rows.append(B.clone())
         return jitter(B, cols, seed)
 
-    monkeypatch.setattr(otl, "_dense_translate", spy)
-    monkeypatch.setattr(otl, "_tie_jitter", counted)
+    monkeypatch.setattr(otl_scale, "_dense_translate", spy)
+    monkeypatch.setattr(otl_scale, "_tie_jitter", counted)
     return calls
 
 
@@ -1173,16 +1174,16 @@ def test_dense_path_widens_when_T_moves_past_the_rows_kept(monkeypatch):
     O = dominant(n, k, 22)
     solved = []
     calls = _dense_spy(monkeypatch, solved)
-    monkeypatch.setattr(otl, "_DENSE_SHARE", 0.0)
-    monkeypatch.setattr(otl, "_DENSE_PER_MOVE", 2)      # (8 by default)
+    monkeypatch.setattr(otl_scale, "_DENSE_SHARE", 0.0)
+    monkeypatch.setattr(otl_scale, "_DENSE_PER_MOVE", 2)      # (8 by default)
     musts = []
-    near = otl._near_rows
+    near = otl_scale._near_rows
 
     def spy(lab, margin, R, cnt_out, hi, must=None):
         musts.append(None if must is None else must.clone())
         return near(lab, margin, R, cnt_out, hi, must)
 
-    monkeypatch.setattr(otl, "_near_rows", spy)
+    monkeypatch.setattr(otl_scale, "_near_rows", spy)
     r = exact(O)
     used, sizes = calls[-1]
     assert used and len(sizes) >= 2 and sizes[-1] > sizes[0]
@@ -1209,7 +1210,7 @@ def test_dense_path_uneven_target(monkeypatch, x):
 
 def _solve_by_paths(vals, target):
     lo, hi = otl._count_bounds(target)
-    s = otl._PathSolver(vals, vals.shape[1], target, lo, hi)
+    s = otl_scale._PathSolver(vals, vals.shape[1], target, lo, hi)
     history = []
     assert s.run(history) and len(history) == 1
     s.strictify()
@@ -1238,8 +1239,8 @@ def test_path_solver_balances_with_strict_argmax_labels(k, kind):
     assert (own > S.amax(1)).all() and s.ties > 0
     if torch.equal(lo, hi):
         cols = torch.arange(k, dtype=torch.int16).expand(n, k).contiguous()
-        ref = otl._ExactSolver(vals, cols, torch.full((n,), -math.inf, dtype=torch.float64), k,
-                               target, lo, hi, otl._Comm(False), 8192, torch.arange(n))
+        ref = otl_scale._ExactSolver(vals, cols, torch.full((n,), -math.inf, dtype=torch.float64), k,
+                               target, lo, hi, otl_scale._Comm(False), 8192, torch.arange(n))
         assert ref.run(200, [], 1e-3)
         ref.strictify()
         assert torch.equal(ref.labels, s.labels)
@@ -1258,15 +1259,15 @@ def test_strictify_counts_near_ties_past_rounding_as_ties(solver):
     labels, target = torch.tensor([0, 1, 2]), otl.even_target(3, 3)
     lo, hi = otl._count_bounds(target)
     if solver == "paths":
-        s = otl._PathSolver(vals.clone(), 3, target, lo, hi)
+        s = otl_scale._PathSolver(vals.clone(), 3, target, lo, hi)
         s._lab[:] = labels.numpy()
         s.dT, s.counts = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.int64)
     else:     # whole rows in order, or each row's columns in another order (candidate lists)
         order = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0]]) if solver == "exact_lists" \
             else torch.arange(3).expand(3, 3)
-        s = otl._ExactSolver(vals.gather(1, order), order.to(torch.int16).contiguous(),
+        s = otl_scale._ExactSolver(vals.gather(1, order), order.to(torch.int16).contiguous(),
                              torch.full((3,), -math.inf, dtype=torch.float64), 3, target, lo,
-                             hi, otl._Comm(False), 8192, torch.arange(3), labels=labels.clone())
+                             hi, otl_scale._Comm(False), 8192, torch.arange(3), labels=labels.clone())
     s.strictify()
     assert s.labels.tolist() == [0, 1, 2] and s.counts.tolist() == [1, 1, 1]
     S = vals - s.dT
@@ -1285,13 +1286,13 @@ def test_strictify_keeps_balance_when_no_shift_orders_the_ties(solver):
     labels, target = torch.tensor([0, 1]), otl.even_target(2, 2)
     lo, hi = otl._count_bounds(target)
     if solver == "paths":
-        s = otl._PathSolver(vals.clone(), 2, target, lo, hi)
+        s = otl_scale._PathSolver(vals.clone(), 2, target, lo, hi)
         s._lab[:] = labels.numpy()
         s.counts = torch.ones(2, dtype=torch.int64)
     else:
-        s = otl._ExactSolver(vals.clone(), torch.arange(2, dtype=torch.int16).expand(2, 2).contiguous(),
+        s = otl_scale._ExactSolver(vals.clone(), torch.arange(2, dtype=torch.int16).expand(2, 2).contiguous(),
                              torch.full((2,), -math.inf, dtype=torch.float64), 2, target, lo,
-                             hi, otl._Comm(False), 8192, torch.arange(2), labels=labels.clone())
+                             hi, otl_scale._Comm(False), 8192, torch.arange(2), labels=labels.clone())
     s.strictify()
     assert s.labels.tolist() == [0, 1] and s.counts.tolist() == [1, 1]
     assert s.ties == 2 and s.ties_left == 2
@@ -1301,7 +1302,7 @@ def test_strictify_keeps_balance_when_no_shift_orders_the_ties(solver):
 def _solver_spy(monkeypatch):
     """The dense path's solves, recorded as they start: (solver class name, rows) each."""
     solves = []
-    for cls in (otl._PathSolver, otl._ExactSolver):
+    for cls in (otl_scale._PathSolver, otl_scale._ExactSolver):
         monkeypatch.setattr(cls, "__init__", lambda self, vals, *a, _i=cls.__init__, _c=cls, **kw:
                             solves.append((_c.__name__, vals.shape[0])) or _i(self, vals, *a, **kw))
     return solves
@@ -1315,7 +1316,7 @@ def test_dense_path_solves_few_moves_by_paths_and_many_by_the_auction(monkeypatc
     O = dominant(19_980, 20, 42)
     r = exact(O)
     assert [name for name, _ in solves] == ["_PathSolver"]
-    monkeypatch.setattr(otl, "_PATH_WORK", 0)
+    monkeypatch.setattr(otl_scale, "_PATH_WORK", 0)
     solves.clear()
     r2 = exact(O)
     assert [name for name, _ in solves] == ["_ExactSolver"]
@@ -1343,7 +1344,7 @@ def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
     copy is made again for other outputs handed the same buffers.  (float16 and float64
     outputs with float32 values: the passes read float32.)"""
     n = 5000
-    monkeypatch.setattr(otl, "_newton_block", lambda k, device=None: 1024)   # 4 whole blocks and a short one
+    monkeypatch.setattr(otl_scale, "_newton_block", lambda k, device=None: 1024)   # 4 whole blocks and a short one
     O = dominant(n, k, 43)
     for rows in (slice(0, 50), slice(2100, 2150), slice(4990, 5000)):
         O[rows, 3] = O[rows, 7] = O[rows].amax(1) + 1          # two columns tied at the max
@@ -1357,10 +1358,10 @@ def test_newton_counts_match_their_definition(monkeypatch, dtype, k):
     for way in ways:
         with monkeypatch.context() as mp:
             for name, value in way.items():
-                mp.setattr(otl, name, value)
-            bufs = otl._newton_bufs(n, k, O.device)
+                mp.setattr(otl_scale, name, value)
+            bufs = otl_scale._newton_bufs(n, k, O.device)
             for X in (O, O2, O):
-                got = otl._newton_counts(X, T, out=bufs)
+                got = otl_scale._newton_counts(X, T, out=bufs)
                 for a, b in zip(got, _counts_reference(X, T)):
                     assert torch.equal(a, b), way
             tied = torch.zeros(n, dtype=torch.bool)
@@ -1376,7 +1377,7 @@ def test_kn_copy_is_the_transpose_in_float32(dtype):
     sample's) and on columns cut from wider outputs."""
     O = torch.randn(5000, 300, generator=gen(90)).to(dtype)   # 1,024 rows a block at k = 300
     for X in (O, O[::3], O[:, 5:12], O[:1]):
-        got = otl._kn_copy(X)
+        got = otl_scale._kn_copy(X)
         assert got.dtype == torch.float32 and got.is_contiguous()
         assert torch.equal(got, X.T.to(torch.float32))
 
@@ -1390,25 +1391,25 @@ def test_newton_step_solves_in_numpy_up_to_k_64(monkeypatch, k, numpy_solve):
     n = 6000
     O = dominant(n, k, 91)
     T = torch.randn(k, generator=gen(92), dtype=torch.float64) * 0.1
-    at = otl._newton_counts(O, T)
+    at = otl_scale._newton_counts(O, T)
     e = at[2].to(torch.float64) - otl.even_target(n, k)
     calls = []
-    solve = otl.np.linalg.solve
+    solve = otl_scale.np.linalg.solve
 
     def counted(*a):
         calls.append(a[0].shape)
         return solve(*a)
-    monkeypatch.setattr(otl.np.linalg, "solve", counted)
-    d = otl._newton_step(O, T, at, e, 0.05)
+    monkeypatch.setattr(otl_scale.np.linalg, "solve", counted)
+    d = otl_scale._newton_step(O, T, at, e, 0.05)
     assert bool(calls) == numpy_solve and all(c == (k, k) for c in calls)
     with monkeypatch.context() as mp:
-        mp.setattr(otl, "_NP_SOLVE_K", 0)
-        ref = otl._newton_step(O, T, at, e, 0.05)
+        mp.setattr(otl_scale, "_NP_SOLVE_K", 0)
+        ref = otl_scale._newton_step(O, T, at, e, 0.05)
     assert torch.allclose(d, ref, rtol=1e-9, atol=1e-12) and d.abs().max() > 0
-    if otl._on_numpy(O, k):     # (above _T_K the step reads through torch either way)
+    if otl_scale._on_numpy(O, k):     # (above _T_K the step reads through torch either way)
         with monkeypatch.context() as mp:
-            mp.setattr(otl, "_on_numpy", lambda X, k: False)
-            assert torch.equal(otl._newton_step(O, T, at, e, 0.05), d)
+            mp.setattr(otl_scale, "_on_numpy", lambda X, k: False)
+            assert torch.equal(otl_scale._newton_step(O, T, at, e, 0.05), d)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -1420,12 +1421,12 @@ def test_newton_step_numpy_and_torch_agree(monkeypatch, dtype):
     T = torch.randn(k, generator=gen(47), dtype=torch.float64) * 0.1
     target = otl.even_target(n, k)
     for X in (O, O[::3]):
-        at = otl._newton_counts(X, T)
+        at = otl_scale._newton_counts(X, T)
         e = at[2].to(torch.float64) - target * (X.shape[0] / n)
-        d = otl._newton_step(X, T, at, e, 0.05)
+        d = otl_scale._newton_step(X, T, at, e, 0.05)
         with monkeypatch.context() as mp:
-            mp.setattr(otl, "_on_numpy", lambda X, k: False)
-            assert torch.equal(otl._newton_step(X, T, at, e, 0.05), d)
+            mp.setattr(otl_scale, "_on_numpy", lambda X, k: False)
+            assert torch.equal(otl_scale._newton_step(X, T, at, e, 0.05), d)
         assert d.abs().max() > 0
 
 
@@ -1438,7 +1439,7 @@ def test_join_costs_and_their_order_statistics_on_numpy_match_torch(monkeypatch)
     g = gen(52)
     O = torch.randn(n, k, generator=g)
     T = torch.randn(k, generator=g, dtype=torch.float64) * 0.1
-    at = otl._newton_counts(O, T)
+    at = otl_scale._newton_counts(O, T)
     lab, best = at[0], at[3]
     cols = torch.tensor([4, 0, 17, 29])
     kth = torch.tensor([0, 5, 2999 - int((lab == 17).sum()), 40])
@@ -1452,26 +1453,26 @@ def test_join_costs_and_their_order_statistics_on_numpy_match_torch(monkeypatch)
         for numpy_steps in (True, False):
             with monkeypatch.context() as mp:
                 if not numpy_steps:
-                    mp.setattr(otl, "np", None)
-                G = otl._join_costs(X, T.to(torch.float32), lab, best, cols)
-                got.append((torch.as_tensor(G), otl._kth_smallest(G, kth),
-                            otl._smallest(G, m)))
+                    mp.setattr(otl_scale, "np", None)
+                G = otl_scale._join_costs(X, T.to(torch.float32), lab, best, cols)
+                got.append((torch.as_tensor(G), otl_scale._kth_smallest(G, kth),
+                            otl_scale._smallest(G, m)))
                 # through a pass's scratch (its k x N copy of X, its block of scores): the
                 # same values, written into that block; a block too small, or a copy of
                 # other outputs, is not used
-                bufs = otl._newton_bufs(n, k, X.device)
-                otl._newton_counts(X, T, out=bufs)
+                bufs = otl_scale._newton_bufs(n, k, X.device)
+                otl_scale._newton_counts(X, T, out=bufs)
                 V, _, keep = bufs[3]
                 assert keep["of"] is X
-                Gs = otl._join_costs(X, T.to(torch.float32), lab, best, cols, bufs[3])
+                Gs = otl_scale._join_costs(X, T.to(torch.float32), lab, best, cols, bufs[3])
                 assert torch.equal(torch.as_tensor(Gs), got[-1][0])
                 assert torch.as_tensor(Gs).data_ptr() == V.data_ptr()
                 small = (V[:10], bufs[3][1], keep)
-                Gt = otl._join_costs(X, T.to(torch.float32), lab, best, cols, small)
+                Gt = otl_scale._join_costs(X, T.to(torch.float32), lab, best, cols, small)
                 assert torch.equal(torch.as_tensor(Gt), got[-1][0])
-                other = otl._newton_bufs(n, k, X.device)
-                otl._newton_counts(X + 1, T, out=other)
-                Go = otl._join_costs(X, T.to(torch.float32), lab, best, cols, other[3])
+                other = otl_scale._newton_bufs(n, k, X.device)
+                otl_scale._newton_counts(X + 1, T, out=other)
+                Go = otl_scale._join_costs(X, T.to(torch.float32), lab, best, cols, other[3])
                 assert torch.equal(torch.as_tensor(Go), got[-1][0])
         (Ga, ka, sa), (Gb, kb, sb) = got
         assert torch.equal(Ga, Gb) and torch.equal(ka, kb) and ka.dtype == torch.float64
@@ -1496,19 +1497,19 @@ def test_newton_step_on_an_isolated_cluster_numpy_and_torch_agree(monkeypatch, o
     O = isolated(0, own=own)
     n, k = O.shape
     T = torch.zeros(k, dtype=torch.float64)
-    at = otl._newton_counts(O, T)
+    at = otl_scale._newton_counts(O, T)
     e = at[2].to(torch.float64) - otl.even_target(n, k)
     assert (e[0] < -1) if own < n / k else (e[0] > 1)   # none near cluster 0's boundary
-    d = otl._newton_step(O, T, at, e, 0.05)
-    bufs = otl._newton_bufs(n, k, O.device)
-    otl._newton_counts(O, T, out=bufs)      # (the scratch with its k x N copy of O)
-    assert torch.equal(otl._newton_step(O, T, at, e, 0.05, bufs[3]), d)
+    d = otl_scale._newton_step(O, T, at, e, 0.05)
+    bufs = otl_scale._newton_bufs(n, k, O.device)
+    otl_scale._newton_counts(O, T, out=bufs)      # (the scratch with its k x N copy of O)
+    assert torch.equal(otl_scale._newton_step(O, T, at, e, 0.05, bufs[3]), d)
     with monkeypatch.context() as mp:
-        mp.setattr(otl, "np", None)
-        assert torch.equal(otl._newton_step(O, T, at, e, 0.05), d)
-        bufs = otl._newton_bufs(n, k, O.device)
-        otl._newton_counts(O, T, out=bufs)
-        assert torch.equal(otl._newton_step(O, T, at, e, 0.05, bufs[3]), d)
+        mp.setattr(otl_scale, "np", None)
+        assert torch.equal(otl_scale._newton_step(O, T, at, e, 0.05), d)
+        bufs = otl_scale._newton_bufs(n, k, O.device)
+        otl_scale._newton_counts(O, T, out=bufs)
+        assert torch.equal(otl_scale._newton_step(O, T, at, e, 0.05, bufs[3]), d)
     lab, best = at[0], at[3]
     if e[0] < 0:
         cost = (best - (O[:, 0] - T[0]).to(torch.float32))[lab != 0].sort().values
@@ -1530,7 +1531,7 @@ def test_small_helpers_on_numpy_match_torch():
         assert otl._std_max(t, n) == max(otl._std(worst, t), 1e-12)
     for k in (10, 40):          # numpy's steps up to k = 16, torch's above
         H = torch.randn(8192, k, generator=gen(51)) * 3
-        assert otl._tie_scale(H, 2.0 ** -26) == 2.0 ** -26 * float(H.abs().amax(1).median())
+        assert otl_scale._tie_scale(H, 2.0 ** -26) == 2.0 ** -26 * float(H.abs().amax(1).median())
 
 
 def test_median0_on_numpy_is_torchs_median():
@@ -1539,7 +1540,7 @@ def test_median0_on_numpy_is_torchs_median():
     for A in (torch.randn(8191, 7, generator=gen(48)), torch.randn(64, 3, dtype=torch.float64),
               torch.randn(101, generator=gen(49)), torch.randn(6, 1, generator=gen(50))):
         before = A.clone()
-        assert torch.equal(otl._median0(A), A.median(dim=0).values)
+        assert torch.equal(otl_scale._median0(A), A.median(dim=0).values)
         assert torch.equal(A, before)
 
 
@@ -1593,7 +1594,7 @@ def test_dense_path_from_a_start():
 def _newton_spy(monkeypatch, force_span_max=None):
     """Records (rows, escaped) of each _newton_T call; force_span_max replaces the span_max of
     the calls on the rows near a boundary."""
-    calls, newton = [], otl._newton_T
+    calls, newton = [], otl_scale._newton_T
 
     def spy(X, *a, **kw):
         if force_span_max is not None and "span_max" in kw:
@@ -1602,7 +1603,7 @@ def _newton_spy(monkeypatch, force_span_max=None):
         calls.append((X.shape[0], out[4]))
         return out
 
-    monkeypatch.setattr(otl, "_newton_T", spy)
+    monkeypatch.setattr(otl_scale, "_newton_T", spy)
     return calls
 
 
@@ -1650,7 +1651,7 @@ def test_dense_path_collapsed_outputs_take_their_first_steps_on_every_4th_row(mo
     first steps run on every 4th row (larger inputs take theirs on a sample anyway); on
     outputs not collapsed, all rows from the start.  Exact, the streaming path's labels."""
     n, k = 20_000, 50
-    assert otl._COLLAPSE_EVERY == 4
+    assert otl_scale._COLLAPSE_EVERY == 4
     for O, sampled in ((collapsed(n, k, 34), True), (dominant(n, k, 34), False)):
         calls = _newton_spy(monkeypatch)
         r = exact(O)
@@ -1667,7 +1668,7 @@ def test_dense_path_collapsed_outputs_sample_steps_stop_at_the_samples_noise(mon
     help all rows), or after 8; then all rows, exact."""
     n, k = 20_000, 50
     O = collapsed(n, k, 35)
-    seen, newton = [], otl._newton_T
+    seen, newton = [], otl_scale._newton_T
 
     def spy(X, T, target, max_steps, tol, **kw):
         kw.setdefault("errs", [])
@@ -1675,7 +1676,7 @@ def test_dense_path_collapsed_outputs_sample_steps_stop_at_the_samples_noise(mon
         seen.append((X.shape[0], tol, list(kw["errs"])))
         return out
 
-    monkeypatch.setattr(otl, "_newton_T", spy)
+    monkeypatch.setattr(otl_scale, "_newton_T", spy)
     r = exact(O)
     m = n // 4
     (rows, tol, errs), = [c for c in seen if c[0] == m]
@@ -1694,13 +1695,13 @@ def test_exact_finish_rounds_numpy_and_torch_agree(monkeypatch):
     O = collapsed(3000, 200, 2, protos=8, noise=0.05)
     seen = []
     for fn in ("_table_paths", "_shortest_paths"):
-        real = getattr(otl, fn)
-        monkeypatch.setattr(otl, fn, lambda *a, _f=real, _n=fn, **kw: seen.append(_n) or _f(*a, **kw))
+        real = getattr(otl_scale, fn)
+        monkeypatch.setattr(otl_scale, fn, lambda *a, _f=real, _n=fn, **kw: seen.append(_n) or _f(*a, **kw))
     r = exact(O)
     assert {"_table_paths", "_shortest_paths"} <= set(seen)
     with monkeypatch.context() as mp:
-        mp.setattr(otl, "np", None)
-        mp.setattr(otl, "_SCIPY", False)
+        mp.setattr(otl_scale, "np", None)
+        mp.setattr(otl_scale, "_SCIPY", False)
         r2 = exact(O)
     assert torch.equal(r.labels, r2.labels) and torch.equal(r.T, r2.T)
     check_even(r)
@@ -1723,7 +1724,7 @@ def isolated_at_zero():
     boundary."""
     O = isolated(0)
     T = torch.zeros(O.shape[1], dtype=torch.float64)
-    at = otl._newton_counts(O, T)
+    at = otl_scale._newton_counts(O, T)
     return O, T, at, float(at[1].kthvalue(O.shape[0] // 50).values)
 
 
@@ -1738,7 +1739,7 @@ def test_joiners_adds_the_rows_nearest_to_joining_a_cluster_short_of_rows():
     ic = torch.bincount(lab, minlength=k) - torch.bincount(lab[B], minlength=k)
     target = torch.full((k,), n // k, dtype=torch.int64)
     assert int((lab[B] == 0).sum()) == 0 and int(ic[0]) == 397     # cluster 0: 3 short, far
-    B2, ic2 = otl._joiners(O, T, at, B, ic, target, R)
+    B2, ic2 = otl_scale._joiners(O, T, at, B, ic, target, R)
     assert torch.equal(B2, B2.unique()) and set(B.tolist()) <= set(B2.tolist())
     out = torch.ones(n, dtype=torch.bool)
     out[B2] = False
@@ -1752,7 +1753,7 @@ def test_joiners_adds_the_rows_nearest_to_joining_a_cluster_short_of_rows():
     assert nearest[0] <= set(B2.tolist())
     assert set(B2.tolist()) - set(B.tolist()) <= set().union(*nearest.values())
     everything = torch.arange(n)                                  # all rows in B: nothing to add
-    B3, ic3 = otl._joiners(O, T, at, everything, torch.zeros(k, dtype=torch.int64), target, R)
+    B3, ic3 = otl_scale._joiners(O, T, at, everything, torch.zeros(k, dtype=torch.int64), target, R)
     assert torch.equal(B3, everything) and not ic3.any()
 
 
@@ -1769,13 +1770,13 @@ def test_near_rows_and_joiners_numpy_and_torch_agree(monkeypatch):
              (torch.zeros(k, dtype=torch.int64), hi, torch.arange(0, n, 97)),
              (torch.bincount(lab, minlength=k) // 2, hi - 5, None)]      # others overfill
     def both():
-        got = [otl._near_rows(lab, margin, R, c, h, must) for c, h, must in cases]
+        got = [otl_scale._near_rows(lab, margin, R, c, h, must) for c, h, must in cases]
         B, ic = got[0]
-        return got, otl._joiners(O, T, at, B, ic, target, R), otl._joiners(
+        return got, otl_scale._joiners(O, T, at, B, ic, target, R), otl_scale._joiners(
             O, T, at, torch.arange(n), torch.zeros(k, dtype=torch.int64), target, R)
     a = both()
     with monkeypatch.context() as mp:
-        mp.setattr(otl, "np", None)
+        mp.setattr(otl_scale, "np", None)
         b = both()
     assert a[0][2] is not None and a[1][0].numel() > a[0][0][0].numel()   # the cases happened
     for x, y in zip(a[0] + [a[1], a[2]], b[0] + [b[1], b[2]]):
@@ -1797,7 +1798,7 @@ def test_dense_path_solves_once_with_the_rows_that_join_a_far_cluster(monkeypatc
     check_translation(O, r)
     assert torch.equal(r.labels, exact(O, dense=False).labels)
     solves.clear()
-    monkeypatch.setattr(otl, "_joiners", lambda X, T, at, B, ic, target, R, scratch=None: (B, ic))
+    monkeypatch.setattr(otl_scale, "_joiners", lambda X, T, at, B, ic, target, R, scratch=None: (B, ic))
     assert torch.equal(exact(O).labels, r.labels) and len(solves) == 2
 
 
@@ -1807,12 +1808,12 @@ def test_finish_on_whole_rows_takes_the_table_without_listing_every_move(monkeyp
     table of cheapest moves straight away: no list of all rows' k - 1 moves first; exact.  At
     k > _TABLE_AT_ONCE (at_once: the threshold lowered to 0) it lists no moves at all."""
     if at_once:
-        monkeypatch.setattr(otl, "_TABLE_AT_ONCE", 0)
+        monkeypatch.setattr(otl_scale, "_TABLE_AT_ONCE", 0)
     taus, tables = [], []
-    pairs, table = otl._ExactSolver._pairs, otl._ExactSolver._edge_table
-    monkeypatch.setattr(otl._ExactSolver, "_pairs",
+    pairs, table = otl_scale._ExactSolver._pairs, otl_scale._ExactSolver._edge_table
+    monkeypatch.setattr(otl_scale._ExactSolver, "_pairs",
                         lambda self, rows, tau: (taus.append(tau), pairs(self, rows, tau))[1])
-    monkeypatch.setattr(otl._ExactSolver, "_edge_table", lambda self, W, arg, clusters=None: (
+    monkeypatch.setattr(otl_scale._ExactSolver, "_edge_table", lambda self, W, arg, clusters=None: (
         tables.append(clusters is None and self.vals.shape[1] == self.k),
         table(self, W, arg, clusters))[1])
     O = isolated(0)
@@ -1828,12 +1829,12 @@ def test_table_finish_on_candidate_lists_sparse_or_dense(monkeypatch, sparse):
     """Candidate lists whose finish takes the k x k table search it on its finite entries'
     edges (_table_edges) where they are at most k * k / _TABLE_SPARSE, else on the table
     itself (_table_paths): both exact, the labels a translation's."""
-    monkeypatch.setattr(otl, "_TABLE_SPARSE", 0 if sparse else 10 ** 9)
+    monkeypatch.setattr(otl_scale, "_TABLE_SPARSE", 0 if sparse else 10 ** 9)
     used = []
-    edges, paths = otl._ExactSolver._table_edges, otl._table_paths
-    monkeypatch.setattr(otl._ExactSolver, "_table_edges",
+    edges, paths = otl_scale._ExactSolver._table_edges, otl_scale._table_paths
+    monkeypatch.setattr(otl_scale._ExactSolver, "_table_edges",
                         lambda self, *a: used.append("sparse") or edges(self, *a))
-    monkeypatch.setattr(otl, "_table_paths", lambda *a: used.append("dense") or paths(*a))
+    monkeypatch.setattr(otl_scale, "_table_paths", lambda *a: used.append("dense") or paths(*a))
     O = isolated(0, k=300)
     r = exact(O, dense=False)
     assert used and set(used) == {"sparse" if sparse else "dense"}
@@ -1853,9 +1854,9 @@ def test_exact_solver_on_whole_rows_in_order_equals_it_on_shuffled_columns(tau0)
     t = otl.even_target(n, k)
     got = []
     for vals, cols in ((O, torch.arange(k).expand(n, k)), (O.gather(1, perm), perm)):
-        solver = otl._ExactSolver(vals.clone(), cols.to(torch.int16).contiguous(),
+        solver = otl_scale._ExactSolver(vals.clone(), cols.to(torch.int16).contiguous(),
                                   torch.full((n,), -math.inf, dtype=torch.float64), k, t,
-                                  t.floor().long(), t.ceil().long(), otl._Comm(False), 1024,
+                                  t.floor().long(), t.ceil().long(), otl_scale._Comm(False), 1024,
                                   torch.arange(n))
         assert solver.natural == (vals is O)
         assert solver.run(200, [], tau0)
@@ -1873,21 +1874,21 @@ def test_shed_step_moves_exactly_the_excess_out_of_each_over_full_cluster():
     O = dominant(n, k, 32)
     target = otl.even_target(n, k).double()
     T = O[:8192].median(dim=0).values.double()
-    at = otl._newton_counts(O, T)
+    at = otl_scale._newton_counts(O, T)
     e = at[2].double() - target
-    d = otl._shed_step(at, e)
+    d = otl_scale._shed_step(at, e)
     over = e >= 1
     assert over.any() and (d[~over] == 0).all() and (d[over] > 0).all()
     lab, margin = at[0], at[1]
     for j in over.nonzero()[:, 0].tolist():     # its excess lies below its rise, alone
         assert int((margin[lab == j] < d[j]).sum()) == int(e[j])
-    new = otl._newton_counts(O, T + d)
+    new = otl_scale._newton_counts(O, T + d)
     left = lab != new[0]
     assert not (left & ~over[lab]).any()        # T rose for over-full clusters only
     assert int(left.sum()) <= int(e.clamp(min=0).floor().sum())   # (a runner-up rising too keeps some)
     assert float((new[2].double() - target).abs().sum()) < float(e.abs().sum())
     # no cluster can shed (all at or under the target): None
-    assert otl._shed_step(at, torch.zeros(k, dtype=torch.float64) - 1) is None
+    assert otl_scale._shed_step(at, torch.zeros(k, dtype=torch.float64) - 1) is None
 
 
 def test_newton_T_sheds_where_the_newton_step_does_not_help(monkeypatch):
@@ -1897,9 +1898,9 @@ def test_newton_T_sheds_where_the_newton_step_does_not_help(monkeypatch):
     O = dominant(n, k, 32)
     target = otl.even_target(n, k).double()
     T0 = O[:8192].median(dim=0).values.double()
-    monkeypatch.setattr(otl, "_newton_step", lambda X, T, at, e, frac, scratch=None: torch.zeros_like(T))
+    monkeypatch.setattr(otl_scale, "_newton_step", lambda X, T, at, e, frac, scratch=None: torch.zeros_like(T))
     errs = []
-    T, e, at, passes, escaped = otl._newton_T(O, T0, target, 6, 0.0, errs=errs)
+    T, e, at, passes, escaped = otl_scale._newton_T(O, T0, target, 6, 0.0, errs=errs)
     assert len(errs) >= 4 and all(b < a for a, b in zip(errs, errs[1:]))
     assert (T >= T0).all()          # shedding only raises T
     assert torch.equal(at[0], (O - T.float()).argmax(1))
@@ -1910,12 +1911,12 @@ def test_newton_step_past_span_max_is_not_taken():
     O = dominant(n, k, 31)
     target = otl.even_target(n, k).double()
     T0 = O[:8192].median(dim=0).values.double()
-    T, e, at, passes, escaped = otl._newton_T(O, T0, target, 8, 0.0, span_max=1e-9)
+    T, e, at, passes, escaped = otl_scale._newton_T(O, T0, target, 8, 0.0, span_max=1e-9)
     assert escaped and passes == 1 and torch.equal(T, T0)
     assert torch.equal(at[0], (O - T0.float()).argmax(1))
     assert float(e.abs().sum()) == float((at[2].double() - target).abs().sum())
     # from the state it returned (no first pass), without the bound: steps are taken
-    T2, _, _, passes2, escaped2 = otl._newton_T(O, T, target, 1, 0.0, at=at)
+    T2, _, _, passes2, escaped2 = otl_scale._newton_T(O, T, target, 1, 0.0, at=at)
     assert not escaped2 and passes2 >= 1 and not torch.equal(T2, T0)
 
 
@@ -1929,7 +1930,7 @@ def test_newton_steps_bring_the_counts_near_the_target():
     target = otl.even_target(n, k).double()
     T0 = O[:8192].median(dim=0).values.double()
     errs = []
-    T, e, at, passes, escaped = otl._newton_T(O, T0, target, 8, 0.0, errs=errs)
+    T, e, at, passes, escaped = otl_scale._newton_T(O, T0, target, 8, 0.0, errs=errs)
     lab, margin = at[0], at[1]
     assert not escaped
     assert all(b < a for a, b in zip(errs, errs[1:])) and len(errs) >= 4
@@ -1951,8 +1952,8 @@ def test_gap_after_float32_keys_match_the_stable_sorts():
         lab = torch.randint(0, k, (n,), generator=g)
         excess = torch.randint(0, int(1.5 * n / k), (k,), generator=g)
         excess[0] = n
-        a, b = otl._gap_after(m, lab, excess, k)
-        a64, b64 = otl._gap_after(m.double(), lab, excess, k)
+        a, b = otl_scale._gap_after(m, lab, excess, k)
+        a64, b64 = otl_scale._gap_after(m.double(), lab, excess, k)
         assert torch.equal(a.double(), a64) and torch.equal(b.double(), b64)
         assert torch.isinf(b[0])                # the excess is not below the cluster's rows
 
@@ -1973,14 +1974,14 @@ def test_gap_after_numpy_sort_matches_torch_sorts_and_the_definition(monkeypatch
     excess = torch.randint(0, 2 * n // k, (k,), generator=g)
     excess[:3] = cnt[:3]                                # all of their rows
     excess[3] = cnt[3] + 5                              # more than its rows
-    ms = otl._by_cluster_np(m.numpy(), lab.numpy())
+    ms = otl_scale._by_cluster_np(m.numpy(), lab.numpy())
     assert ms.dtype == m.numpy().dtype and ms.size == n
     for j in (0, 4, 77, 499):
         assert torch.equal(torch.from_numpy(ms[int(cnt[:j].sum()):int(cnt[:j + 1].sum())]),
                            torch.sort(m[lab == j]).values)
-    a, b = otl._gap_after(m, lab, excess, k)
-    monkeypatch.setattr(otl, "np", None)
-    a0, b0 = otl._gap_after(m, lab, excess, k)
+    a, b = otl_scale._gap_after(m, lab, excess, k)
+    monkeypatch.setattr(otl_scale, "np", None)
+    a0, b0 = otl_scale._gap_after(m, lab, excess, k)
     assert torch.equal(a, a0) and torch.equal(b, b0)
     assert bool(torch.isinf(b[:4]).all())
     inside = ((excess >= 1) & (excess < cnt)).nonzero()[:, 0].tolist()
@@ -2010,7 +2011,7 @@ def test_gap_after_few_clusters_as_many(monkeypatch, dtype, numpy_steps):
     each one's excess-th smallest margin and the next (inf where the excess takes all its
     rows), as sorting that cluster's margins gives, in the margins' dtype."""
     if not numpy_steps:
-        monkeypatch.setattr(otl, "np", None)
+        monkeypatch.setattr(otl_scale, "np", None)
     g = gen(48)
     n, k = 4000, 20
     m = torch.rand(n, generator=g, dtype=torch.float64).to(dtype)
@@ -2022,7 +2023,7 @@ def test_gap_after_few_clusters_as_many(monkeypatch, dtype, numpy_steps):
         excess = torch.zeros(k, dtype=torch.int64)
         excess[asked] = torch.randint(1, 60, (asked.numel(),), generator=g)
         excess[asked[0]] = cnt[asked[0]]                  # all of its rows
-        a, b = otl._gap_after(m, lab, excess, k)
+        a, b = otl_scale._gap_after(m, lab, excess, k)
         assert a.dtype == b.dtype == dtype and a.shape == b.shape == (k,)
         for j in asked.tolist():
             ms = torch.sort(m[lab == j]).values
@@ -2040,17 +2041,17 @@ def test_std_on_numpy_torch_and_python_floats_is_the_definition(monkeypatch, k):
     counts = torch.randint(0, 90, (k,), generator=g)
     target = torch.full((k,), 21_600 / k, dtype=torch.float64)
     want = math.sqrt(sum((float(c) - float(t)) ** 2 for c, t in zip(counts, target)) / k)
-    assert otl._std_host(counts, target) == pytest.approx(want, rel=1e-12)
+    assert otl_scale._std_host(counts, target) == pytest.approx(want, rel=1e-12)
     if k > 256:
         assert otl._std(counts, target) == (counts.double() - target).pow(2).mean().sqrt().item()
-    monkeypatch.setattr(otl, "np", None)
-    assert otl._std_host(counts, target) == otl._std(counts, target) == pytest.approx(want, rel=1e-12)
+    monkeypatch.setattr(otl_scale, "np", None)
+    assert otl_scale._std_host(counts, target) == otl._std(counts, target) == pytest.approx(want, rel=1e-12)
 
 
 def test_top2_takes_the_first_of_tied_best_columns():
     S = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, -math.inf, 5.0, 4.0], [0.0, 1.0, 2.0, 7.0]],
                      dtype=torch.float64)
-    best, arg, second = otl._top2_(S.clone())
+    best, arg, second = otl_scale._top2_(S.clone())
     assert arg[:, 0].tolist() == [1, 0, 3]
     assert best.tolist() == [3.0, 5.0, 7.0] and second.tolist() == [3.0, 5.0, 2.0]
 
@@ -2064,9 +2065,9 @@ def test_shed_midpoints_on_numpy_and_torch_agree(monkeypatch):
     b[::7] = math.inf
     a[::11] = 0.0
     over = torch.rand(500, generator=g) < 0.6
-    got = otl._midpoints(a, b, over)
-    monkeypatch.setattr(otl, "np", None)
-    want = otl._midpoints(a, b, over)
+    got = otl_scale._midpoints(a, b, over)
+    monkeypatch.setattr(otl_scale, "np", None)
+    want = otl_scale._midpoints(a, b, over)
     assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
     assert bool((got[~over] == 0).all())
     inf = over & torch.isinf(b)
@@ -2076,14 +2077,14 @@ def test_shed_midpoints_on_numpy_and_torch_agree(monkeypatch):
 
 
 def test_sample_start_takes_every_8th_row_on_a_gpu(monkeypatch):
-    """sample_start_T's default: every 4th row; on a GPU (otl._launch_bound) every 8th where
+    """sample_start_T's default: every 4th row; on a GPU (otl_scale._launch_bound) every 8th where
     the rows are at least 8 k, else every 4th (at fewer than 8 k rows a sample of every 8th
     would be refused, and the call would start from the medians)."""
     O, small = _clustered(6000, 300, 44), _clustered(2000, 300, 45)
-    assert torch.equal(otl.sample_start_T(O), otl.sample_start_T(O, every=4))
-    monkeypatch.setattr(otl, "_launch_bound", lambda device: True)
-    T8 = otl.sample_start_T(O)
-    assert torch.equal(T8, otl.sample_start_T(O, every=8))
-    assert not torch.equal(T8, otl.sample_start_T(O, every=4))
-    assert otl.sample_start_T(small, every=8) is None
-    assert torch.equal(otl.sample_start_T(small), otl.sample_start_T(small, every=4))
+    assert torch.equal(otl_scale.sample_start_T(O), otl_scale.sample_start_T(O, every=4))
+    monkeypatch.setattr(otl_scale, "_launch_bound", lambda device: True)
+    T8 = otl_scale.sample_start_T(O)
+    assert torch.equal(T8, otl_scale.sample_start_T(O, every=8))
+    assert not torch.equal(T8, otl_scale.sample_start_T(O, every=4))
+    assert otl_scale.sample_start_T(small, every=8) is None
+    assert torch.equal(otl_scale.sample_start_T(small), otl_scale.sample_start_T(small, every=4))
