@@ -1,17 +1,16 @@
 """The tuned exact labeler: `otl.translate`'s translation, found fast on large inputs.
 
-`otl.py` holds the method and a short reference exact labeler; this file holds the labeler that
-training uses, tuned for speed and memory and tested against that reference:
+`otl.py` holds the method and a short reference labeler; this file holds the labeler that training
+uses, tuned for speed and memory and tested against that reference:
 
-    res = otl_scale.translate(O)        # the same problem as otl.translate(O), tuned paths
+    res = otl_scale.translate(O)            # the same problem as otl.translate(O)
     st = otl_scale.StreamingTranslator(k)   # never holds the N x k outputs; torchrun-aware
     for batch in batches:
         st.add(net(batch))
     res = st.result(refetch=lambda rows: net(images[rows]))
 
-Imports `otl` (never the other way).  Used if installed: numpy (many small steps cost less on
-its arrays) and scipy (shortest paths in C); without them the same work runs in torch.
-"""
+Imports `otl` (never the other way).  numpy (cheaper small steps) and scipy (Dijkstra in C) are used
+if installed; without them torch does the same work.  Design: docs/labeler.md."""
 from __future__ import annotations
 
 import heapq
@@ -19,8 +18,7 @@ import math
 import numbers
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -50,14 +48,11 @@ def _within(counts, lo, hi) -> bool:
 def translation_steps(assign, range_of, T, labels, counts, target, std_max, history,
                       beta=1.5, alpha0=1e-15, patience=10, max_iter=10000, stop_std=0.0,
                       speed_up=False, stop=None, f0=1.0, std_fn=None):
-    """Algorithm 1's loop with the published step rule (see `translate_published`), for any way of
-    labelling: assign(T) -> (labels, counts at O - T) and range_of(T) -> max - min of O - T (or a
-    bound on it).  The std after every step tried is appended to `history`.  speed_up: after a
-    step that removed less than 30 % of the std (ratio r = new / old), f is multiplied by
-    max(1 - r, 0.5), as a linear response would need (the exact labeler's approach uses it).
-    stop: a callable; when it returns True after a step, the loop ends there (reason "stop").
-    f0: the first steps are 1 / f0 of the published rule's (f starts at f0, not 1).  std_fn:
-    the std of (counts, target) (default _std; the exact labeler's approach: _std_host).
+    """Algorithm 1's loop with the published step rule, for any way of labelling:
+    assign(T) -> (labels, counts) at O - T; range_of(T) -> max - min of O - T or a bound on it.  The
+    std after each step tried is appended to `history`.  speed_up: after a step that removed under
+    30 % of the std (ratio r), f *= max(1 - r, 0.5), as a linear response would need.
+    stop() -> True ends the loop; the first steps are 1 / f0 of the rule's; std_fn defaults to _std.
     Returns (T, labels, counts, std, steps tried, stop reason) at the last accepted step."""
     target_d = target.to(T.device)
     std_fn = _std if std_fn is None else std_fn
@@ -93,7 +88,6 @@ def translation_steps(assign, range_of, T, labels, counts, target, std_max, hist
     return T, labels, counts, std, it, reason
 
 
-
 def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: float = 1e-15,
               patience: int = 10, max_iter: int = 10000, tie_eps=None, seed: int = 0,
               init: str = "median", method: str = "exact", candidates: int = 24,
@@ -101,26 +95,20 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               full_rows_bytes: int = 1 << 30, warm_start: bool = True,
               start=None, sample_start: bool = True, dense: bool = True,
               n_init: int = 8192) -> TranslateResult:
-    """One k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters
-    as the target asks (even by default, or any counts summing to N).  T only translates O, so
-    every difference O[s] - O[t] (and every distance) is unchanged.
+    """A k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters as
+    the target asks (even by default, or any counts summing to N).  T only translates O, so every
+    difference O[s] - O[t] is unchanged.
 
-    method="exact" (default): counts end within 1 of the target (for an even target
-    max - min <= 1, the most even integers allow), without an N x k copy; this is
-    `StreamingTranslator` fed O in chunks (part 9).  `candidates`, `max_candidates`,
-    `full_rows_up_to`, `full_rows_bytes`, `warm_start`, `n_init`, `tie_eps` (default 2**-26),
-    `seed` and `start` (a k-vector T to start from instead of the column medians, such as the T
-    of a similar call: the other augmented view, the last epoch) are its settings (N is its
-    rows_hint).  sample_start: without a start, when k > 2 x full_rows_up_to (candidate lists)
-    and the first rows are far from balance at their medians (real networks' outputs), first
-    solve every 4th row and start from its T (`sample_start_T`; docs/labeler.md, v14).
-    dense: for k <= full_rows_up_to and N >= 64 k, first Newton steps on the counts (rounds
-    of shedding where those fail) and an exact solve of only the rows near a cluster boundary
-    (`_dense_translate`; the streaming path where that cannot finish; docs/labeler.md, v16 and
-    v17).
-    method="published": Algorithm 1 as the authors' code runs it (`translate_published`), with
-    `beta`, `alpha0`, `patience`, `max_iter`, `tie_eps` (default 1e-6), `seed` and `init`.
-    """
+    method="exact" (default): counts end within 1 of the target, without an N x k copy.  With dense,
+    for 2 <= k <= full_rows_up_to and N >= 64 k, the dense path runs first (`_dense_translate`:
+    Newton steps on the counts, then an exact solve of the rows near a cluster boundary).
+    Otherwise, or where it cannot finish, O is fed in chunks to `StreamingTranslator`, whose
+    settings these are (N is its rows_hint; tie_eps defaults to 2**-26).  start: a T to start from
+    instead of the column medians, such as the T of the other augmented view or of the last epoch.
+    sample_start: without a start, for k > 2 x full_rows_up_to and outputs far from balance at their
+    medians, start from the exact T of every 4th row (`sample_start_T`).
+    method="published": Algorithm 1 as the authors' code runs it (`otl.translate_published`), with
+    beta, alpha0, patience, max_iter, tie_eps (default 1e-6), seed and init."""
     if method == "published":
         if start is not None:
             raise ValueError("start= is the exact labeler's; the published rules start at 0")
@@ -154,8 +142,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
 
 
 def _median0(A):
-    """A.median(dim=0).values (the lower of the two middle values) of a float tensor; on the
-    CPU by numpy's partition, faster than torch's median there (docs/labeler.md, v21)."""
+    """A.median(dim=0).values (the lower middle value) of a float tensor; on the CPU by numpy's
+    partition, which is cheaper there than torch's median."""
     if (np is None or A.device.type != "cpu" or A.shape[0] == 0
             or A.dtype not in (torch.float32, torch.float64)):
         return A.median(dim=0).values
@@ -166,13 +154,12 @@ def _median0(A):
 
 
 def _tie_scale(head, tie_eps):
-    """The tie-break's eps from the first rows: tie_eps times a typical row's largest |O| (not
-    the largest of all: one outlier would make the perturbation swamp the real gaps); the dense
-    and the streaming path take the same, so that they break ties alike."""
+    """The tie-break's eps: tie_eps times the median over the first rows of a row's largest |O| (a
+    median, so that one outlier cannot make the perturbation swamp real gaps).  The dense and the
+    streaming path take the same eps, so that they break ties alike."""
     if (np is not None and head.device.type == "cpu" and head.dtype == torch.float32
             and head.shape[1] <= 16):
-        # (rows' largest |O| from a transposed copy: numpy's max along rows of k is slow, and
-        # the copy costs more than torch's steps from k = 32 on; docs/labeler.md, v22)
+        # (small k: numpy's max along short rows is slow, so take it down a transposed copy)
         top = torch.from_numpy(np.abs(np.array(head.numpy().T, order="C")).max(0))
     else:
         top = head.abs().amax(1)
@@ -181,17 +168,12 @@ def _tie_scale(head, tie_eps):
 
 def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 2048,
                    **kw):
-    """A start translation for the exact labeler on outputs held whole: the exact T of every
-    `every`-th row (default 4; on a GPU 8 where the rows are at least 8 k: there a round costs
-    its launches whatever its rows; docs/labeler.md v30 has the H100's timings), target scaled
-    to them, or None when that would not pay: k <= 2 x
-    full_rows_up_to (whole rows, where the warm start does this), fewer than every x k rows,
-    or the first `probe` rows near balance at their column medians (the
-    StreamingTranslator's `_far` test: Gaussian-like outputs, where the medians are a good
-    start already; docs/labeler.md, v14, says why 2048 rows and where the sample paid).  On real
-    networks' crowded outputs the medians are far from the answer and many rows' candidate
-    lists fall short and are read again; from the sample's T few do (docs/labeler.md, v14).
-    kw: translate's settings for the sample's solve."""
+    """A start T for the exact labeler on outputs held whole: the exact T of every `every`-th row
+    (default 4; 8 on a GPU where N >= 8 k, as a round there costs its launches whatever its rows),
+    the target scaled to them.  None where it would not pay: k <= 2 x full_rows_up_to, fewer than
+    every x k rows, or the first `probe` rows near balance at their column medians (`_far`).  On
+    real networks' outputs the medians are far from the answer and many candidate lists fall short
+    and are read again; from the sample's T few do.  kw: translate's settings for the sample."""
     n, k = outputs.shape
     if every is None:
         every = 8 if _launch_bound(outputs.device) and n >= 8 * k else 4
@@ -212,10 +194,9 @@ def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 
 
 
 def _std_host(counts, target) -> float:
-    """_std on numpy above k = 256, where it is installed: no torch operation (on a GPU each is
-    a launch or a host operation; docs/labeler.md v30).  numpy sums in another order than
-    torch, so the last bits may differ from _std's: the exact labeler's own rounds use it; the
-    published rules keep _std, whose step sizes follow the std's every bit (v30)."""
+    """_std in numpy for k > 256 where numpy is installed: no torch operation (on a GPU each is a
+    launch).  numpy sums in another order, so the last bits may differ: the exact labeler's rounds
+    use it; the published rules keep _std, whose step sizes follow every bit of the std."""
     c, t = counts.cpu(), target.cpu()
     if c.numel() > 256 and np is not None and t.dtype == torch.float64:
         d = c.numpy().astype(np.float64) - t.numpy()
@@ -224,11 +205,10 @@ def _std_host(counts, target) -> float:
 
 
 def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tensor:
-    """A fixed uniform [0, 1) number per (global row, column), from integer hashing, so that every
-    way of feeding the same outputs (dense, in batches, split over ranks) perturbs them alike.
-    rows: (r,) and cols: (r, m) int64 -> (r, m) float64.  In place after the first sum: on a
-    big block, allocation costs more than the arithmetic.  Small blocks on the CPU in numpy,
-    the same integer steps (int64 wraps around alike), at a fraction of torch's cost per call."""
+    """A fixed uniform [0, 1) number per (global row, column) from integer hashing, so that every
+    way of feeding the same outputs (dense, in batches, over ranks) perturbs them alike.  rows (r,),
+    cols (r, m) int64 -> (r, m) float64.  Large blocks work in place; small ones on the CPU run the
+    same integer steps in numpy (int64 wraps alike), which cost less per call."""
     if np is not None and cols.device.type == "cpu" and cols.numel() <= _JITTER_NP:
         x = cols.numpy().astype(np.int64) * 0x85EBCA77
         x += rows.numpy().astype(np.int64)[:, None] * 0x9E3779B1 + (int(seed) % 1000003) * 0xC2B2AE3D
@@ -252,9 +232,8 @@ _JITTER_NP = 1 << 16     # _tie_jitter in numpy up to this many values on the CP
 
 
 class _Comm:
-    """All-reduce over torch.distributed when it is initialised (and asked for), else nothing.
-    Tensors travel on the device the backend needs (CUDA for NCCL, else the CPU) and come back
-    on their own device."""
+    """All-reduce over torch.distributed when it is initialised and asked for, else nothing.
+    Tensors travel on the backend's device (CUDA for NCCL, else the CPU) and back."""
 
     def __init__(self, distributed: bool):
         import torch.distributed as dist
@@ -290,85 +269,24 @@ class _Comm:
 
 
 class StreamingTranslator:
-    """Output translation fed batch by batch: never holds the dense N x k outputs.
+    """Output translation fed batch by batch, never holding the dense N x k outputs: `st.add(batch)`
+    for each (n_b, k) batch in row order, then `st.result()` once.  `translate(O)` is this class fed
+    O in chunks.
 
-        st = StreamingTranslator(k)
-        for batch in batches:           # (n_b, k) outputs, in row order
-            st.add(batch)
-        res = st.result()               # TranslateResult for all rows added (this rank's rows);
-                                        # once: it consumes the stored candidates
+    The first `n_init` rows fix a start T0 (their column medians, or `start`), the tie-break's eps
+    and a window.  Rows are kept whole when k <= full_rows_up_to, or when k <= 2 x full_rows_up_to,
+    the outputs are far from balance (`_far`) and the rows fit (`_whole_rows_fit`); else each row
+    keeps its candidates, the columns within `window` of its best at T0 (about `candidates`, at most
+    `max_candidates`), and theta, a bound on the rest.  result() solves only the rows that lead at
+    T0 by at most a radius (the others keep their cluster while T moves less), growing the radius
+    until the solution fits, with `_ExactSolver`.  Counts end within 1 of the target.  Rows whose
+    candidates fall short are read again whole through refetch(row_indices) -> their outputs.
 
-    `translate(O)` is this class fed with O in chunks, so both give the same labels and T.
-
-    Rows are kept whole (every column, 10 bytes each) when k <= `full_rows_up_to` (128);
-    beyond that only their candidates are kept (below), which is what lets N = 1.28M, k = 3000
-    fit in memory.  On outputs whose balancing translation is large compared with the gaps
-    between a row's best outputs (real networks far from balance) the candidates can fall
-    short, and those rows are re-read in full (`refetch`).  So when k <= 2 x full_rows_up_to
-    (256), `rows_hint` (the number of rows this process will add; `translate` gives it) x k x 10
-    bytes fits in `full_rows_bytes` (1 GiB) and the first rows show such outputs (`_far`), rows
-    are kept whole (`_whole_rows_fit`).  Above k = 256 every pass over whole rows costs more than
-    re-reading the rows whose candidates fall short (docs/labeler.md, v10).
-
-    How it works.  The first `n_init` rows (buffered) fix a start T0 (their column medians, or
-    `start` when given: a translation near the answer, such as that of the other augmented view
-    or of the last epoch; then there is no warm start and the first solve is the narrow one), a
-    `window` and the tie-break size.  Every row then keeps only its candidates (`vals`: O - T0 of
-    the columns `cols` within `window` of the row's best, about `candidates` of them, at most
-    `max_candidates`; twice as many when the first rows fill under a third of the clusters an even
-    spread would, `_collapsed`) plus `theta`, a bound on every column it dropped.  Memory: about 10
-    bytes a candidate (1.28M rows x 48 = 0.6 GB; result() moves the rows it solves out of this
-    store, so none is held twice).  The translation is solved on the candidates, and only on the
-    rows that can change cluster: every row's lead at T0 (its best minus its runner-up) is known,
-    and while the translation moves no T_j by more than `radius` relative to another, a row that
-    leads by more than `radius` keeps its best cluster; so the rows leading by at most `radius` are
-    solved with the others' counts fixed, and the radius grows (the solve goes on from where it
-    stopped) until the translation found fits within it (on outputs far from balance, where the
-    translation moves most rows, the first solve takes every row).  With whole rows by k (k <=
-    full_rows_up_to), N >= 4 x max(4096, 32 k) and outputs far from balance at the medians, T0 is
-    first moved to the exact balancing translation of every s-th row (`warm_start`, `_warm_start`),
-    near the whole set's.  The solve:
-
-    0. far from balance, the published step rule (`translation_steps`) on each row's best
-       candidates, moving every cluster at once;
-    1. an ascending auction: every over-full cluster raises its T_j to the middle of the gap
-       that leaves just its excess below (ranks exchange only k-vectors); on candidate lists
-       far from balance each round also has a reverse half, in which every under-full cluster
-       falls just far enough to pull in its deficit (`_attract`);
-    2. an exact finish: shortest augmenting paths between over- and under-full clusters (a
-       Dijkstra on the k clusters over the moves that cost at most tau, edge a -> b the
-       cheapest row of a to move to b; when most moves are needed, from a k x k table of those
-       rows that a round updates only for the clusters that gained or lost a row), with T moved
-       by the path lengths so every row stays at its argmax; several disjoint paths per round;
-    3. strict argmax: moved rows sit exactly on a tie; T is nudged along the order of those ties
-       by less than half of any other margin, so each row's label becomes its strict argmax
-       (where float64 cannot order the ties, the balanced labels stay on them: `ties_left`).
-
-    The counts end within 1 of the target (floor or ceil of it; for an even target, max - min
-    <= 1).  A row whose best candidate could be beaten by a dropped column (theta) is re-read in
-    full: `translate` does that itself; here `result(refetch=fn)` needs fn(row_indices) ->
-    outputs of those rows, and raises if it is needed and missing (it is rare: raise
-    `candidates` to make it rarer).
-
-    Outputs must be finite: NaN and +-inf raise ValueError, except that with candidate lists
-    (k > full_rows_up_to) a -inf after the first n_init rows is let through unchecked: it can
-    never be a row's best or a candidate, so it changes nothing (the check rides on the row
-    maxima, which saves a pass over the outputs).
-
-    Ties.  Exactly equal outputs (a collapsed network) cannot be separated by any translation, so
-    every output gets a fixed perturbation eps * u(row, column), u uniform in [0, 1) from a hash,
-    eps = tie_eps x the median over the first rows of a row's largest |O| (default 2**-26, below
-    float32 resolution; a median, so that one outlier cannot make it swamp real gaps).  Labels
-    are argmax(O + eps u - T): they equal argmax(O - T) except where two entries of a row of
-    O - T are within eps of each other.
-
-    Distributed.  With torch.distributed initialised and distributed=True, each rank adds its own
-    shard (rows in rank order, rank 0 holding at least the first n_init rows, or all of them, to
-    match a single process exactly; pass `row_offset`, the global number of the shard's first
-    row, so that rows with more than `max_candidates` exactly tied outputs break their ties as
-    in one process, and result() checks it); ranks exchange k-vectors (counts, bisection counts) in the
-    auction and, in the exact finish, the k x k cheapest-move matrix per round, never outputs.
-    """
+    A fixed hash tie-break eps * u(row, column) splits identical outputs.  NaN and +-inf raise (with
+    candidate lists a -inf after the first rows passes: it is never a candidate).  Distributed: each
+    rank adds its shard in rank order (row_offset: its first row's global number); ranks exchange
+    k-vectors and k x k tables.
+    See docs/labeler.md, 'Large k or streamed rows: candidate lists, auction, shortest paths'."""
 
     def __init__(self, k: int, target=None, seed: int = 0, candidates: int = 24,
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
@@ -386,8 +304,7 @@ class StreamingTranslator:
             raise ValueError("candidates must be >= 1 and max_candidates >= 2")
         self.n_init, self.tie_eps, self.chunk = int(n_init), float(tie_eps), int(chunk)
         self.comm = _Comm(distributed)
-        # global number of this rank's first row (0 in one process); only exact ties among more
-        # than max_candidates outputs of a row need it before result(), which checks it
+        # global number of this rank's first row (0 in one process); result() checks it
         self.row_offset = int(row_offset) if row_offset is not None else 0
         self.row_offset_given = row_offset is not None or not self.comm.on
         self.full_rows_up_to = int(full_rows_up_to)
@@ -406,8 +323,7 @@ class StreamingTranslator:
         self.vals, self.cols, self.theta = [], [], []
         self.n, self.T0, self.device, self.t0 = 0, None, None, None
         self.kept, self.used = None, False   # local rows the store holds (None: all); result() ran
-        # rows per pass (candidate extraction, the solver): on the CPU 8192, so that a pass's
-        # temporaries stay in cache and are reused rather than mapped afresh; `chunk` on a GPU
+        # rows per pass: 8192 on the CPU, so a pass's temporaries stay in cache; `chunk` on a GPU
         self.block, self._diff, self._mask = 8192, None, None
 
     # -- feeding ---------------------------------------------------------------------------
@@ -443,8 +359,7 @@ class StreamingTranslator:
         head = torch.cat(parts) if parts else torch.zeros(0, self.k)
         self.device = head.device
         head = head if head.dtype == torch.float64 else head.to(torch.float32)
-        # T0, eps, window, radius0, 1 to keep whole rows, 1 when far from the target, the
-        # factor by which the candidate lists widen (_collapsed)
+        # T0, eps, window, radius0, keep whole rows (1 / 0), far (1 / 0), candidate list widening
         params = torch.zeros(self.k + 6, dtype=torch.float64, device=self.device)
         params[self.k + 5] = 1.0
         if head.shape[0] > 0:
@@ -482,10 +397,8 @@ class StreamingTranslator:
         self.T0, self.eps = params[:self.k].clone(), params[self.k].item()
         self.T0f = self.T0.to(torch.float32)     # exact for float32 outputs (medians of them)
         self.T0abs = float(self.T0.abs().max())   # float64 outputs: T0f errs by 2^-24 of this
-        # at least 2 eps: columns within eps of a row's best can still win by the tie-break, so
-        # they must be candidates (on collapsed outputs the gaps, and so the window, are 0, and
-        # a T0 that is not the medians, such as sample_start_T's, leaves only the columns whose
-        # float32 O - T0 happens to round highest, with theta above them all: every row unsafe)
+        # at least 2 eps: columns within eps of a row's best can still win by the tie-break, so they
+        # must be candidates (on collapsed outputs the gaps, and so the window, are 0)
         self.window = math.inf if self.all_cols else max(params[self.k + 1].item(), 2 * self.eps)
         self.radius0 = max(params[self.k + 2].item(), self.eps)
         self.far = params[self.k + 4].item() > 0
@@ -495,33 +408,21 @@ class StreamingTranslator:
 
     @staticmethod
     def _first_radius(rows, T):
-        """The first radius: a fifth of the first 2048 rows lead (best minus runner-up) by less
-        at T."""
+        """The first radius: the 0.2 quantile of the leads (best - runner-up) of 2048 rows at T."""
         top2 = (rows[:2048] - T.to(rows.dtype)).topk(2, dim=1).values
         return (top2[:, 0] - top2[:, 1]).to(torch.float64).quantile(0.2)
 
     def _whole_rows_fit(self):
-        """Whether the rows to come are known to fit whole in `full_rows_bytes` (rows_hint x k x
-        10 bytes).  Whole rows are kept when they fit, the outputs are far from the target
-        (_far) and k <= 2 x full_rows_up_to.
-
-        Why.  Candidates are the columns near each row's best at T0 (the medians), so they hold a
-        row's final cluster only while the balancing translation stays within that window.  On
-        Gaussian outputs it does; on real networks' outputs, where a few clusters take most rows,
-        it is several windows wide, the candidates fall short for most rows and they are re-read
-        whole after a solve that could not finish.  Whole rows are the slower choice on Gaussian
-        outputs, and on real outputs above k = 256, where every pass over them (the approach's
-        candidate choice, the auction's, the finish's, the strict argmax) costs more than
-        re-reading the rows that fall short (docs/labeler.md has the measurements)."""
+        """Whether the rows to come (rows_hint x k x 10 bytes) fit in `full_rows_bytes`.  Candidates
+        hold a row's final cluster only while the translation stays within the window; on real
+        networks' outputs it does not, and whole rows spare re-reading most rows."""
         return self.rows_hint is not None and self.rows_hint * self.k * 10 <= self.full_rows_bytes
 
     @staticmethod
     def _far(cnt, target_arg=None):
-        """Whether the first rows' counts (k,) at the column medians are far from the target
-        (target_arg: the `target` given, None: even): their variance around it over its mean,
-        about 1 when the clusters are even up to sampling noise; the cut is 4.  Far outputs
-        (real networks') also skip result()'s narrow first solve: their translation moves most
-        rows, so that solve was wasted (docs/labeler.md)."""
+        """Whether the first rows' counts at the column medians are far from the target: their mean
+        squared deviation over the mean count (about 1 for sampling noise) is over 4.  Far outputs
+        also skip result()'s narrow first solve, as their translation moves most rows."""
         n, k = int(cnt.sum()), cnt.numel()
         target = StreamingTranslator._head_target(target_arg, n, k)
         return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / k
@@ -540,11 +441,9 @@ class StreamingTranslator:
         return even_target(n, k)
 
     def _collapsed(self, cnt):
-        """Whether the first rows at the column medians fill under a third of the clusters that
-        rows spread over the target would fill (a network collapsing onto a few clusters, as
-        early in training at large k).  Most rows must then move to clusters deep in their
-        lists, and candidate lists of the usual width fall short again and again: the lists are
-        then twice as wide (docs/labeler.md, v11, has the inputs this cut separates)."""
+        """Whether the first rows at the column medians fill under a third of the clusters that rows
+        drawn at the target would fill (a network collapsing onto a few clusters).  Most rows must
+        then move deep into their lists, so the lists are made twice as wide."""
         used = cnt > 0
         target = self._head_target(self.target_arg, int(cnt.sum()), self.k).to(torch.float64)
         expected = float((1 - torch.exp(-target)).sum())   # clusters a Poisson sample fills
@@ -568,16 +467,14 @@ class StreamingTranslator:
             self._extract_block(X[s:s + self.block])
 
     def _extract_block(self, X: torch.Tensor):
-        """Candidates of one block of rows in a few passes that write nothing N x k sized: S = X - T0
-        into a reused buffer, its row maxima, a reused int8 mask S >= max - window, and the
-        mask read 8 columns at a time as int64 words (a row keeps about `candidates` of k
-        columns, so almost every word is 0)."""
+        """Candidates of one block of rows, in passes that write nothing N x k sized: S = X - T0
+        into a reused buffer, its row maxima, a reused int8 mask S >= max - window, read 8 columns
+        at a time as int64 words (almost every word is 0)."""
         n, k, w, dev = X.shape[0], self.k, self.width, self.device
         kp = (k + 7) // 8 * 8
-        # S = X - T0 a few rows at a time (on the CPU: small enough to stay in cache between its
-        # passes), then D = S - (row max - window) in place; the mask of all n rows is D >= 0 as
-        # int8 -1 / 0, from D's sign bit: integer shifts and a narrowing copy are several times
-        # faster than a comparison writing bool.  fl(S - thr) >= 0 exactly when S >= thr.
+        # S = X - T0 a few rows at a time (on the CPU small enough to stay in cache), then
+        # D = S - (row max - window) in place; the mask D >= 0 is int8 -1 / 0 from D's sign bit,
+        # cheaper than a comparison writing bool.  fl(S - thr) >= 0 exactly when S >= thr.
         sub = n if _launch_bound(dev) else max(1, (4 << 20) // (4 * kp))
         if self._mask is None or self._mask.shape[0] < n:
             self._diff = torch.full((min(max(n, self.block), sub), kp), -math.inf,
@@ -596,15 +493,11 @@ class StreamingTranslator:
         if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
             _check_outputs_finite(X, self.n)        # -inf never makes a candidate, so it may stay
         thr = rmax - self.window
-        # hits per row, and the rows with more than w, which keep their best w by exact value
-        # with the tie-break; when those rows hold most of their columns they are taken whole
-        # below, and their hits are not listed (on collapsed outputs every column of every row
-        # is a hit: listing them one by one cost most of the extraction).  The mask is read as
-        # int64 words, 8 columns each: the words with a hit are listed, then the hits in them,
-        # except on the rows with a hit in 9 / 10 of their words or more ("dense"), which are
-        # counted by a sum over their int8 mask and listed only if not taken whole.  (A sum over
-        # every row's mask, as v26 made, cost more than the rest of the extraction on Gaussian
-        # outputs; docs/labeler.md, v27.)
+        # hits per row, from the mask read as int64 words: the words with a hit are listed, then the
+        # hits in them.  Rows with a hit in 9 / 10 of their words or more ("dense") are counted by a
+        # sum over their mask and listed only if not taken whole.  Rows with more than w hits keep
+        # their best w by exact value with the tie-break; where those rows hold most of their
+        # columns they are taken whole, unlisted (on collapsed outputs every column is a hit).
         W = M.view(-1).view(torch.int64)
         kw = kp // 8
         fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
@@ -721,11 +614,9 @@ class StreamingTranslator:
         if (self.warm_start and self.start is None and self.small_k and self.far
                 and n_total >= 4 * self._warm_rows()):
             self._warm_start(n_total, target)
-        # Working set.  At T = T0 every row has a best column and a margin over everything else
-        # (runner-up or theta).  While the translation found moves no T_j by more than `radius`
-        # relative to another (span of dT < radius), rows with a larger margin keep their best
-        # column, so only the rows with margin <= radius are solved; the radius grows until the
-        # span fits.
+        # Working set: at T0 every row leads by a margin over its runner-up (or theta).  While no
+        # T_j moves by more than `radius` relative to another, rows with a larger margin keep their
+        # column, so only the others are solved; the radius grows until the translation found fits.
         lab0 = torch.empty(self.n, dtype=torch.int64, device=dev)
         margin = torch.empty(self.n, dtype=torch.float64, device=dev)
         for s, vals, cols, theta in self._chunks():
@@ -765,7 +656,7 @@ class StreamingTranslator:
         std = _std_host(counts.cpu(), target)
         std_max = _std_max(target, n_total, _std_host)
         ok = _within(counts, lo, hi)
-        if not ok:   # (not seen since v26; it was silent before)
+        if not ok:
             warnings.warn(
                 f"the exact labeler ended with counts {int(counts.min())} - {int(counts.max())}, "
                 "outside the target's bounds (stop_reason 'max_iter'); the labels are usable but "
@@ -783,20 +674,11 @@ class StreamingTranslator:
         return max(4096, 32 * self.k)
 
     def _warm_start(self, n_total, target):
-        """Rows kept whole by k (k <= full_rows_up_to; result() calls this when N >= 4 x
-        _warm_rows() and the outputs are far from balance at the medians, `_far`; near balance
-        it costs more than it saves): re-centre the stored rows (T0 and O - T0) at the
-        balancing translation of a sample of them, the global rows 0, s, 2s, ... (s = N //
-        _warm_rows(), so 1/4 of the rows or fewer), solved exactly by a StreamingTranslator of
-        its own on one process (rank 0; the sample's rows are gathered with a sum over ranks,
-        so any split into ranks gives the same sample and the same start, broadcast).  On real networks' outputs the
-        medians T0 are far from balance and the approach's published step rule spends most of
-        the time getting near; the sample's translation is within its sampling error of the
-        whole set's, so the solve starts near balance, and as for outputs near balance it
-        first solves the rows that lead by little (far = False).  The step rule's first step
-        would overshoot from there (it scales steps by the range of the scores), so the
-        approach starts with steps f0 = 16 times smaller.  Not for k > full_rows_up_to, where
-        it was slower on the inputs measured (docs/labeler.md)."""
+        """Re-centre the stored whole rows (T0 and O - T0) at the exact T of the global rows 0, s,
+        2s, ... (s = N // _warm_rows()), solved by a StreamingTranslator of its own on rank 0 (the
+        rows gathered by a sum over ranks, so any split gives the same start).  From the medians of
+        outputs far from balance most of the step rule's time goes to getting near; from here the
+        solve starts near, with steps f0 = 16 times smaller so that the first does not overshoot."""
         k, comm, dev = self.k, self.comm, self.device
         stride = n_total // self._warm_rows()
         n_sub = (n_total - 1) // stride + 1
@@ -843,10 +725,9 @@ class StreamingTranslator:
 
     def _take(self, rows, prev=None):
         """vals, cols, theta, epoch and cuts (see _ExactSolver) of the local rows `rows`
-        (ascending), moved out of the store: it keeps only the other rows, piece by piece, so the
-        solver's copy is never held twice.  prev: (rows, solver) of an earlier solve on a subset
-        of `rows`; those rows come from that solver, whose candidates are newer (refetched rows),
-        cut back to the store's width if it took whole rows."""
+        (ascending), moved out of the store piece by piece, so that they are never held twice.
+        prev: (rows, solver) of an earlier solve on some of them, whose newer candidates are taken
+        instead (cut back to the store's width if it took whole rows)."""
         w, dev, n_out = self.width, self.device, rows.numel()
         out = (torch.empty(n_out, w, dtype=torch.float64, device=dev),
                torch.empty(n_out, w, dtype=self.cdtype, device=dev),
@@ -901,23 +782,16 @@ class StreamingTranslator:
         rows_global = rows + self.offset
         solver = _ExactSolver(vals, cols, theta, k, target, lo, hi, comm, self.block, rows_global, dT=dT,
                               rounds=rounds, phases=phases, labels=labels, epoch=epoch, cuts=cuts)
-        # reverse rounds in the auction: on candidate lists far from balance, unless most
-        # clusters hold no row yet (then they are in few rows' candidates: docs/labeler.md)
+        # reverse auction rounds on candidate lists far from balance, once the rows are spread over
+        # half of the clusters (an empty cluster is in few rows' candidates)
         solver.f0 = self.f0
-        # (a network collapsing onto a few clusters starts with most of them empty; once the
-        # solve has spread its rows over half of them, reverse rounds are turned on: pending)
         wide_far = self.far and vals.shape[1] < k
         solver.reverse = wide_far and int((solver.counts > 0).sum()) >= 0.5 * k
         pending = wide_far and not solver.reverse
         history.append(solver._std())
-        # Rows whose candidates fell short are read again and their candidates chosen at the
-        # current translation (the same memory); that is repeated while it helps.  When no cheap
-        # path reaches an under-full cluster, or re-reading the short rows stops helping, every
-        # row's candidates are chosen again at the current translation, once; only after that
-        # does the solver take whole rows (memory rows x k x 10 bytes).
-        # Far from the target the approach stops wherever the candidates go stale, so re-reading
-        # goes on past 6 times while each solve ends a fifth more even than any before, or with
-        # a fifth fewer short rows than the last.
+        # Rows whose candidates fell short are read again, their candidates chosen at the current T,
+        # while that helps (past 6 times only while each solve gains a fifth).  Then every row's
+        # candidates are chosen again once; only after that does the solver take whole rows.
         refetched, width, recut_all, rereads = 0, vals.shape[1], False, 0
         best, last_unsafe, progress = math.inf, math.inf, True
         for attempt in range(40):
@@ -966,9 +840,8 @@ class StreamingTranslator:
         return solver, refetched
 
     def _recut(self, solver, pos, rows, refetch):
-        """The candidates of the solver's rows `pos` chosen again at its current dT, from their
-        outputs read again in pieces of at most 256 MB as float64; returns how many were read.
-        Every rank calls it (the counts are summed over ranks once, at the end)."""
+        """Re-choose the candidates of the solver's rows `pos` at its dT from their outputs, read in
+        pieces of at most 256 MB; returns how many were read (every rank calls it)."""
         step = max(1, min(self.chunk, (1 << 28) // (8 * self.k)))
         for s in range(0, pos.numel(), step):
             p = pos[s:s + step]
@@ -997,9 +870,8 @@ class StreamingTranslator:
     def _full_rows(self, X, rows, dT):
         """Candidates of `rows` (local indices) from their full outputs X, chosen against the
         current translation, so the dropped columns cannot win."""
-        # the best `width` + 1 columns without the tie-break (hashing every column cost most of
-        # a re-read), then the kept columns' exact values; a dropped column scores at most the
-        # (w+1)-th plus eps (the tie-break is below eps), plus the rounding of these sums
+        # the best `width` + 1 columns without the tie-break (hashing every column is costly), then
+        # the kept columns' exact values; a dropped column scores at most the (w+1)-th plus eps
         w = self.width
         S = X.to(torch.float64) - (self.T0 + dT)
         tv, ti = S.topk(w + 1, dim=1)
@@ -1011,9 +883,8 @@ class StreamingTranslator:
         slack = 2.0 ** -50 * (b.abs() + scale)
         theta = torch.where(torch.isfinite(b), b + self.eps + slack, b)
         # Where the w-th best leads the (w+1)-th by more than eps, these are the best w with the
-        # tie-break too.  Elsewhere the cut falls among outputs within eps of one another (every
-        # column of a collapsed row), where the tie-break decides: those rows' best w are chosen
-        # on their exact values with it, every column hashed (as the stream chose them)
+        # tie-break too.  Elsewhere (within eps, as on collapsed rows) the tie-break decides: those
+        # rows' best w are chosen on their exact values with it, as the stream chose them
         tied = (tv[:, w - 1] - b <= self.eps + 2 * slack).nonzero()[:, 0]
         if tied.numel():
             V = self._whole_rows(X.index_select(0, tied), rows.index_select(0, tied) + self.offset)
@@ -1023,10 +894,9 @@ class StreamingTranslator:
         return vals, ti.to(self.cdtype), theta
 
     def _cut(self, S, dT, cols=None, theta=None):
-        """(vals, cols, theta) of each row's best `width` entries of S at the translation dT, with
-        theta a bound on the rest at dT (an _ExactSolver epoch at dT): a dropped column j has
-        S_j - dT_j <= tv[w].  cols: the columns of S's entries (None: S holds every column);
-        theta: an earlier bound on the columns S lacks, at dT too."""
+        """(vals, cols, theta) of each row's best `width` entries of S at the translation dT, theta
+        a bound on the rest at dT.  cols: the columns of S's entries (None: every column); theta: an
+        earlier bound, at dT, on the columns S lacks."""
         w = self.width
         dT_at = dT if cols is None else dT.index_select(0, cols.reshape(-1).long()).view(cols.shape)
         tv, ti = (S - dT_at).topk(w + 1, dim=1)
@@ -1044,7 +914,7 @@ def _cat(parts):
 
 def _host_vec(t):
     """A k-vector on the host for a round's bookkeeping: a numpy view where numpy is installed
-    (a numpy step on a few thousand values costs a fraction of torch's), else the CPU tensor."""
+    (cheaper small steps), else the CPU tensor."""
     t = t.cpu()
     return t.numpy() if np is not None else t
 
@@ -1065,11 +935,9 @@ def _arange_like(x):
 
 
 def _top2_(S):
-    """(best value, its column as an (n, 1) index, runner-up) of each row of S, like topk(2)
-    (a tie for the best: the first column, and the runner-up equals the best), with cheaper
-    passes than topk(2) on the CPU.  S is overwritten: its best entries become -inf.  (max
-    with its column, the first at the max as argmax's: one launch on a GPU, and on the CPU
-    cheaper than argmax and a gather on float64 candidate lists; docs/labeler.md v30.)"""
+    """(best value, its column as an (n, 1) index, runner-up) of each row of S, as topk(2) gives
+    them (a tie for the best: the first column, and the runner-up equals it), by max and a scatter,
+    which cost less than topk.  S is overwritten: its best entries become -inf."""
     best, arg = S.max(1, keepdim=True)
     best = best[:, 0]
     second = S.scatter_(1, arg, -math.inf).amax(1) if S.shape[1] > 1 else torch.full_like(best, -math.inf)
@@ -1077,21 +945,24 @@ def _top2_(S):
 
 
 class _ExactSolver:
-    """The translation solved on candidate lists (see StreamingTranslator): vals (n, w) O - T0
-    of each row's candidates, cols (n, w) their clusters, rows_global (n,) the rows' global
-    numbers (ascending); dT (k,) is T - T0 and only grows where the auction and the finish raise
-    it.  All float64.  theta (n,) bounds the dropped columns at the translation the row's
-    candidates were chosen at: cuts[epoch[i]] (a (E, k) table of dT values; row 0 = zeros, the
-    stream's own choice at T0), so that at any dT a dropped column j of row i scores
-    V_ij - dT_j <= theta_i - min(dT - cuts[epoch_i]).  A row chosen again at the current dT
-    (replace_rows) is then safe for as long as T moves less than its lead, not its lead minus
-    everything T moved before."""
+    """The translation solved on candidate lists (see StreamingTranslator).  vals (n, w): O - T0 of
+    each row's candidates, cols (n, w) their clusters, rows_global (n,) the rows' global numbers
+    (ascending); dT (k,) = T - T0, float64.  theta (n,) bounds the dropped columns at the
+    translation the row's candidates were chosen at, cuts[epoch[i]] ((E, k); row 0: zeros, T0): at
+    any dT a dropped column j of row i scores at most theta_i - min(dT - cuts[epoch_i]), so a row
+    chosen again at the current dT (replace_rows) stays safe while T moves less than its lead.
+
+    run() balances in three stages: far from balance, the published step rule on each row's best
+    candidates (_approach); an ascending auction in which over-full clusters raise T_j just enough
+    to shed their excess, with reverse rounds that pull rows into under-full ones (_attract); an
+    exact finish by shortest augmenting paths on the cluster graph (_finish).  strictify() then
+    nudges T so that every label is a strict argmax."""
 
     def __init__(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, dT=None,
                  rounds=0, phases=0, labels=None, epoch=None, cuts=None):
         if _launch_bound(vals.device) and cols.dtype != torch.int32:
-            # (int32 once: every gather of dT by column takes int32 indices, and on a GPU the
-            # conversion a round would otherwise make is a launch; the CPU keeps int16's memory)
+            # int32 once: gathers of dT by column take int32 indices, and on a GPU a conversion per
+            # round is a launch (the CPU keeps int16's memory)
             cols = cols.to(torch.int32)
         self.vals, self.cols, self.theta, self.k = vals, cols, theta, k
         self.epoch = (torch.zeros(vals.shape[0], dtype=torch.int64, device=vals.device)
@@ -1113,9 +984,8 @@ class _ExactSolver:
         self.counts = self._count()
 
     def _natural(self, cols):
-        """Whether cols holds every column in order (whole rows, as _dense_translate's): then
-        a slot's column is its position (no gathers of dT by column, a row's own column is its
-        label) and a block's moves fill the k x k table by row alone."""
+        """Whether cols holds every column in order (whole rows): then a slot's column is its
+        position, with no gathers of dT by column, and moves fill the k x k table by row."""
         k = self.k
         return cols.shape[1] == k and bool((cols == torch.arange(k, device=cols.device)
                                             .to(cols.dtype)).all())
@@ -1127,14 +997,13 @@ class _ExactSolver:
         return _std_host(self.counts.cpu(), self.target)
 
     def _gathered(self, d, cols):
-        """d[cols] for a (n, w) block of cluster numbers: index_select on int32 is several times
-        faster than advanced indexing with int64."""
+        """d[cols] for a (n, w) block of cluster numbers, by index_select on int32 (cheaper than
+        advanced indexing with int64)."""
         return d.index_select(0, cols.reshape(-1).to(torch.int32)).view(cols.shape)
 
     def _rise(self, d=None):
-        """(E,) how far T has risen since each epoch's cut, at least: min(d - cuts[e]); a row
-        of epoch e bounds its dropped columns by theta - _rise(d)[e] at d (default: the
-        current dT)."""
+        """(E,) at least how far T has risen since each epoch's cut, min(d - cuts[e]): a row of
+        epoch e bounds its dropped columns by theta - _rise(d)[e] at d (default: the current dT)."""
         d = self.dT if d is None else d
         last = self._last_rise    # (kept for the same d and cuts: a round's blocks share them)
         if last is None or last[0] is not d or last[1] is not self.cuts:
@@ -1204,21 +1073,15 @@ class _ExactSolver:
 
     # -- 0. far from balance: the published step rule, on the candidates --------------------
     def _approach(self, history, beta=1.5, patience=3, max_iter=500, top=16):
-        """The published step rule (`translation_steps`), which moves every cluster at once,
-        where the auction below, raising over-full clusters only, is slow far from balance (real
-        networks' outputs).  Each step is an argmax over float32 copies of every row's best
-        `top` candidates; the scale of a step is the range of those candidates' scores plus the
-        span of dT; a step that removed little of the std is followed by a larger one
-        (speed_up); it stops at std <= 1.  The exact labels are taken again at the end."""
+        """The published step rule (`translation_steps`), which moves every cluster at once, where
+        the auction, raising over-full clusters only, is slow: far from balance.  Each step is an
+        argmax over float32 copies of every row's best `top` candidates, scaled by their scores'
+        range plus dT's span; it stops at std <= 1, then takes the exact labels."""
         n_total = int(self.counts.sum())
-        # float32 copies with int32 cluster numbers, chunk by chunk, and one reused scratch block:
-        # on the CPU a fresh (chunk, w) tensor per step costs more in page faults than the work.
-        # Only each row's best `top` candidates at a reference translation `ref`, with the next
-        # one as a bound on the rest: a step counts the rows whose best of those could lose to
-        # the rest and the columns the row dropped (theta), and past 1 % of all rows (T has
-        # moved far from ref) the best `top` are chosen again at the current T.  When that
-        # leaves more than 1 % unsure, the rows' stored candidates are stale (T moved beyond
-        # what they hold): the approach stops there, the caller reads those rows again.
+        # float32 copies of each row's best `top` candidates at a reference T `ref`, the next one
+        # and theta bounding the rest, in one reused scratch block (fresh blocks cost page faults).
+        # Past 1 % of rows unsure, the copies are taken again at the current T; still past 1 %, the
+        # candidates are stale: stop, the caller reads the rows again.
         def make_blocks(ref):
             out, moved = [], bool(ref.any())      # at T0 (ref = 0) the scores are vals itself
             rise = self._rise(ref)                 # theta's shift at ref, per epoch
@@ -1273,10 +1136,8 @@ class _ExactSolver:
             return lab, counts
 
         def crawls():
-            """The last 8 steps bettered the best std before them by less than a tenth (the
-            step rule's slow tail, or steps undone one after another), near the target (what
-            run() hands to the auction) or anywhere when the auction has reverse rounds: the
-            auction and the finish close it in fewer, cheaper rounds."""
+            """Whether the last 8 steps bettered the best std before them by under a tenth, near the
+            target or with reverse rounds on: the auction and the finish do better there."""
             own = history[h0:]
             return (near or self.reverse) and len(own) > 8 and min(own[-8:]) > 0.9 * min(own[:-8])
 
@@ -1300,12 +1161,9 @@ class _ExactSolver:
     # -- 1. ascending auction ----------------------------------------------------------------
     def _shed(self, margin, lab, excess, over):
         """r_j for each over-full cluster j: the midpoint of the excess_j-th and the next smallest
-        margin among its members (all ranks), so that exactly excess_j of them lie below it
-        (fewer where those two are equal); just past the largest (by 2^-10 of it) when all
-        must go (twice it, until v28, made each reverse round's fall feed the next one's:
-        docs/labeler.md, v28).  One process sorts the margins, on the CPU too
-        (docs/labeler.md); ranks, which cannot sort their margins together, find the gap by a
-        bisection on global counts and two all-reduced k-vectors its ends, the same numbers."""
+        margin among its members (all ranks), so that excess_j of them lie below it; just past the
+        largest (by 2^-10 of it) when all must go.  One process sorts the margins (_gap_after);
+        several ranks find the same gap by bisection on global counts (_bisect_gap)."""
         if not self.comm.on and margin.numel():
             a, b = _gap_after(margin, lab, excess, self.k)
         else:
@@ -1313,9 +1171,8 @@ class _ExactSolver:
         return _midpoints(a, b, over)
 
     def _bisect_gap(self, margin, lab, excess, over):
-        """(largest margin below the cut, smallest at or above it) per cluster, where the cut
-        leaves exactly excess_j members of j below it (found by bisection on global counts; for
-        exactly equal margins at the cut, both ends are that value)."""
+        """Per cluster, (largest margin below the cut, smallest at or above it) for the cut that
+        leaves exactly excess_j members of j below, by bisection on global counts."""
         k, comm = self.k, self.comm
         mmax = torch.zeros(k, dtype=torch.float64, device=self.dev).scatter_reduce(
             0, lab, margin, "amax")
@@ -1379,10 +1236,9 @@ class _ExactSolver:
                 history.append(self._std())
 
     def _attract(self):
-        """Reverse round: every under-full cluster c pulls in its deficit d_c, other clusters'
-        T fixed: T_c falls to the middle of the gap after the d_c-th smallest loss
-        (best - score in c) among the rows of clusters that are not under-full.  Done as a rise
-        of every other cluster (T only rises: the candidates' bounds stay valid)."""
+        """Reverse round: every under-full cluster c pulls in its deficit d_c, T_c falling to the
+        middle of the gap after the d_c-th smallest loss (best - score in c) among rows of clusters
+        not under-full; done as a rise of all the others, since T only rises."""
         deficit = (self.lo - self.counts).clamp(min=0)
         total = int(deficit.sum())      # (read once: each read is a wait on a GPU)
         if total == 0:
@@ -1393,8 +1249,7 @@ class _ExactSolver:
         for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
             S = vr - self._gathered(self.dT, cr)
             loss = S.amax(1, keepdim=True) - S       # the row's own score (its label) - S
-            # (loss >= 0 or NaN: below inf is isfinite in one operation, not four: each is a
-            # launch on a GPU)
+            # (below inf is isfinite in one operation, not four; loss >= 0 or NaN)
             m = self._gathered(under, cr) & (loss < math.inf)
             i, j = m.nonzero(as_tuple=True)
             gl.append(loss[i, j])
@@ -1404,9 +1259,8 @@ class _ExactSolver:
             e = torch.zeros(0, dtype=torch.int64, device=self.dev)
             gl, gc, gr = [e.to(torch.float64)], [e], [e]
         loss, c, r = (_cat(x) for x in (gl, gc, gr))
-        # a cluster with fewer such rows than its deficit pulls in all of them (none: stays).
-        # Most of the deficit in clusters that few rows hold as candidates (the candidates
-        # are stale): the round would do little, the forward auction and re-reads go on alone
+        # a cluster with fewer such rows than its deficit pulls in all of them; if that is under
+        # half the deficit, the candidates are stale: the forward auction and re-reads go on alone
         cnt = self.comm.sum(torch.bincount(c, minlength=self.k))
         want = torch.minimum(deficit, cnt)
         if int(want.sum()) < 0.5 * total:
@@ -1428,19 +1282,13 @@ class _ExactSolver:
             self.reverse = False      # it did not help: the forward auction goes on alone
 
     # -- 2. exact finish: shortest augmenting paths ------------------------------------------
-    # Moving row i from its cluster a to b costs r_ib = (V_ia - dT_a) - (V_ib - dT_b) >= 0 of
-    # score (V: vals); the edge a -> b of the cluster graph is the cheapest such row.  A round
-    # needs only the edges shorter than the paths it routes, so the solver keeps the moves that
-    # cost at most tau (a short list, built in one pass: _pairs, _list_edges).  On crowded real
-    # outputs tau must grow until most moves are kept, and rebuilding the graph from all of them
-    # every round dominated; then it switches to a k x k table of each cluster pair's cheapest
-    # base V_ia - V_ib (independent of T) and its row, of which a round recomputes only the
-    # clusters that gained or lost a row (_edge_table) and which the shortest paths read
-    # directly (_table_paths).
+    # Moving row i from its cluster a to b costs (V_ia - dT_a) - (V_ib - dT_b) >= 0; the edge a -> b
+    # of the cluster graph is the cheapest such row.  While few moves cost at most tau, a list keeps
+    # them (_pairs, _list_edges); once most do, a k x k table of each pair's cheapest base
+    # V_ia - V_ib and its row, redone only for clusters that gained or lost a row.
     def _moves(self, rows):
         """Every candidate move of `rows` (local, ascending, or self.all_rows), block by block:
-        (rows r, candidate clusters cr, labels lab, base V_ia - V_ib, valid: another cluster
-        and a finite value)."""
+        (rows, candidate clusters, labels, base V_ia - V_ib, valid: another cluster, finite)."""
         for s, (vr, cr, _) in zip(range(0, rows.numel(), self.chunk), self._blocks(rows)):
             r = rows[s:s + self.chunk]
             lab = self.labels.index_select(0, r)
@@ -1471,10 +1319,9 @@ class _ExactSolver:
         return tuple(torch.cat(o) for o in out)
 
     def _list_edges(self, pairs, W0, arg):
-        """The cluster graph on the kept moves, per edge a -> b its cheapest move and, among
-        equal ones, the lowest global row id (the same row on every rank and in every chunking):
-        _graph's five arrays.  W0 and arg are k*k scratch arrays (inf / max), left as they were
-        found."""
+        """The cluster graph on the kept moves: per edge a -> b its cheapest move and, among equal
+        ones, the lowest global row id (the same row in any split or chunking); _graph's five
+        arrays.  W0, arg: k*k scratch arrays (inf / max), left as they were found."""
         k, BIG = self.k, torch.iinfo(torch.int64).max
         prow, pb, pbase = pairs
         key = self.labels.index_select(0, prow) * k + pb
@@ -1499,28 +1346,25 @@ class _ExactSolver:
         return self._graph(e, self._at_dT(e, ew), er)
 
     def _at_dT(self, e, base):
-        """The cost at the current dT of moves a * k + b = e whose base is `base`:
-        (base + dT[b]) - dT[a], summed in that order wherever the finish costs a move (also
-        _table_paths)."""
+        """The cost at the current dT of moves e = a * k + b with base `base`:
+        (base + dT[b]) - dT[a], summed in that order wherever the finish costs a move."""
         k = self.k
         return base + self.dT.index_select(0, e % k) - self.dT.index_select(0, e // k)
 
     def _graph(self, e, cost, er):
-        """The cluster graph for _shortest_paths from its edges a * k + b (ascending), their
-        costs and rows: (e, er) where they are (the finish looks up the few edges on its
-        paths there) and, on the CPU, what the search reads: b (int32), cost (float64, at
-        least 0) and the csr row pointers (int32).  On a GPU only those three are copied to
-        the host each round, about 12 bytes an edge instead of 32."""
+        """The cluster graph for _shortest_paths from its edges a * k + b (ascending), their costs
+        and rows: (e, er) where they are (to look up the few edges on the paths) and, on the CPU,
+        what the search reads: b (int32), cost (float64, >= 0), csr row pointers (int32), about 12
+        bytes an edge to copy from a GPU each round."""
         k = self.k
         indptr = torch.searchsorted(e // k, torch.arange(k + 1, device=e.device))
         return (e, er, (e % k).to(torch.int32).cpu(), cost.clamp(min=0).cpu(),
                 indptr.to(torch.int32).cpu())
 
     def _edge_table(self, W, arg, clusters=None):
-        """The cheapest base V_ia - V_ib of a move a -> b among this process's rows (W, k*k
-        float64, inf: none) and its row (arg: the lowest global row id among equal ones, so the
-        same row on every rank and in every chunking), for the source clusters in the (k,) mask
-        `clusters` (None: all), whose entries are reset first."""
+        """Per move a -> b among this process's rows, the cheapest base V_ia - V_ib (W, k*k, inf:
+        none) and its row (arg: the lowest global row id among equal ones), for the source clusters
+        in the (k,) mask `clusters` (None: all), whose entries are reset first."""
         k, BIG = self.k, torch.iinfo(torch.int64).max
         if clusters is None:
             rows = self.all_rows
@@ -1532,9 +1376,8 @@ class _ExactSolver:
             arg.view(k, k)[clusters] = BIG
         for second in (False, True):     # the minima first, then the lowest row id at each
             for r, cr, lab, base, ok in self._moves(rows):
-                # every slot scattered, the invalid ones as inf / BIG (which change no minimum):
-                # half the time of scattering the valid ones picked out (v23); with whole rows
-                # in order, by row along dim 0 of the k x k view (a fifth of it)
+                # every slot scattered, invalid ones as inf / BIG (no minimum changes): cheaper than
+                # picking the valid ones; whole rows in order scatter along dim 0 of the k x k view
                 key = None if self.natural else lab[:, None] * k + cr
                 if not second:
                     src = torch.where(ok, base, math.inf)
@@ -1550,19 +1393,17 @@ class _ExactSolver:
                     dst.scatter_reduce_(0, key.view(-1), src.reshape(-1), "amin")
 
     def _table_edges(self, W, arg, tau, keys):
-        """The cluster graph at the current dT on the table's moves that cost at most tau
-        (_graph's five arrays), costing only its finite entries, whose ascending a * k + b are
-        `keys` (_table_keys; one process): a sparse table's rounds (candidate lists) are
-        cheaper so than _table_paths' look at every entry."""
+        """The cluster graph at the current dT on the table's moves that cost at most tau (_graph's
+        five arrays), costing only the finite entries `keys` (_table_keys; one process): on a sparse
+        table cheaper than _table_paths' look at every entry."""
         cost = self._at_dT(keys, W.index_select(0, keys))
         sel = (cost <= tau).nonzero()[:, 0]
         e = keys.index_select(0, sel)
         return self._graph(e, cost.index_select(0, sel), arg.index_select(0, e))
 
     def _table_keys(self, W, keys=None, touched=None):
-        """The ascending a * k + b of W's finite entries: all of them (keys None), or `keys`
-        with the rows of the (k,) mask `touched` taken again from W (the only rows
-        _edge_table changed), merged without a sort."""
+        """The ascending a * k + b of W's finite entries: all (keys None), or `keys` with the rows
+        in `touched` (those _edge_table changed) redone, merged without a sort."""
         k = self.k
         if keys is None:
             return (W < math.inf).nonzero()[:, 0]    # (W: finite or +inf)
@@ -1579,17 +1420,12 @@ class _ExactSolver:
         return out
 
     def _finish(self, history, tau0, max_phases=None):
-        """Rounds of shortest paths on one of two graphs: while the moves that cost at most tau
-        are few, a list of them (built in one pass; a round re-reads only the moved rows, and a
-        distance is trusted below tau minus how far T has moved since); once they are more than
-        a quarter of all candidate moves (real networks' crowded outputs), the k x k table of
-        every cluster pair's cheapest move, of which a round recomputes only the clusters that
-        gained or lost a row (there a distance below tau is exact): searched on its finite
-        entries where they are few (_table_edges), else on the table itself (_table_paths: no
-        edge list).  Every round moves a row from a cluster over its bound to one under it, so
-        the rounds are at most the rows; max_phases (default: twice the rows, a guard only)
-        stops it unbalanced.  (It was 10,000 until v26, which rows collapsed onto a few tight
-        groups reached: docs/labeler.md.)"""
+        """Rounds of shortest paths from over- to under-full clusters, on one of two graphs: a list
+        of the moves that cost at most tau while they are few (a round re-reads only the moved rows;
+        a distance is trusted below tau minus how far T moved since), or, once they are over a
+        quarter of all candidate moves, the k x k table (exact below tau), searched on its finite
+        entries where those are few (_table_edges), else on the table itself (_table_paths).  A
+        round moves rows along disjoint paths; max_phases is a guard."""
         k, dev = self.k, self.dev
         if max_phases is None:
             max_phases = self.phases + 2 * int(self.counts.sum()) + 1000
@@ -1597,8 +1433,7 @@ class _ExactSolver:
         arg = torch.full((k * k,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
         pairs, tau, dT_built, table, keys = None, float(tau0), None, False, None
         n_moves = int(self.comm.sum(torch.tensor([self.vals.numel()]))[0])   # candidate slots, all ranks
-        # (a round's k-vectors on the host: numpy's where installed, a fraction of torch's cost
-        # a step, on a GPU's host as on the CPU; docs/labeler.md, v31)
+        # (a round's k-vectors on the host: on numpy where installed, cheaper small steps)
         lo, hi = (_host_vec(t) for t in (self.lo, self.hi))
         while self.phases < max_phases:
             counts = _host_vec(self.counts)
@@ -1610,9 +1445,8 @@ class _ExactSolver:
                 return True
             sources, needs = _as_torch(give > 0), _as_torch(take > 0)
             if not table and pairs is None:
-                # (whole rows in one process: the table at once where tau = inf keeps all of
-                # every row's k - 1 moves, and at k > _TABLE_AT_ONCE, where listing the moves
-                # under a growing tau cost more than the table's rounds: docs/labeler.md, v24)
+                # (whole rows in one process: the table at once where tau = inf keeps every move,
+                # and at k > _TABLE_AT_ONCE, where listing the moves under a growing tau costs more)
                 every = (self.vals.shape[1] == k and not self.comm.on
                          and (math.isinf(tau) or k > _TABLE_AT_ONCE))
                 pairs, dT_built = (None, None) if every else \
@@ -1628,9 +1462,8 @@ class _ExactSolver:
             # cheaper than tau less how far T has moved since it was built)
             trust = tau if table else tau - float((self.dT - dT_built).max())
             if table and keys is None:
-                # (the search reads every entry, also moves dearer than tau: a distance up to
-                # tau runs over cheaper moves only, so those are the distances of the graph
-                # of moves up to tau, and only they are routed)
+                # (the search reads every entry, dearer moves too: a distance up to tau runs over
+                # cheaper moves only, so only those distances are routed)
                 if self.comm.on:   # ranks agree on the global cheapest move, then its lowest row id
                     Wg = self.comm.min(W.clone())
                     ag = self.comm.min(torch.where(W == Wg, arg, torch.iinfo(torch.int64).max))
@@ -1718,9 +1551,8 @@ class _ExactSolver:
 
     def run(self, max_rounds, history, tau0, check_rows=False):
         """Balance: True, or False when no cheap move reaches a cluster that needs rows.
-        check_rows: return None before the finish when the candidates of more than 1 % of the
-        rows fell short on the way (the finish on them would be largely wasted: the caller reads
-        those rows again; a few such rows are read again after the finish)."""
+        check_rows: None before the finish when over 1 % of the rows' candidates fell short (the
+        caller reads them again; the finish on them would be mostly wasted)."""
         n = float(self.counts.sum())
         E = float((self.counts - self.hi).clamp(min=0).sum())
         if E > 0.02 * n:
@@ -1733,17 +1565,11 @@ class _ExactSolver:
     # -- 3. strict argmax --------------------------------------------------------------------
     def strictify(self, keep_balance=True):
         """Moved rows sit on exact ties.  Order the clusters so that every tie a -> b (a row of a
-        with equal score in b) has pi[b] > pi[a], and add eta * pi to T with eta below half of
+        with an equal score in b) has pi[b] > pi[a], and add eta * pi to T with eta under half of
         every other margin over (max pi + 1): ties resolve to the current labels, nothing else
-        changes.  keep_balance: where that shift would take balanced counts out of their bounds
-        (no shift orders the ties), keep the labels and T, the rows on their ties (ties_left);
-        False (no tie-break: identical rows then stay together, as documented) shifts anyway.
-        One look at every row (its best, runner-up and margin) finds the few rows
-        with a tie; only those are looked at column by column, and only they can change.
-        Equal is up to 64 float64 ulps of the largest |value| at first; where eta would not
-        exceed twice that (a pair of scores a little further apart than that: the finish's
-        sums of many steps can leave ties so; docs/labeler.md, v24), those pairs count as
-        ties too, until it does."""
+        changes.  Only the rows near a tie are looked at column by column.  Equal is within 64 ulps
+        of the largest |value| at first, raised while eta would not clear it.  keep_balance: where
+        the shift would unbalance balanced counts, keep the labels and T (ties_left)."""
         k, dev = self.k, self.dev
         # ties are equal up to float64 rounding of the values involved
         parts = [self.dT.abs().max()]    # one wait for the device, not two a block
@@ -1761,8 +1587,7 @@ class _ExactSolver:
                 return
             pi, cycle = _tie_order(key // k, key % k, k)
             r = min(rmin, gap)
-            # (a margin over a dropped column's bound, gap, is not a pair that could count as
-            # a tie)
+            # (gap is a margin over a dropped column's bound, not a pair that could be a tie)
             if rmin >= gap or _ties_clear(pi, cycle, rmin, tol):
                 break
             tol = rmin      # the nearest pair that was not a tie is one now
@@ -1775,19 +1600,17 @@ class _ExactSolver:
         self.labels[tied] = self._eval(tied)[1]
         self.counts = self._count()
         if keep_balance and balanced and not _within(self.counts, self.lo, self.hi):
-            # Scores closer than float64 resolves at their size (thousands of rows spread over
-            # the clusters by the tie-break alone, beside others: docs/labeler.md, v26): no shift
-            # orders these ties.  Balance comes first: the rows keep their labels, on a tie.
+            # Scores closer than float64 resolves at their size: no shift orders these ties.
+            # Balance comes first: the rows keep their labels, on a tie.
             self.dT = dT
             self.labels[tied] = old
             self.counts = self._count()
             self.ties_left = int(self.comm.sum(torch.tensor([tied.numel()]))[0])
 
     def _ties(self, margin, arg, tol):
-        """strictify's look at the rows at a tolerance: the tied pairs a * k + b (ascending, of
-        all ranks), the tied rows (local), the least score difference over tol of any row to
-        another of its candidates (rmin), and the least margin over a dropped column's bound
-        (gap); all ranks agree on all but the rows."""
+        """strictify's look at the rows at tolerance tol: the tied pairs a * k + b (ascending, all
+        ranks), the tied rows (local), the least score difference over tol to another candidate
+        (rmin) and the least margin over a dropped column's bound (gap)."""
         k, dev = self.k, self.dev
         near = (margin <= tol) | (arg != self.labels)
         rmin = float(torch.where(near, math.inf, margin).amin()) if margin.numel() else math.inf
@@ -1809,8 +1632,8 @@ class _ExactSolver:
             g = g[torch.isfinite(g)]
             if g.numel():
                 gmin = min(gmin, float(g.min()))
-        # the tied pairs a * k + b, ascending, of all ranks (across ranks as a k x k sum; in
-        # one process without any k x k array: a k = 3000 one is 72 MB to copy both ways)
+        # the tied pairs a * k + b, ascending, of all ranks (across ranks as a k x k sum; in one
+        # process without any k x k array)
         key = (torch.cat(ta) * k + torch.cat(tb) if ta else
                torch.zeros(0, dtype=torch.int64, device=dev))
         if self.comm.on:
@@ -1822,11 +1645,9 @@ class _ExactSolver:
 
 
 def _tie_order(a, b, k):
-    """(pi, cycle): pi (k,) float64 with pi[b[i]] > pi[a[i]] for every tie a[i] -> b[i] (a row
-    of cluster a with an equal score in b), the longest chain of ties into each cluster; cycle:
-    the ties form one (no such pi; pi is then what k + 1 steps reached).  a, b: int64 CPU
-    tensors.  (On numpy arrays where numpy is installed: a few small steps, each a fraction of
-    torch's cost per call.)"""
+    """(pi, cycle): pi (k,) float64 with pi[b[i]] > pi[a[i]] for every tie a[i] -> b[i], the longest
+    chain of ties into each cluster; cycle: the ties form one (pi is then what k + 1 steps reached).
+    a, b: int64 CPU tensors; numpy arrays inside where numpy is installed."""
     if np is not None:
         a, b, pi = a.numpy(), b.numpy(), np.zeros(k)
         for _ in range(k + 1):
@@ -1846,10 +1667,8 @@ def _tie_order(a, b, k):
 
 
 def _ties_clear(pi, cycle, rmin, tol):
-    """Both strictify's test that their tolerance tol may stay: the shift of the tie order pi,
-    eta = rmin / (2 (max pi + 1)) (rmin the least margin that is not a tie), clears the ties'
-    rounding (tol) with room, or raising tol would not help (a cycle of ties, no such
-    margin)."""
+    """strictify's test that tol may stay: the shift eta = rmin / (2 (max pi + 1)) clears the ties'
+    rounding tol with room, or raising tol would not help (a cycle, or no margin that is a tie)."""
     return cycle or not math.isfinite(rmin) or rmin > 4 * (float(pi.max()) + 1) * tol
 
 
@@ -1864,25 +1683,23 @@ def _tie_shift(pi, r, scale):
 # -- small k, outputs held whole: a Newton start and the rows near a boundary ------------------
 
 def _newton_block(k, device=None):
-    """Rows per block of _newton_counts: about 4 MiB of float32 scores, on a GPU 256 MiB (a
-    block costs its launches there whatever its rows, so fewer blocks; docs/labeler.md v30)."""
+    """Rows per block of _newton_counts: about 4 MiB of float32 scores; 256 MiB on a GPU, where a
+    block costs its launches whatever its rows."""
     if device is not None and _launch_bound(device):
         return max(1024, (1 << 26) // k)
     return max(1024, (1 << 20) // k)
 
 
 def _launch_bound(device):
-    """Whether each torch operation on `device` costs a kernel launch, and a wait wherever the
-    host reads its result, more than its work at the sizes of the labeler's passes and rounds:
-    a GPU (docs/labeler.md, v30, has what an operation cost on an H100).  There passes go over
-    all rows at once, not over blocks sized for a CPU's cache."""
+    """Whether each torch operation on `device` costs a launch (and a wait where the host reads its
+    result) more than its work at the labeler's sizes: a GPU.  There passes go over all rows at
+    once, not over blocks sized for a CPU's cache."""
     return torch.device(device).type != "cpu"
 
 
 def _kn_copy(X):
-    """X.T as a contiguous float32 k x N tensor.  On the host from float32 outputs in blocks of
-    rows, about 1 MiB of them at a time: one strided copy of all rows into the k x N layout
-    costs up to twice as much there (docs/labeler.md, v32)."""
+    """X.T as a contiguous float32 k x N tensor; on the host copied in blocks of about 1 MiB of
+    rows, which costs less there than one strided copy of all rows."""
     n, k = X.shape
     if _launch_bound(X.device) or X.dtype != torch.float32:
         return X.T.to(torch.float32).contiguous()
@@ -1894,11 +1711,9 @@ def _kn_copy(X):
 
 
 def _newton_bufs(n, k, device, scratch=None):
-    """Buffers for _newton_counts: (best column, margin, best score, scratch), scratch = (a
-    block of scores, a block's runner-up scores, a dict for the k x N copy of the outputs at
-    k <= _T_K, _T_K_CPU on the host, and the passes' constants), shareable.  Reused pass after
-    pass instead of allocated anew: fewer pages touched for the first time (docs/labeler.md,
-    v17)."""
+    """Buffers for _newton_counts: (best column, margin, best score, scratch), scratch = (a block of
+    scores, its runner-up scores, a dict for the k x N copy of the outputs and the passes'
+    constants), shareable.  Reused pass after pass, so that fewer fresh pages are touched."""
     e = dict(device=device)
     if scratch is None:
         block = min(n, _newton_block(k, device))
@@ -1909,14 +1724,10 @@ def _newton_bufs(n, k, device, scratch=None):
 
 
 def _newton_counts(X, T, out=None):
-    """(best column, best - runner-up, counts, best score) of X - T, in float32 passes over
-    blocks of rows into one scratch block (no N x k temporary); out: _newton_bufs to write
-    them into.  Up to k = _T_K (on the host _T_K_CPU) on a k x N float32 copy of X, made at
-    the first pass and kept in the scratch: a row's max is then a max across k contiguous
-    vectors (docs/labeler.md, v18, v29); above, over rows of k.  Either way the max's value by
-    amax and its column, the first at the max, from a float32 mask (cheaper than max(1) with
-    the column or argmax; v18, v23).  The runner-up's value alone (amax): the Newton step finds
-    its column for the few rows it needs."""
+    """(best column, best - runner-up, counts, best score) of X - T, in float32 passes over blocks
+    of rows into one scratch block (no N x k temporary); out: _newton_bufs to write into.  For
+    k <= _T_K (_T_K_CPU on the host) on a k x N copy of X kept in the scratch, so that a row's max
+    is a max across k contiguous vectors.  The best column is the first at the max."""
     n, k = X.shape
     a1, m, best, (V, v2, keep) = _newton_bufs(n, k, X.device) if out is None else out
     block = V.shape[0]
@@ -1941,17 +1752,14 @@ def _newton_counts(X, T, out=None):
         r = xb.shape[1 - d]
         v = V.view(-1)[:k * r].view(k, r) if kn else V[:r]
         b1, bb = a1[s:s + r], best[s:s + r]
-        if gpu:   # 5 launches a block, not 15: max with its column (the first at the max, as
-            # argmax), its column dropped by a scatter
+        if gpu:   # 5 launches a block: max with its column, which a scatter drops
             torch.max(torch.sub(xb, Tb, out=v), d, out=(bb, b1))
             v.scatter_(d, b1.unsqueeze(d), -math.inf)
             torch.sub(bb, torch.amax(v, d, out=v2[:r]), out=m[s:s + r])
             continue
         torch.amax(torch.sub(xb, Tb, out=v), d, out=bb)   # (casts float16 / float64 to float32)
-        # the first column at the max, from a float32 mask in v's place (a bool mask or a
-        # mask of another type, which torch writes through a float32-sized temporary, or
-        # argmax cost more; over rows, max(1) with its column 1.5 - 1.9x a pass at k = 100 -
-        # 128, v23), then v again without it for the runner-up
+        # the first column at the max, from a float32 mask in v's place (cheaper than a bool mask or
+        # argmax), then v again without it for the runner-up
         torch.amax(v.eq_(bb if kn else bb[:, None]).mul_(first), d, out=v2[:r])
         b1.copy_(v2[:r]).neg_().add_(k)
         torch.sub(xb, Tb, out=v)
@@ -1964,9 +1772,8 @@ def _newton_counts(X, T, out=None):
 
 
 def _newton_counts_np(X, T32, a1, m, best, V, v2, keep):
-    """_newton_counts at k <= _T_K on the host, where numpy is installed: its k x N steps on
-    numpy views of the same buffers, the same values to the bit (numpy's first use of an
-    operation in a process costs a fraction of torch's; docs/labeler.md, v22)."""
+    """_newton_counts at k <= _T_K on the host where numpy is installed: the same k x N steps on
+    numpy views of the same buffers, the same values to the bit, at less cost per call."""
     n, k = X.shape
     block = V.shape[0]
     if keep.get("of") is not X:
@@ -2009,16 +1816,11 @@ def _newton_pair(n, k, device):
 
 
 def _gap_after(margin, lab, excess, k):
-    """(a, b), one entry per cluster j: the excess_j-th smallest margin among the rows labelled
-    j and the next one (b = inf where excess_j is not below its rows), for the clusters with
-    excess_j > 0 (the others' entries are not for use; _ExactSolver._shed, _shed_step, the
-    Newton step).  Up to 8 such clusters, on the CPU: each one's excess_j-th smallest margin
-    and the next, by numpy's partition where numpy is installed (_gap_after_few_np), else by
-    torch's topk (cheaper than sorting every row there; not on a GPU, where each cluster would
-    cost its own launches).  Else from the margins sorted by cluster, then by value: on the
-    host on numpy (_by_cluster_np); else float32 margins (>= 0: their bits order as int32 as
-    their values do) in one sort of the int64 keys cluster << 32 | bits, faster than two
-    stable argsorts (docs/labeler.md, v18), others by those."""
+    """(a, b) per cluster j with excess_j > 0: the excess_j-th smallest margin among the rows
+    labelled j and the next one (b = inf where excess_j is not below its rows); the other entries
+    are not for use.  On the CPU with up to 8 such clusters, each by numpy's partition or topk; else
+    from the margins sorted by cluster, then by value (_by_cluster_np on the host; float32: one sort
+    of int64 keys cluster << 32 | bits, as non-negative floats order as their bits)."""
     cnt = torch.bincount(lab, minlength=k)
     # (on a GPU the sort, whose launches do not grow with the clusters, and no wait to decide)
     few = None if _launch_bound(margin.device) else (excess > 0).nonzero()[:, 0]
@@ -2053,10 +1855,8 @@ def _gap_after(margin, lab, excess, k):
 
 
 def _gap_after_few_np(margin, lab, few, excess, k):
-    """_gap_after's (a, b) for a few clusters (`few`, each with 1 <= excess <= its rows) on
-    numpy views of the host's margins and labels: each one's margins partitioned at its excess,
-    the same values as the topk there (a torch operation's first use in a process costs more
-    than this whole search; docs/labeler.md, v34)."""
+    """_gap_after's (a, b) for a few clusters `few` (each with 1 <= excess <= its rows) on numpy
+    views of the host's margins and labels: each one's margins partitioned at its excess."""
     a = np.zeros(k, dtype=margin.dtype)
     b = np.full(k, math.inf, dtype=margin.dtype)
     for j, ej in zip(few, excess):
@@ -2070,11 +1870,9 @@ def _gap_after_few_np(margin, lab, few, excess, k):
 
 
 def _by_cluster_np(margin, lab):
-    """_gap_after's margins sorted by cluster, then by value, on numpy (the host): the same
-    values as its torch sorts, in one sort of int64 keys that needs no order back (faster
-    than torch's sorts on the CPU; docs/labeler.md, v31).  float32: the keys cluster << 32 |
-    bits, as there.  float64: the keys cluster << 32 | rank, the rank from one argsort by
-    value (equal values may trade ranks: the values in each place are the same)."""
+    """_gap_after's margins sorted by cluster, then by value, on numpy: the same values as its torch
+    sorts, by one sort of int64 keys, cluster << 32 | bits for float32, cluster << 32 | rank (from
+    one argsort by value) for float64."""
     key = lab.astype(np.int64) << 32
     if margin.dtype == np.float32:
         key |= margin.view(np.int32).astype(np.int64) & 0xFFFFFFFF
@@ -2088,9 +1886,8 @@ def _by_cluster_np(margin, lab):
 
 
 def _midpoints(a, b, over):
-    """_ExactSolver._shed's r from the gap (a, b) of each cluster: (a + b) / 2, or just past a
-    (by 2^-10 of it) where b is inf; 0 where `over` is false.  k-vectors: on numpy where it is
-    installed, the same values without 10 torch operations (each a launch on a GPU, v30)."""
+    """_ExactSolver._shed's r from each cluster's gap (a, b): (a + b) / 2, or just past a (by 2^-10
+    of it) where b is inf; 0 where `over` is false.  On numpy where installed: no torch launches."""
     if np is not None:
         an, bn, on = (t.cpu().numpy() for t in (a, b, over))
         with np.errstate(all="ignore"):     # (entries not over are dropped)
@@ -2101,13 +1898,10 @@ def _midpoints(a, b, over):
 
 
 def _join_costs(X, T32, lab, best, cols, scratch=None):
-    """(clusters, rows) float32: what each row of X (labels `lab`, best scores `best` at T)
-    gives up to join each cluster in `cols`, best - (X_j - T_j); inf on the cluster's own rows.
-    A numpy array on the host where numpy is installed (a fraction of torch's time for a gather
-    of columns, docs/labeler.md v29), else a tensor.  scratch: the _newton_bufs scratch of X's
-    passes, whose k x N copy of X (a gather of its rows, contiguous, where X's columns are
-    strided) and block of scores (written over, no new pages) serve where they are there and
-    fit (docs/labeler.md, v33); the result then lives in that block until the next pass."""
+    """(clusters, rows) float32: what each row of X (labels `lab`, best scores `best` at T) gives up
+    to join each cluster in `cols`, best - (X_j - T_j); inf on the cluster's own rows.  A numpy
+    array on the host where numpy is installed, else a tensor.  scratch: the _newton_bufs scratch,
+    whose k x N copy and score block serve where they fit (the result then lives in that block)."""
     n, u = X.shape[0], cols.numel()
     Xt = out = None
     if scratch is not None:
@@ -2123,8 +1917,7 @@ def _join_costs(X, T32, lab, best, cols, scratch=None):
             G = Xt.take(cn, 0) if out is None else np.take(Xt, cn, 0, out=out.numpy(), mode="clip")
         G -= T[cn, None]
         np.subtract(best.numpy()[None, :], G, out=G)
-        # (inf on the clusters' own rows, found through each row's label: a mask of all
-        # clusters x rows costs several times as much)
+        # (inf on the clusters' own rows through each row's label: no clusters x rows mask)
         pos = np.full(X.shape[1], -1, dtype=np.int64)
         pos[cn] = np.arange(u)
         r = pos[labn]
@@ -2173,9 +1966,8 @@ def _on_numpy(X, k):
 
 
 def _rows(X, idx, host):
-    """X.index_select(0, idx); by numpy's indexing where `host` (the dense path's steps on
-    numpy views, _on_numpy): the same values, and no torch operation that would start torch's
-    thread pool in a process whose first call this is (docs/labeler.md, v29)."""
+    """X.index_select(0, idx); by numpy's indexing where `host` (_on_numpy): the same values, and no
+    torch operation that would start torch's thread pool on a first call."""
     return torch.from_numpy(X.numpy()[idx.numpy()]) if host else X.index_select(0, idx)
 
 
@@ -2214,14 +2006,14 @@ def _newton_step(X, T, at, e, frac, scratch=None):
     the _newton_bufs scratch of X's passes, for _join_costs."""
     k = X.shape[1]
     a1, m, cnt, best = at
-    host = _on_numpy(X, k)      # (numpy views: the same values, a fraction of torch's cost)
+    host = _on_numpy(X, k)      # (numpy views: the same values, cheaper per call)
     mx, ax, Xx, Tx = (t.numpy() if host else t for t in (m, a1, X, T))
     ms = mx[::max(1, len(mx) // max(_H_ROWS, 64 * k))]     # (h from strided margins)
     j = max(1, int(frac * len(ms)))
     h = max(float(np.partition(ms, j - 1)[j - 1] if host else ms.kthvalue(j).values), 1e-30)
     sel = _nz(mx < h)
     b1 = ax[sel]
-    v = _f32(Xx[sel] if host else X.index_select(0, sel)) - _f32(Tx)   # (a third of X[sel]'s time)
+    v = _f32(Xx[sel] if host else X.index_select(0, sel)) - _f32(Tx)   # (cheaper than X[sel])
     v[np.arange(len(sel)) if host else torch.arange(len(sel), device=X.device), b1] = -math.inf
     W = _count(b1 * k + v.argmax(1), k * k)     # their runner-ups
     W = W.astype(np.float64) if host else W.to(torch.float64).cpu()
@@ -2234,9 +2026,8 @@ def _newton_step(X, T, at, e, frac, scratch=None):
     W = (W + W.T) / (2 * h)
     deg = W.sum(1)
     L = xp.diag(deg + (1e-6 * float(deg.sum()) / k + 1e-12)) - W
-    # (numpy's solve only up to k = _NP_SOLVE_K: a fraction of torch's cost on so small a
-    # system, and its first call in a process a fraction of torch's; above, numpy's BLAS wakes
-    # threads that then slow torch's next operations many times over, docs/labeler.md v21, v32)
+    # (numpy's solve only up to _NP_SOLVE_K: cheap on so small a system, while above it numpy's BLAS
+    # wakes threads that slow torch's next operations)
     d = xp.linalg.solve(L, ec).clip(-32 * h, 32 * h)
     # clusters whose boundary carries under a tenth of their imbalance (crowded outputs:
     # far from every other cluster): the shift that balances each alone (T_j up to the
@@ -2298,9 +2089,8 @@ def _isolated_np(X, T, at, d, ec, iso, scratch):
 
 def _shed_step(at, e):
     """An ascending auction round at T (`at` its _newton_counts): every over-full cluster's T_j
-    rises to the middle of the gap after its e_j-th smallest margin, so that e_j of its rows
-    would leave it (for their runner-up) if no other T rose (a row whose runner-up rises too
-    may stay); None when no cluster can shed."""
+    rises to the middle of the gap after its e_j-th smallest margin, so that e_j of its rows would
+    leave it if no other T rose; None when no cluster can shed."""
     a1, m, cnt, _ = at
     over = (e >= 1) & (cnt.to(torch.float64) > e)
     if not bool(over.any()):
@@ -2310,38 +2100,24 @@ def _shed_step(at, e):
 
 
 def _frac(k):
-    """The Newton step's share of rows for its bandwidth h at k clusters: 5 % up to k = 50, then
-    k / 1,000 up to 20 %, as the rows near each of the ~k^2 / 2 boundaries thin out with k
-    (docs/labeler.md, v20, has the measurements)."""
+    """The Newton step's share of rows for its bandwidth h: 5 % up to k = 50, then k / 1000 up to 20
+    %, as the rows near each of the ~k^2 / 2 boundaries thin out with k."""
     return min(0.2, max(0.05, k / 1000))
 
 
 def _newton_T(X, T, target, max_steps, tol, frac=None, errs=None, at=None, span_max=math.inf,
               bufs=None, mode=None):
-    """Steps on the counts of argmax(X - T) towards the target, of two kinds:
-
-    * Newton: the count of cluster a changes with T_a - T_b by about the rows on the a / b
-      boundary per unit of margin, (rows of a with runner-up b and rows of b with runner-up a,
-      margin below h) / 2h, h the margin of the `frac` closest rows (default _frac(k)); that
-      graph Laplacian L, solved for L d = counts - target, gives the step (each entry within
-      32h; a cluster whose boundary rows carry under a tenth of its imbalance, far from the
-      others as on crowded outputs, takes the shift that balances it alone instead; halved up
-      to twice while it does not lower sum |counts - target|).  The k x k solve runs on the
-      CPU, so that T is the same bits on every device.
-    * shedding (`_shed_step`, an auction round): every over-full cluster gives up its excess
-      to the runner-ups.  A Newton step that removes under 10 % of sum |counts - target|
-      (trained networks' crowded outputs, where its linear model fails) is followed
-      by one round of shedding, then Newton steps again (they gain more after one: shedding
-      alone only raises T, and crawls); a step of either kind that does not help is
-      followed, in the same step, by one of the other kind.
-
-    Stops at sum |counts - target| <= tol, after max_steps, when neither kind helps, or
-    (escaped) before a step that would move T from the T given by a span over span_max.
-    at: _newton_counts(X, T) where the caller has it (no first pass).  bufs: two _newton_bufs
-    for X's passes (the state, a trial; `at` may live in either), else fresh ones each pass.
-    mode: a dict kept across calls (which kind goes first).  Returns (T, counts - target,
-    _newton_counts(X, T) at that T, passes made, escaped); errs (a list): sum |counts -
-    target| at the start and after each step is appended."""
+    """Steps on the counts of argmax(X - T) towards the target, of two kinds.  Newton: the count of
+    cluster a changes with T_a - T_b by about the rows on the a / b boundary (those within h, the
+    margin of the `frac` closest rows) per unit of margin; that graph Laplacian, solved on the CPU
+    (the same T on every device), gives the step (within 32 h; a cluster far from all others takes
+    the shift that balances it alone; halved up to twice while it does not help).
+    Shedding (`_shed_step`): an auction round.  A Newton step that removes under 10 % of sum
+    |counts - target| is followed by shedding; a step that does not help, by the other kind.
+    Stops at sum |counts - target| <= tol, after max_steps, when neither helps, or (escaped) before
+    a step that would move T by a span over span_max.  at: the counts at T if known; bufs: two
+    _newton_bufs (state, trial); mode: a dict kept across calls.  Returns (T, counts - target,
+    _newton_counts at T, passes made, escaped); errs gets the error after each step."""
     T0 = T
     frac = _frac(X.shape[1]) if frac is None else frac
     passes = 0
@@ -2392,27 +2168,26 @@ _SHED_AFTER = 0.9    # a Newton step keeping more of sum |counts - target| is fo
 _PAST_8 = 0.01       # full-row steps past 8 while sum |counts - target| > this share of N
 _FEW_CHANGED = 0.01   # (see the dense path's tries)
 _COLLAPSE_SAMPLE = 1.0   # sum |counts - target| over this share of N at the start: collapsed
-_COLLAPSE_EVERY = 4      # collapsed outputs: the first steps on every 4th row (v29; v17: 2nd)
+_COLLAPSE_EVERY = 4      # collapsed outputs: the first steps on every 4th row
 _DENSE_POOL = 0.5    # Newton steps go on with the rows near a boundary once at most this share
 _T_K = 32     # _newton_counts on a k x N copy of the outputs up to this k (4 k bytes a row)
-_T_K_CPU = 63   # and on the host up to this k, where torch's max over rows costs more (v29)
-_NP_PASS = 1 << 20  # and on numpy's (one thread) up to this N x k x torch's threads (v22)
-_NP_SOLVE_K = 64   # the Newton step's k x k solve in numpy up to this k (v21: 32; v32)
+_T_K_CPU = 63   # and on the host up to this k, where torch's max over rows costs more
+_NP_PASS = 1 << 20  # and on numpy's (one thread) up to this N x k x torch's threads
+_NP_SOLVE_K = 64   # the Newton step's k x k solve in numpy up to this k
 _R_ROWS = 4096   # the rows to solve: a margin R from max(1, N // 4096)-strided margins
 _H_ROWS = 2048   # the Newton step's bandwidth h from max(2048, 64 k) margins, strided
 _PATH_K, _PATH_WORK = 64, 2048   # the exact solve by shortest paths (_PathSolver) up to k = 64
-# and (rows to move) x (k + 10) = 2,048: a path's Dijkstra in Python grows with k (docs v18)
-_TABLE_AT_ONCE = 256     # whole rows at larger k: the finish's table at once (docs/labeler.md, v24)
-_TABLE_SPARSE = 6        # a table with at most k * k / 6 moves is searched on them (docs v24)
+# and (rows to move) x (k + 10) <= 2048: a path's Dijkstra in Python grows with k
+_TABLE_AT_ONCE = 256     # whole rows at larger k: the finish's table at once
+_TABLE_SPARSE = 6        # a table with at most k * k / 6 moves is searched on them
 _HOST_SOLVE = 1 << 18   # outputs on a GPU: the exact solve on the host up to this rows x k
 _F32_INF = 2.0 ** 128 - 2.0 ** 103   # float64 values from here on round to inf in float32
 
 
 def _joiners(X, T, at, B, ic, target, R, scratch=None):
-    """B and ic with the rows added that a cluster short of rows in B would take first: for a
-    cluster j that needs d more rows than B holds (target - ic) and has fewer than 2 d rows in
-    B within R of it, the 2 d + 8 rows of other clusters nearest to joining it (least
-    best - (X_j - T_j), at's labels and best scores at T).  scratch: _join_costs'."""
+    """B and ic with rows added for clusters short of them: a cluster j that needs d more rows than
+    B holds (target - ic) and has fewer than 2 d rows in B within R of it gets the 2 d + 8 rows
+    nearest to joining it (least best - (X_j - T_j) at T).  scratch: _join_costs'."""
     k = X.shape[1]
     lab, best = at[0], at[3]
     host = _on_numpy(X, k)      # (numpy views: fewer torch operations a first call meets)
@@ -2447,10 +2222,9 @@ def _joiners(X, T, at, B, ic, target, R, scratch=None):
 
 
 def _near_rows(lab, margin, R, cnt_out, hi, must=None):
-    """(rows with margin <= R and the rows `must`, counts of the others with cnt_out added),
-    where for a cluster the others would overfill the rows of it nearest a boundary join,
-    twice its excess and 32 more; None when the rows cannot prevent that.  On numpy views of
-    them on the host, where numpy is installed (the same rows and counts)."""
+    """(rows with margin <= R plus the rows `must`, counts of the others plus cnt_out); for a
+    cluster the others would overfill, its rows nearest a boundary join too (twice its excess and 32
+    more).  None when that cannot prevent it.  On numpy views on the host."""
     k = hi.numel()
     host = np is not None and lab.device.type == "cpu"
     if host:
@@ -2475,23 +2249,14 @@ def _near_rows(lab, margin, R, cnt_out, hi, must=None):
 
 
 class _PathSolver:
-    """The exact solve of _dense_translate for k <= _PATH_K, where few rows are left to move:
-    successive shortest paths on the k clusters.  vals (n, k) float64 O - T0 of the rows near a
-    boundary (every column); target, lo, hi (k,) the counts they aim at and may end with.  dT
-    (k,) is T - T0, labels their argmax at dT, counts, all on the host (the caller moves them
-    back); run() then strictify() as _ExactSolver's.
-
-    A row s of cluster a moves to b at the cost D_sb - dT_a + dT_b >= 0 (D_sb = V_sa - V_sb, its
-    lead over b at T0, V = vals), so the cheapest move a -> b is M_ab - dT_a + dT_b with M_ab
-    the least D_sb over the rows of a: it changes only when a gains or loses a row.  Each step
-    is Dijkstra on those k x k costs from the clusters that must give a row (over hi; then, once
-    none is, those over lo while one is under lo) to the nearest one that can take one
-    (under hi; then under lo), T of every cluster settled before it raised by how much nearer
-    the source it is (every cost stays >= 0: the rows keep their argmax, the moves on the path
-    cost 0), and one row moved along each edge of the path.  One row a step: cheap where a
-    few dozen rows are to move; the _ExactSolver's auction moves many at once.  Its arrays are
-    numpy's (torch tensors at the end): its many operations on a few hundred rows cost a
-    fraction of torch's per call (docs/labeler.md, v21); without numpy the _ExactSolver solves."""
+    """The exact solve of _dense_translate for k <= _PATH_K when few rows are left to move:
+    successive shortest paths on the k clusters.  vals (n, k): O - T0 of the rows near a boundary;
+    target, lo, hi: the counts they aim at and may end with.  A row s of a moves to b at cost
+    D_sb - dT_a + dT_b >= 0 (D_sb = V_sa - V_sb), so the cheapest move a -> b is M_ab - dT_a + dT_b,
+    and M_ab changes only when a gains or loses a row.  Each step runs Dijkstra on those costs from
+    the clusters that must give a row to the nearest that can take one, raises T of every settled
+    cluster by how much nearer the source it is (costs stay >= 0), and moves one row along each edge
+    of the path.  Arrays are numpy's: its many small operations cost less per call."""
 
     def __init__(self, vals, k, target, lo, hi):
         self.k, self.target = k, target.cpu()
@@ -2594,8 +2359,7 @@ class _PathSolver:
             tight = R <= tol
             rmin = float(np.where(tight, math.inf, R).min(initial=math.inf))
             rows, cols = tight.nonzero()
-            # (distinct values by bincount: numpy's unique imports numpy.ma on its first use,
-            # which costs more than this whole solve; docs/labeler.md v21)
+            # (bincount for distinct values: numpy's unique imports numpy.ma on first use: slow)
             key = np.bincount(lab[rows] * k + cols, minlength=k * k).nonzero()[0]
             if not key.size:
                 break
@@ -2620,27 +2384,18 @@ class _PathSolver:
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
-    """translate's exact labeler for small k on outputs held whole in one process, or None when
-    it cannot finish cheaply (then the StreamingTranslator path runs).
-
-    Steps on the counts (`_newton_T`: Newton steps, and rounds of shedding where those fail)
-    bring them near the target in float32 passes: on every `stride`-th row at N >= 4 x 8,192
-    rows (on every 4th row from 2 x 8,192 where more than half of the rows must move at the
-    start: outputs collapsed onto few clusters, down to about that sample's own noise), then
-    on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N), then (once T
-    can cross at most half of them) on the rows near a boundary only.  The rows within a margin
-    R of their runner-up (about 2 % of them, or 8 times the rows still to move and k; R from a
-    strided sample of the margins), and for a cluster with too few of them near it the rows
-    nearest to joining it (`_joiners`), are solved exactly, with the streaming path's tie-break
-    eps x u(row, column): by shortest paths (`_PathSolver`, where numpy is installed) at
-    k <= 64 where few rows are to move, else by the streaming path's solver (`_ExactSolver`);
-    where the outputs are on a GPU, on the host up to 2^18 values.  The other rows keep their
-    best column: they lead by more than R and the solve moves no T_j by as much relative to
-    another, or else one pass at the solve's T finds none of them changed (both with float32's
-    rounding).  Where rows did change, the next try (up to four) takes the rows solved and the
-    rows that changed, from the solve's T where those are under 1 % of the rows solved, else
-    again from the T before that solve.  docs/labeler.md (v16 - v19, v29) has the
-    measurements."""
+    """translate's exact labeler for small k on outputs held whole in one process, or None when it
+    cannot finish cheaply (then the streaming path runs).  Steps on the counts (`_newton_T`) bring
+    them near the target in float32 passes: first on a sample of about max(8192, 64 k) rows when N
+    is at least 4 times that (on every 4th row at 2 to 4 times, when over half of the rows must
+    move), then on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N), then
+    on the rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
+    them, or 8 times the rows to move and k) and, for a cluster short of them, the rows nearest to
+    joining it (`_joiners`) are solved exactly with the streaming path's tie-break: by `_PathSolver`
+    for k <= _PATH_K with few rows to move, else by `_ExactSolver`; small solves on the host.  The
+    other rows keep their column when T moves less than R, or when one pass at the new T finds none
+    changed; else the next try (up to four) adds the rows that changed.
+    See docs/labeler.md, 'Small k, outputs held whole: the dense path'."""
     t0 = time.perf_counter()
     n, k = outputs.shape
     dev = outputs.device
@@ -2680,8 +2435,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
         passes += p
         if errs[0] > _COLLAPSE_SAMPLE * n:
             sub = X[::_COLLAPSE_EVERY].to(torch.float32)
-            # (down to about the sample's own noise, sum |counts - target| of so many rows
-            # drawn at random, ~0.8 sqrt(rows k): steps past it do not help all rows)
+            # (down to about the sample's own noise, ~0.8 sqrt(rows k): steps past it do not help)
             T, _, _, p, _ = _newton_T(sub, T, target * (sub.shape[0] / n), 8,
                                       max(0.005 * sub.shape[0], math.sqrt(sub.shape[0] * k)),
                                       bufs=_newton_pair(*sub.shape, dev))
@@ -2695,8 +2449,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     pool = None     # (rows, their labels and margins at T, counts of the rest, their least margin)
     last, full_steps = math.inf, 0
     while errs[-1] > tol and full_steps < 24 and (full_steps < 8 or errs[-1] > _PAST_8 * n):
-        # (past 8 steps only while sum |counts - target| > 1 % of N, half a percent of the
-        # rows to move: the exact solve below would be slow there, the streaming path too)
+        # (past 8 steps only while the error is over 1 % of N: the exact solve would be slow there)
         want = max(int(_DENSE_SHARE * n), int(_DENSE_PER_MOVE * (float(e.clamp(min=0).sum()) + k)))
         margin = at[1]
         if last < math.inf:
@@ -2812,10 +2565,9 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
                                    seconds=time.perf_counter() - t0, stop_reason="balanced",
                                    refetched=0, ties=solver.ties, ties_left=solver.ties_left,
                                    active=B.numel())
-        # with the rows solved and the rows that changed (a cluster T moved far for: the rows
-        # that move with it), from the solve's T where they are few (under 1 % of the rows
-        # solved: the counts are off by little there), else again from the T before the solve
-        # (near balance, where from the solve's T the rows that changed unbalance it again)
+        # next try: the rows solved and the rows that changed, from the solve's T where those are
+        # under 1 % of the rows solved, else from the T before it (near balance, where from the
+        # solve's T the rows that changed unbalance it again)
         changed = unsafe.nonzero()[:, 0]
         must = torch.cat([B, changed])
         pool = None
@@ -2831,14 +2583,11 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
 
 
 def _table_paths(W, dT, sources, needy):
-    """Dijkstra on the finish's k x k table itself (CPU tensors): W[a, b] the cheapest base of
-    a move a -> b (inf: none), its cost at dT max((W[a, b] + dT[b]) - dT[a], 0) (the sums the
-    list's edges take); distances from the nearest `sources` cluster and predecessors (-1:
-    none), like _shortest_paths.  A settled cluster's row of costs is computed as it is
-    settled, so a round builds no edge list (docs/labeler.md, v24, has what that cost); it
-    stops once every `needy` cluster is settled, the unsettled ones left at inf (no needy path
-    runs through them, and none is nearer than the last needy one).  numpy's vector steps
-    where installed, else torch's."""
+    """Dijkstra on the finish's k x k table itself (CPU tensors): W[a, b] the cheapest base of a
+    move a -> b (inf: none), costing max((W[a, b] + dT[b]) - dT[a], 0) at dT; distances from the
+    nearest `sources` cluster and predecessors (-1: none), as _shortest_paths.  A cluster's row of
+    costs is computed as it settles (no edge list); it stops once every `needy` cluster is settled,
+    the rest left at inf.  numpy where installed, else torch."""
     k = W.shape[0]
     use_np = np is not None
     if use_np:
@@ -2894,13 +2643,10 @@ def _table_paths(W, dT, sources, needy):
 
 
 def _shortest_paths(k, eb, ew, indptr, sources):
-    """Distances from the nearest source cluster, and predecessors (-1: none), on the graph of
-    edges a -> eb[i] with weights ew[i] >= 0, a the row of i in the csr row pointers indptr
-    (CPU tensors).
-    scipy's Dijkstra in C when scipy is installed and k > 64, else a dense Dijkstra in torch (k
-    vector steps): the same distances (between equally short paths the two may pick different
-    ones).  Up to k = 64 the torch one is as fast, and a process that needs no scipy never
-    imports it (docs/labeler.md, v12, has the timings)."""
+    """Distances from the nearest source cluster and predecessors (-1: none) on the csr graph
+    (indptr, eb, ew >= 0; CPU tensors): scipy's Dijkstra in C for k > 64 where installed, else a
+    heap in Python (few edges) or a dense Dijkstra in torch; the same distances, ties between equal
+    paths aside.  Up to k = 64 a process never imports scipy."""
     sp = _scipy_csgraph() if k > 64 else None
     src = sources.nonzero()[:, 0]
     if sp is not None:   # explicit zero weights stay edges in a csr matrix

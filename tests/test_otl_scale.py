@@ -70,7 +70,7 @@ def test_exact_balance_collapsed(k, n):
     check_translation(O, r)   # every row is a tie: the perturbation decides
     if k > 128:
         # candidate lists: they hold the columns the tie-break ranks first, so no row is read
-        # again (before v26, from sample_start_T's T, every row was, many times over)
+        # again (from sample_start_T's T a row could be, many times over)
         assert r.refetched == 0
 
 
