@@ -2088,3 +2088,33 @@ def test_sample_start_takes_every_8th_row_on_a_gpu(monkeypatch):
     assert not torch.equal(T8, otl_scale.sample_start_T(O, every=4))
     assert otl_scale.sample_start_T(small, every=8) is None
     assert torch.equal(otl_scale.sample_start_T(small), otl_scale.sample_start_T(small, every=4))
+
+
+# ------------------------------------------------------------------------------------------------
+# the tuned labeler against otl.py's reference
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k,x", [(6000, 10, 0), (6000, 50, 0), (5000, 100, 0), (6000, 20, 2),
+                                   (6000, 300, 0), (3000, 1000, 0)])
+def test_tuned_labeler_equals_the_reference(n, k, x):
+    """Where the balanced assignment is unique (distinct outputs, whole targets) the tuned labeler
+    and otl.py's reference give the same labels; both meet the target and both labellings are
+    argmax(O - T) of their own T."""
+    O = torch.randn(n, k, generator=gen(n + k)) + torch.linspace(0, 1, k)
+    target = otl.uneven_target(n, k, x) if x else None
+    ref, tuned = otl.translate(O, target=target), otl_scale.translate(O, target=target)
+    want = otl.uneven_target(n, k, x) if x else torch.full((k,), n / k, dtype=torch.float64)
+    for r in (ref, tuned):
+        assert torch.equal(r.counts.double(), want)
+        assert torch.equal((O.double() - r.T).argmax(1), r.labels)
+    assert torch.equal(ref.labels, tuned.labels)
+
+
+@pytest.mark.parametrize("n,k", [(4000, 300), (5001, 64), (2000, 7)])
+def test_tuned_labeler_and_reference_within_one_on_fractional_targets(n, k):
+    """N / k not whole: which clusters take the extra rows is not unique, so only the bounds
+    are compared: every count of both within 1 of N / k."""
+    O = torch.randn(n, k, generator=gen(n * k))
+    for r in (otl.translate(O), otl_scale.translate(O)):
+        assert int(r.counts.sum()) == n
+        assert bool(((r.counts.double() - n / k).abs() < 1).all())
