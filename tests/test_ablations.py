@@ -18,7 +18,7 @@ TINY_TRAIN = "--width 8 --img-size 16 --epochs 1 --batch-size 32 --k 16"
 @pytest.fixture
 def inline(monkeypatch):
     """The stage scripts run in this process (runpy, as `python script.py ...` would), which
-    saves the 4-7 s of importing torch in each child; test_failed_run_says_where_its_log_is
+    saves importing torch again in each child; test_failed_run_says_where_its_log_is
     keeps the real child processes."""
     calls = []
 

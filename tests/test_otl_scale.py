@@ -63,7 +63,7 @@ def test_exact_balance_gaussian_50k(k):
 @pytest.mark.parametrize("k, n", [(10, 50_000), (128, 50_000), (1000, 20_000)])
 def test_exact_balance_collapsed(k, n):
     """Every row the same (a dead network: its bias alone), where the tie-break alone decides
-    (docs/labeler.md, v25 - v26; k = 1000 at 20,000 rows)."""
+    (k = 1000 on 20,000 rows)."""
     O = torch.randn(1, k, generator=gen(k)).expand(n, k).contiguous()
     r = exact(O)
     check_even(r)
@@ -78,8 +78,8 @@ def test_exact_balance_collapsed(k, n):
 def test_exact_balance_half_collapsed(k, n):
     """Half of the rows the same, the others Gaussian: the shared row must end tied over most
     clusters, its copies spread by the tie-break at scores closer than float64 can order at
-    their size; balance is kept (before v26 strictify's shift left these counts up to 5 apart,
-    reported as stop_reason "max_iter"), and the rows it leaves on a tie are counted."""
+    their size; balance is kept (strictify's shift along the ties alone would leave these counts
+    up to 5 apart, reported as stop_reason "max_iter"), and the rows left on a tie are counted."""
     g = gen(0)
     half = torch.randn(1, k, generator=g).expand(n // 2, k)
     O = torch.cat([half, torch.randn(n - n // 2, k, generator=g)])
@@ -364,7 +364,7 @@ def test_extraction_counts_dense_rows_apart_and_lists_them_unless_whole(monkeypa
 
 def test_auction_has_its_own_rounds_after_a_long_approach():
     """The approach's steps count in the solver's rounds; the auction still gets its own
-    max_rounds after them (it used to be skipped once the approach had taken max_rounds)."""
+    max_rounds after them, not none once the approach has taken max_rounds."""
     n, k = 4000, 40
     O = torch.randn(n, k, generator=gen(22), dtype=torch.float64) + torch.linspace(0, 1, k)
     t = torch.full((k,), n / k, dtype=torch.float64)
@@ -408,9 +408,10 @@ def test_reverse_round_pulls_in_deficits_and_keeps_labels_argmax():
 def test_reverse_round_pulls_all_it_can_reach_just_past_the_dearest():
     """A reverse round in which an under-full cluster can reach fewer rows than its deficit (it
     is in few rows' candidates) pulls them all in, and falls just past the dearest one's loss,
-    not twice as far: the fall also makes the cluster beat every row that has dropped it, and
-    doubling it round after round drove T's span from under 1 to over 10^4 and every row into
-    one cluster on a trained backbone's outputs at k = 3000 (docs/labeler.md, v28)."""
+    not twice as far: the fall also makes the cluster beat every row that has dropped it, so
+    doubling it round after round blows up T's span and sends every row into one cluster (as on
+    a trained backbone's outputs at k = 3000; docs/labeler.md, 'Large k or streamed rows:
+    candidate lists, auction, shortest paths')."""
     n, k = 400, 4
     O = torch.randn(n, k, generator=gen(31), dtype=torch.float64)
     O[torch.arange(n), torch.arange(n) * 3 // n] += 10   # 134 / 133 / 133 rows in clusters 0 - 2
@@ -463,9 +464,8 @@ def test_far_outputs_stay_on_candidates(monkeypatch):
     """Outputs like a random network's far from balance with candidate lists (rows nearly equal,
     columns of very different spread, so few clusters win at T0): the approach stops where the
     rows' candidates go stale instead of stepping on them, and the rows that fell short are
-    read again for as long as that keeps helping. The solve ends exact on candidates, never on
-    whole rows (the labeler before this read every row again seven times and then took them
-    whole: 42,907 re-reads, 1,139 iterations)."""
+    read again for as long as that keeps helping. The solve ends exact on candidates, never by
+    reading every row again and falling back to whole rows."""
     n, k = 6000, 300
     g = gen(23)
     scale = torch.exp(torch.randn(k, generator=g) * 0.6) * 0.05
@@ -587,7 +587,7 @@ def test_gpu_block_sizes_keep_labels_and_T(monkeypatch, k, shape):
 
     monkeypatch.setattr(otl_scale._ExactSolver, "__init__", spy)
     gpu = exact(O)
-    # the solver holds its candidates' clusters as int32 on a GPU (no conversion a gather, v31)
+    # the solver holds its candidates' clusters as int32 on a GPU (a gather needs no conversion)
     assert col_types <= {torch.int32} and (k <= 128 or col_types)
     if T8 is not None:
         assert torch.equal(otl_scale.sample_start_T(O), T8)
@@ -1281,7 +1281,7 @@ def test_strictify_keeps_balance_when_no_shift_orders_the_ties(solver):
     """Two equal rows in two clusters tie both ways (a cycle: no shift of T orders them, as
     with rows whose tie-break values float64 cannot tell apart at their size).  The shift would
     send both to one cluster; strictify keeps the balanced labels instead and counts the rows
-    left on a tie (before v26: counts [2, 0])."""
+    left on a tie (not counts [2, 0])."""
     vals = torch.zeros(2, 2, dtype=torch.float64)
     labels, target = torch.tensor([0, 1]), otl.even_target(2, 2)
     lo, hi = otl._count_bounds(target)
@@ -1688,7 +1688,8 @@ def test_dense_path_collapsed_outputs_sample_steps_stop_at_the_samples_noise(mon
 
 
 def test_exact_finish_rounds_numpy_and_torch_agree(monkeypatch):
-    """The exact finish's rounds keep their k-vectors on numpy where it is installed (v31):
+    """The exact finish's rounds keep their k-vectors on numpy where it is installed (many
+    small steps cost less on numpy arrays):
     on outputs collapsing onto a few prototypes at k = 200, whose finish takes rounds on the
     list of cheap moves and on the k x k table both, the same labels and T as without numpy
     (and scipy, which needs it): exact and balanced either way."""
@@ -2035,7 +2036,7 @@ def test_gap_after_few_clusters_as_many(monkeypatch, dtype, numpy_steps):
 @pytest.mark.parametrize("k", [10, 256, 300, 3000])
 def test_std_on_numpy_torch_and_python_floats_is_the_definition(monkeypatch, k):
     """_std_host (the exact labeler's): Python floats up to k = 256, numpy above (no torch
-    operation: on a GPU each one is a launch or a host operation, v30), _std
+    operation: on a GPU each one is a launch or a host operation), _std
     without numpy.  _std (the published rules'): torch above k = 256, the bits they had."""
     g = gen(61)
     counts = torch.randint(0, 90, (k,), generator=g)
