@@ -456,9 +456,9 @@ def training_study(args):
     A run folder remembers what it was trained with (study_point.json: the data and the
     train_otl.py flags), and a rerun that asks for other flags in the same folder stops instead of
     taking the old run for the new point.  A point whose run folder is gone (another machine, a
-    later session) but whose row is in the study's results JSON with the same data and flags is
-    taken from there: so a study spans sessions through its committed results.  The results are
-    written after every run made, marked partial until the last point is in."""
+    later checkout) but whose row is in the study's results JSON with the same data and flags is
+    taken from there: so a study spans interruptions and machines through its committed results.
+    The results are written after every run made, marked partial until the last point is in."""
     pts = training_points(args)
     evals = EVALS[args.study]
     folder = os.path.join(args.runs, args.preset, args.study)

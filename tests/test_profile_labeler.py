@@ -13,7 +13,6 @@ ROOT = os.path.dirname(HERE)
 if os.path.join(ROOT, "bench") not in sys.path:
     sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import otl  # noqa: E402
 import otl_scale  # noqa: E402
 import profile_labeler  # noqa: E402
 
