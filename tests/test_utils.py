@@ -209,9 +209,10 @@ def test_auto_preset_follows_the_data_set_and_every_preset_builds():
     twin otherwise; every preset has every key and its network builds and runs at its size."""
     import otl
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for ds in ("cifar10", "cifar100", "svhn"):
+    for ds, paper in (("cifar10", "alexnet-cifar"), ("cifar100", "alexnet-cifar100"),
+                      ("svhn", "alexnet-svhn")):
         assert utils.preset_for("auto", cpu, ds) == "alexnet-cifar-cpu"
-        assert utils.preset_for("auto", cuda, ds) == "alexnet-cifar"
+        assert utils.preset_for("auto", cuda, ds) == paper
     for ds in (None, "eurosat", "hmhr", "folder"):
         assert utils.preset_for("auto", cpu, ds) == "cpu"
         assert utils.preset_for("auto", cuda, ds) == "paper"
@@ -219,8 +220,8 @@ def test_auto_preset_follows_the_data_set_and_every_preset_builds():
     keys = set(utils.PRESETS["paper"])
     for name, p in utils.PRESETS.items():
         assert set(p) == keys, name
-        assert p["rot90"] == (name not in ("alexnet-cifar", "alexnet-cifar-cpu", "resnet50-cifar",
-                                           "resnet50-cifar-cpu", "study-cpu")), name
+        natural = name.startswith(("alexnet", "resnet50")) or name == "study-cpu"
+        assert p["rot90"] == (not natural), name
         cfg = otl.ModelConfig(arch=p["arch"], k=p["k"], heads=p["heads"], embed=p["embed"],
                               width=p["width"], small_stem=p["small_stem"])
         model = otl.build_model(cfg).eval()
