@@ -148,7 +148,9 @@ def get_args_parser():
         s = sub.add_parser(name, help=PAPER[name])
         s.add_argument("--preset", default="study", choices=list(SCALES), help="study: sized for "
                        "2 CPU cores (see SCALES in ablations.py: what it gives up); paper: the "
-                       "paper's networks and schedules, for a GPU")
+                       "paper's networks and main-run schedules with its studies' changes (one "
+                       "view, simple augmentation, no LCT), for a GPU; the paper trained its "
+                       "studies for fewer epochs but does not say how many")
         s.add_argument("--runs", default="runs/ablations", help="folder of the study's runs "
                        "(<runs>/<preset>/<study>/<point>); a finished run there is skipped")
         s.add_argument("--out", default="results/ablations", help="folder of <study>.json, .md "

@@ -41,23 +41,29 @@ def get_args_parser():
                    "an existing checkpoint there is resumed")
     p.add_argument("--preset", default="auto", choices=["auto", *utils.PRESETS],
                    help="defaults for every flag below that you do not give: 'paper' (the paper's "
-                   "protocol, for a GPU), 'fast' (the paper's network at 112 px for 208 epochs: "
+                   "remote-sensing protocol from scratch, for a GPU), 'fast' (the paper's network at 112 px for 208 epochs: "
                    "minutes on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'transfer' / "
                    "'transfer-cpu' (a small set from another run's backbone, with --init), "
-                   "'alexnet-cifar' / 'resnet50-cifar' (CIFAR-10/100, SVHN) and their '-cpu' "
-                   "twins, 'study-cpu' (ablations.py's training studies on 2 cores); 'auto': the data set's protocol, paper (alexnet-cifar for CIFAR and "
-                   "SVHN) on CUDA and its CPU twin otherwise. docs/presets.md says what each is")
+                   "'alexnet-cifar' / 'alexnet-cifar100' / 'alexnet-svhn' / 'alexnet-imagenet' and "
+                   "'resnet50-cifar' / 'resnet50-svhn' (the paper's natural-image protocols), "
+                   "'alexnet-cifar-cpu' / 'resnet50-cifar-cpu' (their CPU twins), 'study-cpu' "
+                   "(ablations.py's training studies on 2 cores); 'auto': the data set's protocol "
+                   "(paper, or the data set's alexnet-*) on CUDA and its CPU twin otherwise. "
+                   "docs/presets.md says what each is and which values are the paper's")
     g = p.add_argument_group("model (preset values when not given)")
     g.add_argument("--arch", choices=["resnet18", "resnet50", "alexnet"])
-    g.add_argument("--k", type=int, help="clusters = outputs of the head; the paper uses 128 for "
-                   "remote-sensing sets (about 10x the classes works well)")
+    g.add_argument("--k", type=int, help="clusters = outputs of the head; the paper uses 128 (remote "
+                   "sensing, CIFAR-10, SVHN, ResNet-50), 512 for CIFAR-100 with AlexNet, 3000 for "
+                   "ImageNet")
     g.add_argument("--heads", type=int, help="heads of --k clusters each, every "
                    "one labelled by its own translation, the loss summed over them (the paper's "
-                   "ImageNet model: 10 heads of 3000)")
+                   "ImageNet model: 1 head of 3000; 10 heads for CIFAR and SVHN are ours)")
     g.add_argument("--embed", type=int, help="size of a linear embedding between the features "
-                   "and the heads (0: none; the paper's AlexNet: 128, evaluated with --feature embed)")
+                   "and the heads (0: none; 128 for AlexNet, the paper's embedding size for kNN, evaluated with "
+                   "--feature embed)")
     g.add_argument("--width", type=int, help="channels of ResNet-18's first stage (64 is "
-                   "torchvision's) or of AlexNet's first conv (96 in the paper), the rest scaled alike")
+                   "torchvision's) or of AlexNet's first conv (96 is AlexNet's; the paper gives no width), the rest "
+                   "scaled alike")
     g.add_argument("--small-stem", type=utils.str2bool, help="3x3 stride-1 stem without max-pool: "
                    "keeps resolution for small images but costs ~16x the compute")
     g.add_argument("--img-size", type=int, help="side of the training and test images (the cache "
@@ -65,14 +71,16 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)
     g.add_argument("--batch-size", type=int, help="images per step (each gives --views views)")
-    g.add_argument("--lr", type=float, help="SGD learning rate (0.03 in the paper at batch 256)")
+    g.add_argument("--lr", type=float, help="SGD learning rate: the paper's 0.03 for ResNet-18 "
+                   "(remote sensing), 0.05 for AlexNet at batch 128, 0.01 for ResNet-50")
     g.add_argument("--schedule", choices=["step", "cosine"], help="step: set lr to --lr-values at "
                    "epochs --lr-drops (the paper's); cosine: decay to 0, better for short runs")
     g.add_argument("--lr-drops", type=int, nargs="*", help="epochs at which the lr changes (step)")
     g.add_argument("--lr-values", type=float, nargs="*", help="the lr from each of --lr-drops on")
     g.add_argument("--warmup-epochs", type=float, help="linear lr warm-up")
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--wd", type=float, default=5e-4, help="weight decay (5e-4 in the paper)")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0.9 in the paper)")
+    g.add_argument("--wd", type=float, default=5e-4, help="weight decay (5e-4: ours, as in SeLa's CIFAR script; "
+                   "the paper does not give one)")
     g = p.add_argument_group("OTL")
     g.add_argument("--views", type=int, help="augmented views of each image per step")
     g.add_argument("--lct", type=utils.str2bool, help="label-consistent training: every view learns "
@@ -81,19 +89,21 @@ def get_args_parser():
                    "(default): the loss averaged over the views' label pairs, so the learning "
                    "rate needs no change with --views; sum: summed over the pairs as the paper "
                    "writes it (--views^2 times larger with --lct)")
-    g.add_argument("--aug", choices=["simple", "strong"], help="strong = RandAugment-style ops + "
-                   "Cutout 16, as in the paper")
+    g.add_argument("--aug", choices=["simple", "strong"], help="strong = RandAugment-style ops (two "
+                   "per image; the paper uses SCAN's strategy with Augment = 8 on AlexNet and 10 on "
+                   "remote sensing, which no flag sets) + Cutout (--cutout)")
     g.add_argument("--rot90", type=utils.str2bool, help="random 90-degree rotations in the "
                    "augmentation: true for overhead (remote-sensing) images, which have no up; "
                    "false for natural images (CIFAR, SVHN, ImageNet)")
     g.add_argument("--cutout", type=int, help="side in pixels (of the --img-size image) of the "
-                   "Cutout hole in strong augmentation; 16 in the paper at 224 px, 0 for none")
-    g.add_argument("--label-every", type=int, help="epochs between label passes")
+                   "Cutout hole in strong augmentation (one hole); 16 in the paper, 0 for none")
+    g.add_argument("--label-every", type=int, help="epochs between label passes (the paper: "
+                   "about every two epochs for CIFAR, every epoch for SVHN and ImageNet)")
     g.add_argument("--label-views", type=int, help="views labelled per image in a label pass: 1 = "
                    "the test-time view (cheapest); V = V augmented views, one label each, which is "
                    "what makes --lct differ from plain cross-entropy")
     g.add_argument("--label-bn", default="batch", choices=["batch", "eval"], help="BatchNorm in the "
-                   "label pass: batch statistics (the authors' choice; running statistics are left "
+                   "label pass: batch statistics (default, ours; running statistics are left "
                    "untouched) or running statistics; docs/label_bn.md has the measurement")
     g.add_argument("--beta", type=float, default=1.5, help="decay rate of the translation step "
                    "(--labeler published); the paper finds any value from 1.5 to 50 works")
