@@ -28,9 +28,9 @@ import otl
 # protocol; "cpu" is sized so that `make eurosat` (prepare, train, evaluate) ends within 30 minutes
 # on 2 CPU cores: it gives up image size (32 px instead of 224 px: 49x less compute), half of
 # ResNet-18's width (about 3x faster again) and epochs (20 instead of 300), and uses a cosine
-# schedule, which suits a short run better than the paper's steps.  Everything else is the
-# paper's: k = 128, two views with label-consistent training, strong augmentation with a 16-px
-# Cutout, SGD.  docs/presets.md has the runs that chose it.
+# schedule, which suits a short run better than the paper's steps.  It keeps the paper's
+# k = 128, label-consistent training, strong augmentation with a 16-px Cutout and SGD, and our
+# two views.  docs/presets.md has the runs that chose it.
 PRESETS = {
     "paper": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
                   img_size=224, epochs=300, batch_size=256, lr=0.03, schedule="step",
@@ -125,7 +125,7 @@ PRESETS = {
                                warmup_epochs=0, rot90=False),
     # "study-cpu": the training studies of ablations.py on 2 CPU cores (each grid at most 2 h):
     # the cpu preset's network (ResNet-18 at half width, 32 px) with the paper's study settings
-    # (one view without LCT, simple augmentation) and 10 epochs, for CIFAR-10's natural images.
+    # (no LCT, simple augmentation; one view is ours) and 10 epochs, for CIFAR-10's natural images.
     "study-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
                       img_size=32, epochs=10, batch_size=256, lr=0.05, schedule="cosine",
                       lr_drops=[], lr_values=[], views=1, lct=False, aug="simple", cutout=0,
