@@ -27,7 +27,7 @@
 #   bash bench/gpu_session.sh eval   call 3, at once: the fast run's kNN + linear evaluations (and
 #                                    PHASES=1's labeler stages on its head)
 #   bash bench/gpu_session.sh labeler
-#                                    the labeler in one call (carry .gpu/ab with an older otl.py
+#                                    the labeler in one call (carry .gpu/ab with an older labeler
 #                                    as otl_old.py (AB= names another), .gpu/feat_eu_train from
 #                                    `bench/bench_labeler.py --save-features`, and
 #                                    .gpu/EuroSAT_small.zip): ours against the published rules on
@@ -98,7 +98,7 @@ bench)
   #    (only where no archive is there: ../shared does not travel to the GPU machine, and a
   #    checkout beside the real archive keeps it)
   [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
-  timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_labeler.py \
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_otl_scale.py \
       tests/test_train_otl.py tests/test_bench.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
   # 3. the labeler at 1.28M x 3000 Gaussian, ours (ALL=1: the published rules and Sinkhorn at
   #    320,000 rows and the Gaussian sweep as well)
@@ -122,7 +122,7 @@ bench)
 labeler)
   FEATS=${FEATS:-.gpu/feat_eu_train}
   AB=${AB:-.gpu/ab/otl_old.py}
-  machine otl.py "$AB" $FEATS/*
+  machine otl.py otl_scale.py "$AB" $FEATS/*
   # 1. ours against the published rules on the real outputs at every k (the CPU's matrix)
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_BENCH:-200}" $PY bench/bench_labeler.py \
       --device cuda --features "$FEATS" --skip-large --ks 10 --real-ks 10,50,100,128,500,1000,3000 \
@@ -130,12 +130,12 @@ labeler)
       --out "$OUT/labeler_bench_gpu_matrix.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -22
   # 2. the older labeler (AB) against this one, alternating, on the same inputs
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_AB:-120}" $PY bench/compare_labelers.py \
-      "$AB" otl.py --device cuda --inputs large --large-n 1280000 --reps 3 \
+      "$AB" otl_scale.py --device cuda --inputs large --large-n 1280000 --reps 3 \
       --pt "$FEATS/trained_net_outputs.pt" --whole-only --out "$OUT/labeler_ab_head_gpu.json" 2>&1 | tail -6
   # 3. the CUDA tests (small_data reads ../shared/data/EuroSAT.zip: the small archive where none is)
   [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
   timeout "${T_TEST:-150}" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py \
-      tests/test_labeler.py tests/test_train_otl.py tests/test_bench.py -rs 2>&1 \
+      tests/test_otl_scale.py tests/test_train_otl.py tests/test_bench.py -rs 2>&1 \
       | tee "$OUT/pytest_cuda.txt" | tail -5
   # 4. the torch operations a call launches, counted on the GPU with the call's seconds, to check
   # the time per operation that --kernels --as-gpu on the CPU predicts

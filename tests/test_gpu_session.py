@@ -52,7 +52,7 @@ def test_unknown_stage_says_how_to_call_it(tmp_path):
 def test_labeler_stage_runs_the_matrix_the_tests_and_counts_kernels(tmp_path):
     out = dry("labeler", tmp_path).stdout
     assert "bench/bench_labeler.py --device cuda --features .gpu/feat_eu_train --skip-large" in out
-    assert "bench/compare_labelers.py .gpu/ab/otl_old.py otl.py --device cuda" in out
+    assert "bench/compare_labelers.py .gpu/ab/otl_old.py otl_scale.py --device cuda" in out
     assert "-m pytest -q -p no:cacheprovider -k cuda" in out
     for name in ("tb_100", "tb_500", "trained_net_outputs"):     # on the GPU, with its seconds
         assert f"--kernels --repeat 3 --json {tmp_path}/out/labeler_kernels_gpu_{name}.json" in out
