@@ -822,7 +822,8 @@ def translate_exact(outputs: torch.Tensor, target=None, start=None,
     _check_outputs(outputs)
     n, k = outputs.shape
     target = _check_target(target, n, k)
-    X = outputs.detach().to(torch.float32).contiguous()         # (N, k): the approach's copy
+    big = float(outputs.detach().abs().max()) > 1e37            # beyond float32: keep float64
+    X = outputs.detach().to(torch.float64 if big else torch.float32).contiguous()   # (N, k)
     # (contiguous: torch's median is wrong on expanded rows, which collapsed outputs can be)
     t = target.to(X.device)
     T = (X.median(dim=0).values.double() if start is None
@@ -878,8 +879,7 @@ def _newton_dT(S, lab, ru, margin, e, best, lam):
     lead margin and best score, and e = counts - t.  A cluster no boundary row touches (an empty
     one) moves alone, to where its missing rows would join or its extra rows leave."""
     n, k = S.shape
-    near = min(n, max(n // 16, 16 * k))        # rows near a boundary: N / 16, 16 a cluster
-    h = float(margin.kthvalue(near).values) + 1e-12
+    h = float(margin.kthvalue(min(n, max(n // 16, 16 * k))).values) + 1e-12   # N / 16 rows near
     near = margin <= h
     A = torch.zeros(k, k, dtype=torch.float64, device=S.device)
     A.index_put_((lab[near], ru[near]), torch.full_like(margin[near], 0.5 / h), accumulate=True)
@@ -887,9 +887,12 @@ def _newton_dT(S, lab, ru, margin, e, best, lam):
     deg = A.sum(1)
     J = (deg > 0).nonzero().flatten()
     dT = torch.zeros(k, dtype=torch.float64, device=S.device)
-    if J.numel() > 1:                                           # L dT = e, with sum dT = 0
-        L = torch.diag(deg[J] * (1 + lam + 1e-9)) - A[J][:, J] + 1.0 / J.numel()
-        dT[J] = torch.linalg.solve(L, e[J] - e[J].mean())
+    if J.numel() > 1:                      # L dT = e, with sum dT = 0 (the ones, at L's scale)
+        L = torch.diag(deg[J] * (1 + lam + 1e-9)) - A[J][:, J] + deg[J].mean() / J.numel()
+        try:
+            dT[J] = torch.linalg.solve(L, e[J] - e[J].mean())
+        except torch.linalg.LinAlgError:   # (singular in floating point: each cluster alone)
+            dT[J] = (e[J] - e[J].mean()) / deg[J]
     for j in (deg == 0).nonzero().flatten().tolist():
         m = max(1, round(abs(float(e[j]))))
         if e[j] < 0:                            # the join cost of its last missing row
@@ -907,21 +910,20 @@ def _path_finish(O, T, lo, hi):
     each edge (equal rows together).  Clusters over hi give to those under hi, then over lo to
     under lo."""
     n, k = O.shape
-    dev = O.device
     V = O - T                                                   # (N, k) scores at the start
     labels = V.argmax(1)
     D = V.gather(1, labels[:, None]) - V                        # (N, k) leads at the start
     D.scatter_(1, labels[:, None], math.inf)
-    M = torch.full((k, k), math.inf, dtype=torch.float64, device=dev)
+    M = torch.full((k, k), math.inf, dtype=torch.float64, device=O.device)
     M.scatter_reduce_(0, labels[:, None].expand(n, k), D, "amin")   # (k, k) cheapest moves
     c = torch.bincount(labels, minlength=k)
-    dT = torch.zeros(k, dtype=torch.float64, device=dev)
+    dT = torch.zeros(k, dtype=torch.float64, device=O.device)
     paths = 0
     for give, take in ((hi, hi), (lo, lo)):
         while bool((c > give).any()) and bool((c < take).any()):
             d = torch.where(c > give, 0.0, math.inf).to(torch.float64)
-            pred = torch.full((k,), -1, dtype=torch.int64, device=dev)
-            done = torch.zeros(k, dtype=torch.bool, device=dev)
+            pred = torch.full((k,), -1, dtype=torch.int64, device=O.device)
+            done = torch.zeros(k, dtype=torch.bool, device=O.device)
             while True:                                         # dense Dijkstra, k x k costs
                 u = int(torch.where(done, math.inf, d).argmin())
                 du = float(d[u])

@@ -188,6 +188,24 @@ def test_translate_dtypes_and_device(dtype, device, method):
         assert_argmax(O, r)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30, 1e300])
+def test_exact_at_any_scale(scale):
+    # the Newton steps' linear system and the ties' tolerance follow the outputs' scale, and
+    # values beyond float32's range are approached in float64
+    O = torch.randn(5000, 20, generator=gen(5), dtype=torch.float64) * scale
+    r = otl.translate(O)
+    assert r.counts.tolist() == [250] * 20 and r.ties_left == 0
+    assert torch.equal((O - r.T).argmax(1), r.labels)
+
+
+def test_exact_on_half_precision_ties():
+    # bfloat16 outputs tie often: balanced, every label one of its row's best
+    O = torch.randn(20000, 64, generator=gen(4)).bfloat16()
+    r = otl.translate(O)
+    assert int(r.counts.max() - r.counts.min()) <= 1
+    assert_argmax(O, r)
+
+
 def test_translate_does_not_modify_float64_input_without_jitter():
     O = torch.randn(500, 10, generator=gen(6), dtype=torch.float64)
     before = O.clone()
