@@ -9,8 +9,9 @@
 #   make labeler-matrix             the matrix: ours vs the published rules on real outputs, k = 10..3000
 #   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
 #   make hmhr                       HMHR by the transfer protocol: OTL from EuroSAT's OTL backbone, beside scratch and supervised
+#   make ucmerced|siri_whu SRC=..   the same three runs (transfer protocol; INIT=<checkpoint>: another backbone)
 #   make cifar10                    CIFAR-10 with AlexNet (the CPU twin here), from ../shared/data; likewise
-#     make ucmerced|siri_whu|aid|patternnet|nwpu_resisc45|cifar100|svhn SRC=<archive or folder>
+#     make aid|patternnet|nwpu_resisc45|cifar100|svhn SRC=<archive or folder>   (from scratch)
 #   make data DATASET=.. SRC=..     prepare any registered data set (hmhr-data, cifar10-data: ../shared/data)
 #   make ablations                  every study of the paper (ablations.py); one at a time:
 #     make ablation-beta|k-labeler|sinkhorn    labeler studies (minutes)
@@ -19,10 +20,13 @@
 #   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
 # Variables: PRESET=auto|paper|fast|cpu|... (auto: the data set's protocol on CUDA, its CPU twin
 #   otherwise; docs/presets.md), DEVICE=auto|cpu|cuda,
-#   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags).
+#   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags),
+#   INIT=<checkpoint> and TRANSFER_PRESET=transfer|transfer-cpu (ucmerced, siri_whu; HMHR_*: hmhr).
 
 PY        ?= .venv/bin/python
-SETS       = ucmerced siri_whu aid patternnet nwpu_resisc45 cifar10 cifar100 svhn
+TRANSFER_SETS = ucmerced siri_whu
+SCRATCH_SETS  = aid patternnet nwpu_resisc45 cifar10 cifar100 svhn
+SETS       = $(TRANSFER_SETS) $(SCRATCH_SETS)
 PRESET    ?= auto
 DEVICE    ?= auto
 RUNS      ?= runs
@@ -35,7 +39,7 @@ STAMP      = .venv/.installed
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,22p' Makefile
+	@sed -n '1,24p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -95,31 +99,66 @@ HMHR_INIT   ?= $(RUNS)/eurosat/checkpoint.pth
 HMHR_PRESET ?= transfer-cpu
 HMHR_REPORT ?= hmhr_transfer
 hmhr: hmhr-data
-	test -f $(HMHR_INIT) || $(MAKE) --no-print-directory eurosat
-	$(PY) train_otl.py --data $(HMHR_DATA) --output $(RUNS)/hmhr_from_eurosat --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
-	$(PY) train_otl.py --data $(HMHR_DATA) --output $(RUNS)/hmhr_scratch --preset $(HMHR_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(PY) train_otl.py --data $(HMHR_DATA) --output $(RUNS)/hmhr_supervised_from_eurosat --supervised --preset $(HMHR_PRESET) --init $(HMHR_INIT) --device $(DEVICE) $(TRAIN_ARGS)
-	for r in hmhr_from_eurosat hmhr_scratch hmhr_supervised_from_eurosat; do $(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$$r || exit 1; done
-	$(PY) report.py --dataset hmhr --runs $(RUNS) --out results --name $(HMHR_REPORT) --rows "OTL from EuroSAT OTL=hmhr_from_eurosat" "OTL from random init=hmhr_scratch" "supervised from EuroSAT OTL=hmhr_supervised_from_eurosat"
+hmhr: T_DATA = $(HMHR_DATA)
+hmhr: T_PREFIX = hmhr
+hmhr: T_PRESET = $(HMHR_PRESET)
+hmhr: T_INIT = $(HMHR_INIT)
+hmhr: T_REPORT = $(HMHR_REPORT)
+
+# The transfer protocol's three runs, one recipe for hmhr and the small sets (ucmerced, siri_whu:
+# their T_* below), each target saying what by its T_* variables: T_PREP (prepare the data, if
+# the recipe does it), then on T_DATA with T_PRESET: T_PREFIX_from_eurosat (OTL from T_INIT's
+# backbone, make eurosat first if it is missing), T_PREFIX_scratch (OTL from random init) and
+# T_PREFIX_supervised_from_eurosat (supervised from T_INIT); eval-run each, then
+# results/T_REPORT.md (report.py --rows).
+hmhr $(TRANSFER_SETS):
+	$(T_PREP)
+	test -f $(T_INIT) || $(MAKE) --no-print-directory eurosat
+	$(PY) train_otl.py --data $(T_DATA) --output $(RUNS)/$(T_PREFIX)_from_eurosat --preset $(T_PRESET) --init $(T_INIT) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data $(T_DATA) --output $(RUNS)/$(T_PREFIX)_scratch --preset $(T_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data $(T_DATA) --output $(RUNS)/$(T_PREFIX)_supervised_from_eurosat --supervised --preset $(T_PRESET) --init $(T_INIT) --device $(DEVICE) $(TRAIN_ARGS)
+	for r in $(T_PREFIX)_from_eurosat $(T_PREFIX)_scratch $(T_PREFIX)_supervised_from_eurosat; do $(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$$r || exit 1; done
+	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --name $(T_REPORT) --rows "OTL from EuroSAT OTL=$(T_PREFIX)_from_eurosat" "OTL from random init=$(T_PREFIX)_scratch" "supervised from EuroSAT OTL=$(T_PREFIX)_supervised_from_eurosat"
 
 cifar10-data: $(STAMP)
 	$(PY) prepare_data.py --dataset cifar10 $(if $(SRC),--source $(SRC),$(if $(wildcard ../shared/data/cifar10_jpg.zip),--source ../shared/data/cifar10_jpg.zip,--download)) --out data/cifar10
 
 # make <set> [SRC=<archive or folder>] for the paper's other data sets: prepare (from SRC, else
 # from ../shared/data where it is there, else --download where the set has a checksummed
-# source), OTL with PRESET (auto: the data set's protocol, paper or alexnet-cifar on CUDA and
-# their CPU twins otherwise: docs/presets.md), kNN and linear probe of the final and the
-# random-init network (on the 128-d embedding when the model has one, the paper's AlexNet
-# layer), then results/<set>.md and the overview results/tables.md.
+# source), then
+# - ucmerced, siri_whu (TRANSFER_SETS): the paper's transfer protocol, as make hmhr: OTL from the
+#   backbone INIT (default this folder's make eurosat run, made first if missing), OTL from random
+#   init and supervised from INIT, each with TRANSFER_PRESET (transfer on CUDA, transfer-cpu
+#   otherwise: it must match INIT's backbone, the cpu or the paper preset's) and evaluated, then
+#   results/<set>_transfer.md;
+# - the rest (SCRATCH_SETS): OTL from scratch with PRESET (auto: the data set's protocol, paper or
+#   alexnet-cifar on CUDA and their CPU twins otherwise: docs/presets.md), kNN and linear probe of
+#   the final and the random-init network (on the 128-d embedding when the model has one, the
+#   paper's AlexNet layer), then results/<set>.md and the overview results/tables.md.
 #   make cifar10                           AlexNet (alexnet-cifar-cpu here), from ../shared/data
-#   make ucmerced SRC=UCMerced_LandUse.zip ResNet-18, the paper's protocol on a GPU
+#   make ucmerced SRC=UCMerced_LandUse.zip ResNet-18 from make eurosat's backbone, three runs
+#   make ucmerced SRC=... INIT=runs/x/checkpoint.pth TRANSFER_PRESET=transfer    another backbone
 #   make cifar10 PRESET=resnet50-cifar RUN_NAME=cifar10_resnet50    the ResNet-50 table's run
+# RUN_NAME names the run folder (the transfer sets: the prefix of their three, and of the report).
 # ImageNet has no preset of its own: make data DATASET=imagenet SRC=..., then train_otl.py.
 SHARED_cifar10 = cifar10_jpg.zip
 RUN_NAME ?=
+INIT     ?= $(RUNS)/eurosat/checkpoint.pth
+# DEVICE=auto asks torch (utils.pick_device, as make eurosat's banner), once, only when used
+TRANSFER_DEVICE = $(eval TRANSFER_DEVICE := $(if $(filter auto,$(DEVICE)),$$(shell $(PY) -c "import utils; print(utils.pick_device('auto').type)" 2>/dev/null),$(DEVICE)))$(TRANSFER_DEVICE)
+TRANSFER_PRESET ?= $(if $(filter cuda%,$(TRANSFER_DEVICE)),transfer,transfer-cpu)
+PREPARE_SET = $(PY) prepare_data.py --dataset $@ $(if $(SRC),--source $(SRC),$(if $(and $(SHARED_$@),$(wildcard ../shared/data/$(SHARED_$@))),--source ../shared/data/$(SHARED_$@),--download)) --out data/$@
 $(SETS): NAME = $(or $(RUN_NAME),$@)
-$(SETS): $(STAMP)
-	$(PY) prepare_data.py --dataset $@ $(if $(SRC),--source $(SRC),$(if $(and $(SHARED_$@),$(wildcard ../shared/data/$(SHARED_$@))),--source ../shared/data/$(SHARED_$@),--download)) --out data/$@
+$(TRANSFER_SETS): $(STAMP)
+$(TRANSFER_SETS): T_PREP = $(PREPARE_SET)
+$(TRANSFER_SETS): T_DATA = data/$@
+$(TRANSFER_SETS): T_PREFIX = $(NAME)
+$(TRANSFER_SETS): T_PRESET = $(TRANSFER_PRESET)
+$(TRANSFER_SETS): T_INIT = $(INIT)
+$(TRANSFER_SETS): T_REPORT = $(NAME)_transfer
+
+$(SCRATCH_SETS): $(STAMP)
+	$(PREPARE_SET)
 	$(PY) train_otl.py --data data/$@ --output $(RUNS)/$(NAME) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
 	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(NAME) FEATURE=auto
 	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(NAME) --name $(NAME) --feature auto
