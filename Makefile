@@ -91,12 +91,13 @@ hmhr-data: $(STAMP)
 # HMHR, the paper's transfer protocol: OTL from a backbone pretrained by OTL on EuroSAT (HMHR_INIT,
 # by default this folder's make eurosat run, made first if missing), OTL from random init, and
 # supervised from the same backbone; each evaluated, then results/hmhr_transfer.md.
-# HMHR_PRESET=transfer-cpu (a cpu-preset backbone) or transfer (a paper-preset one, on a GPU).
+# HMHR_PRESET: TRANSFER_PRESET by default (transfer on CUDA, where make eurosat trains a
+# paper-preset backbone; transfer-cpu for a cpu-preset one).
 # HMHR keeps its duplicates as found (10 of the 106 test images have a copy in the training
 # split); HMHR_PREP=--drop-duplicates HMHR_DATA=data/hmhr_dedup HMHR_REPORT=hmhr_transfer_dedup
 # RUNS=runs/dedup runs the same without them.
 HMHR_INIT   ?= $(RUNS)/eurosat/checkpoint.pth
-HMHR_PRESET ?= transfer-cpu
+HMHR_PRESET ?= $(TRANSFER_PRESET)
 HMHR_REPORT ?= hmhr_transfer
 hmhr: hmhr-data
 hmhr: T_DATA = $(HMHR_DATA)
