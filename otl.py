@@ -945,12 +945,12 @@ def _path_finish(O, T, lo, hi):
                 v = b
             # as many rows as every edge has at its cheapest (equal rows move together)
             m = min([int(c[v] - give[v]), int(take[u] - c[u])] + [len(e[3]) for e in path])
-            for b, v2, rows, move in path:
+            for b, dest, rows, move in path:
                 move = move[:m]
-                labels[move] = v2
-                D[move] = V[move, v2][:, None] - V[move]
-                D[move, v2] = math.inf
-                M[v2] = torch.minimum(M[v2], D[move].amin(0))
+                labels[move] = dest
+                D[move] = V[move, dest][:, None] - V[move]
+                D[move, dest] = math.inf
+                M[dest] = torch.minimum(M[dest], D[move].amin(0))
                 rows = rows[labels[rows] == b]
                 M[b] = D[rows].amin(0) if rows.numel() else math.inf
             c[v] -= m
