@@ -173,7 +173,7 @@ def _std_max(target: torch.Tensor, n: int, std_fn=None) -> float:
     return max((_std if std_fn is None else std_fn)(worst, t), 1e-12)
 
 
-def _check_outputs(outputs: torch.Tensor, finite: bool = True) -> None:
+def _check_outputs(outputs: torch.Tensor, finite: bool = True):
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2:
         raise ValueError(f"outputs must be an (N, k) tensor, got {type(outputs).__name__} "
                          f"of shape {tuple(getattr(outputs, 'shape', ()))}")
@@ -185,18 +185,19 @@ def _check_outputs(outputs: torch.Tensor, finite: bool = True) -> None:
     if not outputs.is_floating_point():
         raise ValueError(f"outputs must be floating point (the network's logits), got {outputs.dtype}")
     if finite:
-        _check_outputs_finite(outputs)
+        return _check_outputs_finite(outputs)    # (least, largest) value
 
 
 def _check_outputs_finite(X, row0: int = 0):
     if X.numel() == 0:
         return
-    lo, hi = X.aminmax()      # one cheap pass, no N x k mask; NaN and +-inf show in these
-    if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+    lo, hi = (v.item() for v in X.aminmax())   # one cheap pass; NaN and +-inf show in these
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         bad = (~torch.isfinite(X)).any(1).nonzero().flatten() + row0
         raise ValueError(f"outputs contain NaN or infinite values in {bad.numel()} rows "
                          f"(first: {bad[:5].tolist()}); the network has probably diverged: "
                          "lower the learning rate or resume from an earlier checkpoint")
+    return lo, hi
 
 
 def _check_start(start, k: int) -> torch.Tensor:
@@ -819,12 +820,11 @@ def translate_exact(outputs: torch.Tensor, target=None, start=None,
     is counted in ties_left; every other row is strictly in its cluster.  Holds O in float64 on
     its device (8 N k bytes) and a few N x k temporaries."""
     t0 = time.perf_counter()
-    _check_outputs(outputs)
+    top = max(abs(v) for v in _check_outputs(outputs))          # the largest |O|
     n, k = outputs.shape
     target = _check_target(target, n, k)
-    big = float(outputs.detach().abs().max()) > 1e37            # beyond float32: keep float64
-    X = outputs.detach().to(torch.float64 if big else torch.float32).contiguous()   # (N, k)
-    # (contiguous: torch's median is wrong on expanded rows, which collapsed outputs can be)
+    X = outputs.detach().to(torch.float64 if top > 1e37 else torch.float32).contiguous()
+    # (N, k): float64 beyond float32's range; contiguous: torch's median is wrong on expanded rows
     t = target.to(X.device)
     T = (X.median(dim=0).values.double() if start is None
          else _check_start(start, k).to(X.device))
@@ -834,7 +834,7 @@ def translate_exact(outputs: torch.Tensor, target=None, start=None,
     O = outputs.detach().to(torch.float64)                      # (N, k): the finish's, exact
     del X
     labels, T, paths = _path_finish(O, T, lo, hi)
-    T, ties, ties_left = _strict_ties(O, T, labels)
+    T, ties, ties_left = _strict_ties(O, T, labels, top)
     counts = torch.bincount(labels, minlength=k)
     history.append(_std(counts, target))
     return TranslateResult(labels=labels, T=T, counts=counts, target=target,
@@ -959,18 +959,18 @@ def _path_finish(O, T, lo, hi):
     return labels, T + dT, paths
 
 
-def _strict_ties(O, T, labels):
+def _strict_ties(O, T, labels, top):
     """The paths leave each moved row tied with the cluster it left.  A tie of a row of cluster
     a with b is made strict by a shift eta * pi of T with pi[b] > pi[a] (the longest chain of
     ties into each cluster), eta small enough to keep every other lead.  Ties on a cycle (equal
     rows in several clusters) cannot be ordered: its clusters shift alike, their tied rows are
-    counted.  Returns (T, ties made strict, rows left tied)."""
+    counted.  top: the largest |O|.  Returns (T, ties made strict, rows left tied)."""
     n, k = O.shape
     S = O - T                                                   # (N, k)
     own = S.gather(1, labels[:, None])
     S.scatter_(1, labels[:, None], -math.inf)
     lead = own - S.max(1, keepdim=True).values                  # (N, 1) >= 0 up to rounding
-    tol = 64 * 2.0 ** -52 * (float(O.abs().max()) + float(T.abs().max()) + 1e-300)
+    tol = 64 * 2.0 ** -52 * (top + float(T.abs().max()) + 1e-300)
     rows = (lead[:, 0] <= tol).nonzero().flatten()              # tied rows: few, the moved ones
     if rows.numel() == 0:
         return T, 0, 0
