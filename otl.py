@@ -163,14 +163,9 @@ def _std_of(counts, target) -> float:
 def _std_max(target: torch.Tensor, n: int, std_fn=None) -> float:
     """The std when all n rows fall in the cluster with the smallest target: the largest."""
     t = target.cpu().to(torch.float64)
-    if t.numel() <= 256:
-        tl = t.tolist()
-        worst = [0.0] * len(tl)
-        worst[tl.index(min(tl))] = float(n)
-        return max(_std_of(worst, tl), 1e-12)
     worst = torch.zeros_like(t)
     worst[int(torch.argmin(t))] = n
-    return max((_std if std_fn is None else std_fn)(worst, t), 1e-12)
+    return max((std_fn or _std)(worst, t), 1e-12)
 
 
 def _check_outputs(outputs: torch.Tensor, finite: bool = True):
@@ -503,9 +498,13 @@ def build_model(cfg: ModelConfig) -> OTLNet:
 
 # ---- 7. Batched augmentation of uint8 images on any device, and passes over a data set
 
-def resize_batch(x: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> float [0, 1] (B, 3, size, size), antialiased: the test-time transform."""
+def resize_batch(x: torch.Tensor, size: int, crop: float = 1.0) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float [0, 1] (B, 3, size, size), antialiased: the test-time transform
+    (the centre `crop` of each side first: 224 / 256 resizes to 256, then crops 224)."""
     x = x.float().div_(255) if x.dtype == torch.uint8 else x
+    if crop < 1:
+        h, w = round(x.shape[-2] * crop), round(x.shape[-1] * crop)
+        x = x[..., (x.shape[-2] - h) // 2:, (x.shape[-1] - w) // 2:][..., :h, :w]
     if x.shape[-1] != size or x.shape[-2] != size:
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     return x.clamp(0, 1)
@@ -516,17 +515,18 @@ def _blend(a, b, w):  # w: (B,) factor, 1 keeps a
 
 
 def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
-            cutout: int = 16, generator: torch.Generator | None = None,
-            rot90: bool = True) -> torch.Tensor:
+            cutout: int = 16, generator: torch.Generator | None = None, rot90: bool = True,
+            n_ops: int = 2, flip: bool = True, crop: float = 1.0) -> torch.Tensor:
     """Random views of a uint8 batch (B, 3, H, W), all on x's device: float [0, 1] (B, 3, size, size).
 
-    simple: random resized crop (area `scale`, aspect 3/4..4/3), random flips and 90-degree
-    rotations (overhead images have no up; rot90=False keeps natural images upright, with
-    horizontal flips only), mild colour jitter.
-    strong: simple plus two RandAugment-style ops per image at random magnitude (rotate, shear,
+    simple: random resized crop (area `scale` of a window of side `crop`: 224 / 256 crops 224 of
+    images resized to 256, as the paper does), random flips and 90-degree rotations (overhead
+    images have no up; rot90=False keeps natural images upright, with horizontal flips only;
+    flip=False: none, for digits), mild colour jitter.
+    strong: simple plus `n_ops` RandAugment-style ops per image at random magnitude (rotate, shear,
     translate, brightness, contrast, saturation, sharpness, posterize, solarize, autocontrast,
-    equalise-like histogram stretch) and Cutout with one hole of side `cutout` pixels of the
-    output (16 in the paper; 0 for none)."""
+    equalise-like histogram stretch; the paper's SCAN strategy: 10 on remote sensing, 8 on
+    AlexNet) and Cutout with one hole of side `cutout` pixels of the output (16; 0 for none)."""
     B, dev = x.shape[0], x.device
     g = generator
 
@@ -538,8 +538,8 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     area = U(*scale)
     logr = U(math.log(3 / 4), math.log(4 / 3))
     ar = logr.exp()
-    sw = (area * ar).sqrt().clamp(max=1.0)
-    sh = (area / ar).sqrt().clamp(max=1.0)
+    sw = (area * ar).sqrt().clamp(max=1.0) * crop
+    sh = (area / ar).sqrt().clamp(max=1.0) * crop
     cx = (U(-1, 1) * (1 - sw))
     cy = (U(-1, 1) * (1 - sh))
     theta = torch.zeros(B, 2, 3, device=dev)
@@ -547,7 +547,7 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     theta[:, 0, 2], theta[:, 1, 2] = cx, cy
     rot = torch.randint(0, 4, (B,), device=dev, generator=g)
     ang = rot.float() * (math.pi / 2) if rot90 else torch.zeros(B, device=dev)
-    flip = torch.where(torch.rand(B, device=dev, generator=g) < 0.5, -1.0, 1.0)
+    flip = torch.where(torch.rand(B, device=dev, generator=g) < 0.5 * flip, -1.0, 1.0)
     shear = torch.zeros(B, device=dev)
     if strong:
         ang = ang + U(-30, 30) * (math.pi / 180) * (torch.rand(B, device=dev, generator=g) < 0.3)
@@ -567,7 +567,7 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     gray = (out * torch.tensor([0.299, 0.587, 0.114], device=dev).view(1, 3, 1, 1)).sum(1, True)
     out = _blend(out, gray.expand_as(out), U(0.6, 1.4))                               # saturation
     if strong:
-        out = _rand_ops(out, U, g)
+        out = _rand_ops(out, U, g, n_ops)
     if strong and cutout > 0:
         side = cutout
         cy_ = torch.randint(0, size, (B, 1, 1), device=dev, generator=g)
@@ -643,23 +643,22 @@ def batch_stats_mode(model: nn.Module):
 
 
 def _progress(batches, desc: str, progress: bool):
-    if progress:
-        try:
-            from tqdm import tqdm
-        except ImportError:     # tqdm is optional: no bar without it
-            return batches
-        return tqdm(batches, desc=desc, unit="batch", leave=False, dynamic_ncols=True)
-    return batches
+    try:
+        from tqdm import tqdm
+    except ImportError:         # tqdm is optional: no bar without it
+        return batches
+    return tqdm(batches, desc=desc, unit="batch", leave=False, dynamic_ncols=True) if progress else batches
 
 
 @torch.inference_mode()
 def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
-               device="cpu", bn: str = "batch", views: int = 1, strong: bool = False,
-               cutout: int = 16, generator=None, progress: bool = True,
-               head: bool = True, batches: int | None = None, rot90: bool = True) -> torch.Tensor:
+               device="cpu", bn: str = "batch", views: int = 1,
+               generator=None, progress: bool = True, head: bool = True,
+               batches: int | None = None, crop: float = 1.0, **aug) -> torch.Tensor:
     """The network's outputs for every image: (views, N, k) float32 on `device` (head=False: the
     backbone's features, (views, N, feat_dim), e.g. to try several heads).  views = 1 uses
-    the test-time transform; views > 1 uses random (simple or strong) augmentations.  bn="batch"
+    the test-time transform (resize_batch); views > 1 random views (augment with crop and `aug`:
+    strong, cutout, rot90, n_ops, flip).  bn="batch"
     normalises with batch statistics without touching running statistics (see batch_stats_mode);
     bn="eval" uses the running statistics.  Batches are shuffled so batch statistics do not depend
     on the order of the data set.  batches: make exactly this many near-equal batches instead
@@ -677,8 +676,8 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
             x = images[idx].to(device, non_blocking=True)
             idx = idx.to(device, non_blocking=True)
             for v in range(views):
-                xv = (resize_batch(x, size) if views == 1 else
-                      augment(x, size, strong, cutout=cutout, rot90=rot90))
+                xv = (resize_batch(x, size, crop) if views == 1 else
+                      augment(x, size, crop=crop, **aug))
                 with autocast(device):
                     out[v, idx] = fwd(xv.contiguous(memory_format=torch.channels_last)).float()
     return out
@@ -703,13 +702,14 @@ def autocast(device, enabled: bool = True):
 
 @torch.no_grad()
 def extract_features(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
-                     device="cpu", progress: bool = True, layer: str = "pool") -> torch.Tensor:
+                     device="cpu", progress: bool = True, layer: str = "pool",
+                     crop: float = 1.0) -> torch.Tensor:
     """Frozen features (of `layer`, see OTLNet.features) of every image with the test-time
-    transform and the model in eval mode: (N, d) float32 on the CPU."""
+    transform (resize_batch with `crop`) and the model in eval mode: (N, d) float32 on the CPU."""
     feats = []
     with _eval_mode(model):
         for s in _progress(range(0, images.shape[0], batch_size), "features", progress):
-            x = resize_batch(images[s:s + batch_size].to(device, non_blocking=True), size)
+            x = resize_batch(images[s:s + batch_size].to(device, non_blocking=True), size, crop)
             with autocast(device):
                 feats.append(model.features(x, layer).float().cpu())
     return torch.cat(feats)

@@ -66,8 +66,8 @@ def get_args_parser():
                    "scaled alike")
     g.add_argument("--small-stem", type=utils.str2bool, help="3x3 stride-1 stem without max-pool: "
                    "keeps resolution for small images but costs ~16x the compute")
-    g.add_argument("--img-size", type=int, help="side of the training and test images (the cache "
-                   "is resized on the fly)")
+    g.add_argument("--img-size", type=int, help="side of the training and test images (a cache "
+                   "over twice this side is resized once to twice it, then each view on the fly)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)
     g.add_argument("--batch-size", type=int, help="images per step (each gives --views views)")
@@ -89,9 +89,15 @@ def get_args_parser():
                    "(default): the loss averaged over the views' label pairs, so the learning "
                    "rate needs no change with --views; sum: summed over the pairs as the paper "
                    "writes it (--views^2 times larger with --lct)")
-    g.add_argument("--aug", choices=["simple", "strong"], help="strong = RandAugment-style ops (two "
-                   "per image; the paper uses SCAN's strategy with Augment = 8 on AlexNet and 10 on "
-                   "remote sensing, which no flag sets) + Cutout (--cutout)")
+    g.add_argument("--aug", choices=["simple", "strong"], help="strong = --n-ops RandAugment-style "
+                   "ops per image + Cutout (--cutout)")
+    g.add_argument("--n-ops", type=int, help="random ops per image in strong augmentation (the "
+                   "paper, SCAN's strategy: Augment = 10 on remote sensing, 8 on AlexNet)")
+    g.add_argument("--flip", type=utils.str2bool, help="random flips (false for digits: the paper "
+                   "drops horizontal flips on SVHN)")
+    g.add_argument("--crop", type=float, help="side of the window a view is cropped from, as a "
+                   "fraction of the image: 0.875 resizes to 256 and crops 224 as the paper does "
+                   "(training: random crops within it; test: the centre)")
     g.add_argument("--rot90", type=utils.str2bool, help="random 90-degree rotations in the "
                    "augmentation: true for overhead (remote-sensing) images, which have no up; "
                    "false for natural images (CIFAR, SVHN, ImageNet)")
@@ -187,6 +193,8 @@ def resolve_args(args, device):
     if args.arch == "alexnet" and args.img_size < 63:
         raise SystemExit(f"--arch alexnet needs --img-size >= 63 (its three max-pools), got "
                          f"{args.img_size}; the paper upsamples CIFAR and SVHN to 224")
+    if args.n_ops < 0 or not 0 < args.crop <= 1:
+        raise SystemExit(f"--n-ops must be >= 0 and --crop in (0, 1], got {args.n_ops}, {args.crop}")
     if args.heads < 1 or args.embed < 0:
         raise SystemExit(f"--heads must be >= 1 and --embed >= 0, got {args.heads}, {args.embed}")
     if args.label_views not in (1, args.views):
@@ -220,7 +228,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
     outs = otl.label_pass(model, images, args.img_size, batch_size=bs,
                           device=device, bn=args.label_bn, views=args.label_views,
                           strong=args.aug == "strong", cutout=args.cutout, rot90=args.rot90,
-                          generator=gen, progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
+                          n_ops=args.n_ops, flip=args.flip, crop=args.crop, generator=gen, progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
     t_pass = time.time() - t0
     n, k = outs.shape[1], outs.shape[2] // args.heads
     lo = ranks.shard(n_total)[0]
@@ -309,7 +317,8 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
         idx = perm[step * b:(step + 1) * b]
         x = images[idx].to(device, non_blocking=True)
         xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong", cutout=args.cutout,
-                                    rot90=args.rot90) for _ in range(args.views)])
+                                    rot90=args.rot90, n_ops=args.n_ops, flip=args.flip,
+                                    crop=args.crop) for _ in range(args.views)])
         xs = xs.contiguous(memory_format=torch.channels_last)
         with otl.autocast(device, args.amp):
             logits = net(xs).float().view(args.views, len(idx), args.heads, -1)   # (V, B, H, k)
@@ -342,7 +351,8 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
 
 def knn_monitor(model, d, args, device):
     """kNN@10 / 50 of the test split (monitoring only: it uses the labels)."""
-    feats = otl.extract_features(model, d["images"], args.img_size, 512, device, progress=False)
+    feats = otl.extract_features(model, d["images"], args.img_size, 512, device, progress=False,
+                                 crop=args.crop)
     tr, te = d["train_idx"], d["test_idx"]
     preds = otl.knn_classify(feats[tr], d["labels"][tr], feats[te], ks=(10, 50))
     return {f"knn{k}": round(v, 2) for k, v in otl.top1(preds, d["labels"][te]).items()}
@@ -402,7 +412,7 @@ def run(args, ranks, device):
 
     # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
     # process holds its contiguous shard of it
-    d, manifest = utils.open_prepared(args.data)
+    d, manifest = utils.open_prepared(args.data, size=args.img_size)   # resized once if large
     data_identity = utils.data_identity(args.data)   # checked when the checkpoint is evaluated
     images_sha256 = utils.images_identity(args.data)["sha256"]   # evaluation notes a rebuild
     n_total = len(d["train_idx"])

@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict
 
 import torch
+import torch.nn.functional as F
 
 import otl
 
@@ -28,12 +29,12 @@ _ALEXNET_CIFAR = dict(arch="alexnet", k=128, heads=10, embed=128, width=96, smal
                       img_size=224, epochs=1600, batch_size=128, lr=0.05, schedule="step",
                       lr_drops=[960, 1280], lr_values=[0.005, 0.0005], views=2, lct=True,
                       aug="strong", cutout=16, label_every=2, label_views=2, warmup_epochs=0,
-                      rot90=False)
+                      rot90=False, n_ops=8, flip=True, crop=224 / 256)
 _RESNET50_CIFAR = dict(arch="resnet50", k=128, heads=10, embed=0, width=64, small_stem=True,
                        img_size=32, epochs=300, batch_size=128, lr=0.01, schedule="step",
                        lr_drops=[160, 240], lr_values=[0.001, 0.0005], views=2, lct=True,
                        aug="strong", cutout=16, label_every=2, label_views=2, warmup_epochs=0,
-                       rot90=False)
+                       rot90=False, n_ops=8, flip=True, crop=1.0)
 # ----------------------------------------------------------------------------------------------
 # Training presets
 # ----------------------------------------------------------------------------------------------
@@ -48,11 +49,12 @@ PRESETS = {
     "paper": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
                   img_size=224, epochs=300, batch_size=256, lr=0.03, schedule="step",
                   lr_drops=[160, 240], lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong",
-                  cutout=16, label_every=1, label_views=2, warmup_epochs=0, rot90=True),
+                  cutout=16, label_every=1, label_views=2, warmup_epochs=0, rot90=True,
+                  n_ops=10, flip=True, crop=224 / 256),
     "cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32,
                 epochs=20, batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[],
                 views=2, lct=True, aug="strong", cutout=16, label_every=1, label_views=2,
-                warmup_epochs=0, rot90=True),
+                warmup_epochs=0, rot90=True, n_ops=2, flip=True, crop=1.0),
     # "fast": the paper's network (full-width ResNet-18, ImageNet stem) on one GPU in minutes:
     # EuroSAT's 64 px upsampled to 112 instead of 224 (4x less compute; the last stage still sees
     # 4 x 4), batch 512 with the learning rate scaled up, a short warm-up and a cosine schedule,
@@ -62,7 +64,7 @@ PRESETS = {
     "fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
                  img_size=112, epochs=208, batch_size=512, lr=0.1, schedule="cosine", lr_drops=[],
                  lr_values=[], views=2, lct=True, aug="strong", cutout=8, label_every=1,
-                 label_views=2, warmup_epochs=2, rot90=True),
+                 label_views=2, warmup_epochs=2, rot90=True, n_ops=2, flip=True, crop=1.0),
     # "transfer": the paper's protocol for a small remote-sensing set started from a network
     # pretrained by OTL on another set (train_otl.py --init): 64 epochs, lr 0.03 -> 0.003 at 32
     # -> 0.0006 at 48, the rest as "paper".  "transfer-cpu" is its CPU twin for a backbone from
@@ -71,12 +73,12 @@ PRESETS = {
                      img_size=224, epochs=64, batch_size=256, lr=0.03, schedule="step",
                      lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
                      aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0,
-                     rot90=True),
+                     rot90=True, n_ops=10, flip=True, crop=224 / 256),
     "transfer-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
                          img_size=32, epochs=64, batch_size=256, lr=0.03, schedule="step",
                          lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
                          aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0,
-                         rot90=True),
+                         rot90=True, n_ops=2, flip=True, crop=1.0),
     # The paper's natural-image runs, from its Appendix D (paper_tables.json, "protocols"):
     # AlexNet at 224 px, batch 128, lr 0.05 dropped x 0.1 twice, strong augmentation of SCAN's
     # strategy with a 16-px Cutout; CIFAR-10/100 1600 epochs, labels every two, drops at 960 and
@@ -88,8 +90,9 @@ PRESETS = {
     # max-pool) is ours.  kNN runs on the 128-d embedding (eval_knn.py --feature embed).
     "alexnet-cifar": _ALEXNET_CIFAR,
     "alexnet-cifar100": dict(_ALEXNET_CIFAR, k=512),
-    # SVHN: the paper also drops horizontal flips (digits), which otl.augment cannot yet: it flips.
-    "alexnet-svhn": dict(_ALEXNET_CIFAR, epochs=400, lr_drops=[240, 320], label_every=1),
+    # SVHN: no flips (digits).
+    "alexnet-svhn": dict(_ALEXNET_CIFAR, epochs=400, lr_drops=[240, 320], label_every=1,
+                         flip=False),
     # ImageNet: "a larger AlexNet" (its width is not given: ours is AlexNet's 96), 3000 clusters
     # x 1 head, 450 epochs, drops at 160, 300 and 380, labels every epoch, no strong augmentation
     # and no LCT; one view (ours).
@@ -98,7 +101,7 @@ PRESETS = {
                              views=1, lct=False, aug="simple", cutout=0, label_every=1,
                              label_views=1),
     "resnet50-cifar": _RESNET50_CIFAR,
-    "resnet50-svhn": dict(_RESNET50_CIFAR, label_every=1),
+    "resnet50-svhn": dict(_RESNET50_CIFAR, label_every=1, flip=False),
     # Their CPU twins, sized for 2 cores (docs/presets.md has the measurements).
     # "alexnet-cifar-cpu" (about 30 minutes): AlexNet at half width on 64 px images, one head,
     # one view without LCT, 8 epochs on a cosine schedule.  "resnet50-cifar-cpu": ResNet-50 with
@@ -109,19 +112,20 @@ PRESETS = {
                               small_stem=False, img_size=64, epochs=8, batch_size=256, lr=0.05,
                               schedule="cosine", lr_drops=[], lr_values=[], views=1, lct=False,
                               aug="strong", cutout=5, label_every=1, label_views=1,
-                              warmup_epochs=0, rot90=False),
+                              warmup_epochs=0, rot90=False, n_ops=2, flip=True, crop=1.0),
     "resnet50-cifar-cpu": dict(arch="resnet50", k=128, heads=1, embed=0, width=64,
                                small_stem=False, img_size=32, epochs=2, batch_size=256, lr=0.05,
                                schedule="cosine", lr_drops=[], lr_values=[], views=1, lct=False,
                                aug="strong", cutout=8, label_every=1, label_views=1,
-                               warmup_epochs=0, rot90=False),
+                               warmup_epochs=0, rot90=False, n_ops=2, flip=True, crop=1.0),
     # "study-cpu": the training studies of ablations.py on 2 CPU cores (each grid at most 2 h):
     # the cpu preset's network (ResNet-18 at half width, 32 px) with the paper's study settings
     # (no LCT, simple augmentation; one view is ours) and 10 epochs, for CIFAR-10's natural images.
     "study-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
                       img_size=32, epochs=10, batch_size=256, lr=0.05, schedule="cosine",
                       lr_drops=[], lr_values=[], views=1, lct=False, aug="simple", cutout=0,
-                      label_every=1, label_views=1, warmup_epochs=0, rot90=False),
+                      label_every=1, label_views=1, warmup_epochs=0, rot90=False, n_ops=2,
+                      flip=True, crop=1.0),
 }
 
 
@@ -143,7 +147,8 @@ def _alexnet(p: str, k: str) -> dict:
     return dict(arch=f"{p}.network", k=k, embed="all_experiments.embedding_size",
                 img_size=f"{p}.image_size", epochs=f"{p}.epochs", batch_size=f"{p}.batch_size",
                 lr=f"{p}.lr", schedule=f"{p}.lr_drop_epochs", lr_drops=f"{p}.lr_drop_epochs",
-                lr_values=f"{p}.lr_drop_factor", label_every=f"{p}.label_update_every_epochs")
+                lr_values=f"{p}.lr_drop_factor", label_every=f"{p}.label_update_every_epochs",
+                crop=f"{p}.image_size")
 
 
 def _resnet50(p: str) -> dict:
@@ -152,12 +157,16 @@ def _resnet50(p: str) -> dict:
                 lr_drops=f"{_R50}.lr_drop_epochs", lr_values=f"{_R50}.lr_after_drops",
                 aug=f"{_R50}.augmentation", cutout=f"{p}.strong_augmentation" + _OTHER,
                 lct=f"{p}.strong_augmentation" + _OTHER, batch_size=f"{p}.batch_size" + _OTHER,
-                label_every=f"{p}.label_update_every_epochs" + _OTHER)
+                label_every=f"{p}.label_update_every_epochs" + _OTHER,
+                n_ops=f"{p}.strong_augmentation" + _OTHER, flip=f"{p}.augmentation" + _OTHER,
+                crop=f"{_R50}.image_size")
 
 
 _RS_COMMON = dict(arch=f"{_RS}.network", k=f"{_RS}.k_clusters", img_size=f"{_RS}.image_size",
-                  aug=f"{_RS}.strong_augmentation", cutout=f"{_RS}.strong_augmentation")
-_STRONG = dict(aug="strong_augmentation", cutout="strong_augmentation", lct="strong_augmentation")
+                  aug=f"{_RS}.strong_augmentation", cutout=f"{_RS}.strong_augmentation",
+                  n_ops=f"{_RS}.strong_augmentation", crop=f"{_RS}.image_size")
+_STRONG = dict(aug="strong_augmentation", cutout="strong_augmentation", lct="strong_augmentation",
+               n_ops="strong_augmentation", flip="augmentation")
 
 # Where each value of a preset that stands for a paper protocol comes from: "paper: <path>" names
 # the entry of paper_tables.json's "protocols" that gives it (tests/test_presets.py holds the
@@ -700,8 +709,31 @@ def _read_json(path: str, again: str) -> dict:
     return obj
 
 
-def load_prepared(data_dir: str) -> dict:
-    """The prepared data set in `data_dir`: images, labels, classes, train and test indices.
+def working_size(side: int, size: int) -> int:
+    """The side a stage keeps images of `side` px at for a network that sees `size` px: twice
+    `size` when the images are larger than that (a random crop then still upsamples no more than
+    2x, and the augmentation and test-time transform never resize from the full cache), else
+    `side` as prepared."""
+    return 2 * size if side > 2 * size else side
+
+
+def working_images(images: torch.Tensor, size: int, chunk: int = 512) -> torch.Tensor:
+    """uint8 (N, 3, H, W) resized once, antialiased, to working_size(W, size) (unchanged when
+    that is W): a CPU epoch's cost then follows the network, not the cache's 256 px."""
+    side = working_size(images.shape[-1], size)
+    if side == images.shape[-1] and side == images.shape[-2]:
+        return images
+    out = torch.empty(images.shape[0], 3, side, side, dtype=torch.uint8)
+    for s in range(0, images.shape[0], chunk):
+        x = images[s:s + chunk].float()
+        out[s:s + chunk] = F.interpolate(x, size=(side, side), mode="bilinear", antialias=True,
+                                         align_corners=False).round_().clamp_(0, 255)
+    return out
+
+
+def load_prepared(data_dir: str, size: int | None = None) -> dict:
+    """The prepared data set in `data_dir`: images, labels, classes, train and test indices;
+    with `size` (the network's input side), the images at working_images(images, size).
     FileNotFoundError or ValueError (a damaged file), each one line naming the file and what to
     run."""
     again = f"run prepare_data.py --out {data_dir} first"
@@ -723,6 +755,8 @@ def load_prepared(data_dir: str) -> dict:
             raise ValueError(f"{split} names images past the {n} of {cache} (the two files are "
                              f"of different preparations): {again}")
     d["split_seed"] = sp.get("seed")
+    if size is not None:
+        d["images"] = working_images(d["images"], int(size))
     return d
 
 
@@ -744,7 +778,8 @@ def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu
     # label_pass augments only when views > 1: then the second view is made and dropped
     feats = otl.label_pass(model, images, pre["img_size"], 256, device, bn="batch", head=False,
                            views=2 if augmented else 1, strong=pre["aug"] == "strong",
-                           cutout=pre["cutout"], rot90=pre["rot90"],
+                           cutout=pre["cutout"], rot90=pre["rot90"], n_ops=pre["n_ops"],
+                           flip=pre["flip"], crop=pre["crop"],
                            generator=torch.Generator().manual_seed(seed), progress=progress)[0]
     if model.embedding is not None:
         with torch.no_grad():
@@ -807,15 +842,15 @@ def load_manifest(data_dir: str) -> dict:
     return _read_json(path, again)
 
 
-def open_prepared(data_dir: str, flag: str = "--data"):
-    """(data, manifest) of a prepared data set for a stage script: load_prepared and
-    load_manifest, with every problem (a missing or damaged file, a path that is not a prepared
+def open_prepared(data_dir: str, flag: str = "--data", size: int | None = None):
+    """(data, manifest) of a prepared data set for a stage script: load_prepared (with `size`)
+    and load_manifest, with every problem (a missing or damaged file, a path that is not a prepared
     folder) one line naming the flag or file and what to do (SystemExit)."""
     why = prepared_problem(data_dir, flag)
     if why:
         raise SystemExit(why)
     try:
-        return load_prepared(data_dir), load_manifest(data_dir)
+        return load_prepared(data_dir, size), load_manifest(data_dir)
     except (OSError, ValueError) as e:
         raise SystemExit(str(e)) from None
 
@@ -864,7 +899,7 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
         raise ValueError(f"{data_dir} is not the data set {ckpt_path} was trained on (other "
                          f"classes, counts, image size or split: {load_manifest(data_dir).get('classes')}); "
                          "pass --data with the folder it was trained on")
-    size = int(args.get("img_size", 64))
+    size, crop = int(args.get("img_size", 64)), float(args.get("crop", 1.0))
     if layer == "auto":                     # the embedding when the model has one
         layer = "embed" if model.embedding is not None else "pool"
     stem = os.path.splitext(os.path.basename(ckpt_path))[0]
@@ -876,6 +911,11 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     key = {"checkpoint_sha256": sha256_file(ckpt_path), "data": os.path.abspath(data_dir),
            "split_sha256": sha256_file(os.path.join(data_dir, "split.json")), "img_size": size,
            "images": images_identity(data_dir)}
+    if crop != 1:
+        key["crop"] = crop
+    side = load_manifest(data_dir).get("image_size")
+    if side and working_size(int(side), size) != int(side):
+        key["working_size"] = working_size(int(side), size)   # images resized once (load_prepared)
     if layer != "pool":
         key["layer"] = layer
     if os.path.isfile(cache):
@@ -887,9 +927,9 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
         print(f"note: the images of {data_dir} were prepared again since {ckpt_path} was trained "
               "(its cache.pt is another file than then): the features are of the images as they "
               "are now", flush=True)
-    d = load_prepared(data_dir)
+    d = load_prepared(data_dir, size)
     feats = otl.extract_features(model, d["images"], size, batch_size, device, progress,
-                                 layer=layer)                                          # (N, D)
+                                 layer=layer, crop=crop)                                          # (N, D)
     out = {"train": feats[d["train_idx"]], "test": feats[d["test_idx"]],
            "train_labels": d["labels"][d["train_idx"]], "test_labels": d["labels"][d["test_idx"]],
            "classes": list(d["classes"]), "data_dir": data_dir, "img_size": size,

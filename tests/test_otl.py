@@ -969,3 +969,49 @@ def test_augment_rot90_off_keeps_images_upright():
     g = gen(6)
     otl.augment(x, 32, generator=g)
     assert torch.equal(after_off, torch.rand(1, generator=g))
+
+
+def test_augment_flip_off_keeps_left_and_right():
+    """flip=False (digits: the paper's SVHN protocol): the bright left half stays left in every
+    upright view; with flips some views are mirrored; the random stream is the same either way."""
+    x = torch.zeros(64, 3, 32, 32, dtype=torch.uint8)
+    x[..., :16] = 220
+    def left_minus_right(out):
+        return out[..., :8].mean((1, 2, 3)) - out[..., -8:].mean((1, 2, 3))
+    kept = otl.augment(x, 32, scale=(1.0, 1.0), generator=gen(5), rot90=False, flip=False)
+    assert (left_minus_right(kept) > 0.3).all()
+    mirrored = otl.augment(x, 32, scale=(1.0, 1.0), generator=gen(5), rot90=False)
+    assert (left_minus_right(mirrored) < -0.3).sum() >= 16     # about half are mirrored
+    g = gen(6)
+    otl.augment(x, 32, generator=g, flip=False)
+    after_off = torch.rand(1, generator=g)
+    g = gen(6)
+    otl.augment(x, 32, generator=g)
+    assert torch.equal(after_off, torch.rand(1, generator=g))
+
+
+def test_augment_n_ops_sets_how_far_strong_views_go():
+    """The same geometry (one generator seed) with 0, 2 and 10 random ops per image: more ops
+    take the views further from the op-free ones, on average over the batch."""
+    x = images(b=96, side=32, seed=3)
+    base = otl.augment(x, 32, strong=True, cutout=0, n_ops=0, generator=gen(9))
+    gap = {n: (otl.augment(x, 32, strong=True, cutout=0, n_ops=n, generator=gen(9)) - base)
+           .abs().mean().item() for n in (2, 10)}
+    assert 0 < gap[2] < gap[10]
+
+
+def test_crop_takes_views_from_a_smaller_window():
+    """crop = 224 / 256: the test-time transform is the centre 224 of a 256 image, and training
+    views come from windows of at most that side: on vertical stripes, a view of a half-side
+    window holds about half the stripes of a full one."""
+    x = torch.randint(0, 256, (2, 3, 256, 256), dtype=torch.uint8, generator=gen(1))
+    torch.testing.assert_close(otl.resize_batch(x, 224, 224 / 256), x[..., 16:240, 16:240] / 255)
+    stripes = ((torch.arange(256) // 8) % 2 * 200).to(torch.uint8).expand(64, 3, 256, 256)
+
+    def edges(crop):
+        out = otl.augment(stripes, 64, scale=(1.0, 1.0), generator=gen(2), rot90=False, crop=crop)
+        row = out[:, 0, 32]
+        sign = row > row.mean(1, keepdim=True)
+        return (sign[:, 1:] != sign[:, :-1]).sum(1).double().mean().item()
+    full, half = edges(1.0), edges(0.5)
+    assert 25 <= full <= 33 and 0.4 * full <= half <= 0.6 * full

@@ -51,6 +51,13 @@ def expected(key, path, e, preset):
                 else {"no strong augmentation, no LCT": "simple"}[v])
     if key == "cutout":
         return v["cutout_length"]
+    if key == "n_ops":
+        return v["augment_ops"]
+    if key == "crop":
+        return v["crop"] / v["resize"] if isinstance(v, dict) else {"the data set's own size": 1.0}[v]
+    if key == "flip":
+        return {"random cropping, color jitter, horizontal flipping and so on": True,
+                "as CIFAR's without horizontal flipping": False}[v]
     if key == "lct":
         if leaf == "strong_augmentation":
             assert "LCT" in e["where"], path
@@ -92,7 +99,8 @@ TAKEN = {
         "pretrained_small_sets.lr_after_drops")],
     **{name: [f"{p}.{s}" for s in (
         "network", k, "image_size", "batch_size", "lr", "epochs", "label_update_every_epochs",
-        "lr_drop_factor", "lr_drop_epochs", "strong_augmentation")] + ["all_experiments.embedding_size"]
+        "lr_drop_factor", "lr_drop_epochs", "strong_augmentation", "augmentation")]
+       + ["all_experiments.embedding_size"]
        for name, p, k in (("alexnet-cifar", "alexnet_cifar", "k_clusters_cifar10"),
                           ("alexnet-cifar100", "alexnet_cifar", "k_clusters_cifar100"),
                           ("alexnet-svhn", "alexnet_svhn", "k_clusters"))},
@@ -102,7 +110,7 @@ TAKEN = {
     **{name: ["resnet50." + s for s in (
         "network", "k_clusters", "image_size", "augmentation", "epochs", "lr", "lr_after_drops",
         "lr_drop_epochs")] + [f"{p}.{s}" for s in ("batch_size", "label_update_every_epochs",
-                                                     "strong_augmentation")]
+                                                     "strong_augmentation", "augmentation")]
        for name, p in (("resnet50-cifar", "alexnet_cifar"), ("resnet50-svhn", "alexnet_svhn"))},
 }
 

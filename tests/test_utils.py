@@ -230,3 +230,18 @@ def test_auto_preset_follows_the_data_set_and_every_preset_builds():
         assert out.shape == (2, p["heads"] * p["k"]), name
         if p["schedule"] == "step":
             assert len(p["lr_drops"]) == len(p["lr_values"]), name
+
+
+def test_working_images_resize_a_large_cache_once(small_data):
+    """A stage whose network sees `size` px keeps images over twice that at twice it, resized once
+    (antialiased), and the rest as prepared; load_prepared(size=...) hands out those images."""
+    full = utils.load_prepared(str(small_data))["images"]           # EuroSAT's 64 px
+    assert utils.working_size(64, 16) == 32 and utils.working_size(64, 32) == 64
+    small = utils.load_prepared(str(small_data), size=16)["images"]
+    assert small.shape == (full.shape[0], 3, 32, 32) and small.dtype == torch.uint8
+    assert torch.equal(small, utils.working_images(full, 16))
+    assert utils.working_images(full, 32) is full
+    assert torch.equal(utils.load_prepared(str(small_data), size=40)["images"], full)
+    # the test-time view of a resized image is close to the one of the full cache
+    gap = (otl.resize_batch(small, 16) - otl.resize_batch(full, 16)).abs()
+    assert gap.mean() < 0.01 and gap.max() < 0.1
