@@ -21,7 +21,8 @@
 # Variables: PRESET=auto|paper|fast|cpu|... (auto: the data set's protocol on CUDA, its CPU twin
 #   otherwise; docs/presets.md), DEVICE=auto|cpu|cuda,
 #   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags),
-#   INIT=<checkpoint> and TRANSFER_PRESET=transfer|transfer-cpu (ucmerced, siri_whu; HMHR_*: hmhr).
+#   INIT=<checkpoint> and TRANSFER_PRESET=transfer|transfer-cpu (ucmerced, siri_whu; HMHR_*: hmhr),
+#   PREP_ARGS="--size 150" (extra prepare_data.py flags: AID from a 150-px copy).
 
 PY        ?= .venv/bin/python
 TRANSFER_SETS = ucmerced siri_whu
@@ -39,7 +40,7 @@ STAMP      = .venv/.installed
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,24p' Makefile
+	@sed -n '1,25p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -69,19 +70,21 @@ eurosat-supervised: eurosat-data
 	$(PY) report.py --dataset eurosat --runs $(RUNS) --out results
 
 # evaluate the last checkpoint of RUN and its random-init snapshot (FEATURE: eval_knn.py --feature)
+# (LINEAR_FEATURE: the linear probe's, FEATURE's by default)
 FEATURE ?= pool
+LINEAR_FEATURE ?= $(FEATURE)
 eval-run:
 	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE) --feature $(FEATURE)
-	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE) --feature $(FEATURE)
+	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE) --feature $(LINEAR_FEATURE)
 	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(FEATURE)
-	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(FEATURE)
+	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(LINEAR_FEATURE)
 
 # ---------------------------------------------------------------------------- other data sets
 # Any data set of prepare_data.py's registry (eurosat ucmerced siri_whu aid patternnet
 # nwpu_resisc45 hmhr cifar10 cifar100 svhn imagenet folder) from a local archive or folder:
 #   make data DATASET=ucmerced SRC=path/to/UCMerced_LandUse.zip
 data: $(STAMP)
-	$(PY) prepare_data.py --dataset $(DATASET) --source $(SRC) --out data/$(DATASET)
+	$(PY) prepare_data.py --dataset $(DATASET) --source $(SRC) --out data/$(DATASET) $(PREP_ARGS)
 
 HMHR_DATA   ?= data/hmhr
 HMHR_PREP   ?=
@@ -134,8 +137,9 @@ cifar10-data: $(STAMP)
 #   results/<set>_transfer.md;
 # - the rest (SCRATCH_SETS): OTL from scratch with PRESET (auto: the data set's protocol, paper or
 #   alexnet-cifar on CUDA and their CPU twins otherwise: docs/presets.md), kNN and linear probe of
-#   the final and the random-init network (on the 128-d embedding when the model has one, the
-#   paper's AlexNet layer), then results/<set>.md and the overview results/tables.md.
+#   the final and the random-init network (kNN on the 128-d embedding when the model has one;
+#   natural images: the linear probe on conv5, as the paper), then results/<set>.md and the
+#   overview results/tables.md.
 #   make cifar10                           AlexNet (alexnet-cifar-cpu here), from ../shared/data
 #   make ucmerced SRC=UCMerced_LandUse.zip ResNet-18 from make eurosat's backbone, three runs
 #   make ucmerced SRC=... INIT=runs/x/checkpoint.pth TRANSFER_PRESET=transfer    another backbone
@@ -148,8 +152,11 @@ INIT     ?= $(RUNS)/eurosat/checkpoint.pth
 # DEVICE=auto asks torch (utils.pick_device, as make eurosat's banner), once, only when used
 TRANSFER_DEVICE = $(eval TRANSFER_DEVICE := $(if $(filter auto,$(DEVICE)),$$(shell $(PY) -c "import utils; print(utils.pick_device('auto').type)" 2>/dev/null),$(DEVICE)))$(TRANSFER_DEVICE)
 TRANSFER_PRESET ?= $(if $(filter cuda%,$(TRANSFER_DEVICE)),transfer,transfer-cpu)
-PREPARE_SET = $(PY) prepare_data.py --dataset $@ $(if $(SRC),--source $(SRC),$(if $(and $(SHARED_$@),$(wildcard ../shared/data/$(SHARED_$@))),--source ../shared/data/$(SHARED_$@),--download)) --out data/$@
+PREPARE_SET = $(PY) prepare_data.py --dataset $@ $(if $(SRC),--source $(SRC),$(if $(and $(SHARED_$@),$(wildcard ../shared/data/$(SHARED_$@))),--source ../shared/data/$(SHARED_$@),--download)) --out data/$@ $(PREP_ARGS)
 $(SETS): NAME = $(or $(RUN_NAME),$@)
+# the paper's natural-image tables: kNN on the embedding (auto), the linear probe on conv5 (a
+# ResNet's conv5 is its last stage: the pooled features)
+$(SCRATCH_SETS): LIN_FEATURE = $(if $(filter cifar10 cifar100 svhn,$@),conv5,auto)
 $(TRANSFER_SETS): $(STAMP)
 $(TRANSFER_SETS): T_PREP = $(PREPARE_SET)
 $(TRANSFER_SETS): T_DATA = data/$@
@@ -161,8 +168,8 @@ $(TRANSFER_SETS): T_REPORT = $(NAME)_transfer
 $(SCRATCH_SETS): $(STAMP)
 	$(PREPARE_SET)
 	$(PY) train_otl.py --data data/$@ --output $(RUNS)/$(NAME) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(NAME) FEATURE=auto
-	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(NAME) --name $(NAME) --feature auto
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(NAME) FEATURE=auto LINEAR_FEATURE=$(LIN_FEATURE)
+	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(NAME) --name $(NAME) --feature auto --linear-feature $(LIN_FEATURE)
 	$(PY) report.py --overview --runs $(RUNS) --out results $(OVERVIEW_ARGS)
 
 # ------------------------------------------------------------------------- benchmarks
@@ -226,8 +233,12 @@ ablations: $(addprefix ablation-,$(ABLATIONS))
 $(addprefix ablation-,$(ABL_CIFAR)): ablation-%: cifar10-data
 	$(PY) ablations.py $* --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
 
-ablation-splits: eurosat-data
-	$(PY) ablations.py splits --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
+# splits: five divisions of SIRI-WHU (prepared by make siri_whu SRC=.. or make data
+# DATASET=siri_whu SRC=..), OTL and supervised from INIT (make eurosat's run, made if missing)
+ablation-splits: $(STAMP)
+	@test -f data/siri_whu/manifest.json || { echo "data/siri_whu is not prepared: make data DATASET=siri_whu SRC=<the SIRI-WHU folder> first (docs/datasets.md says where it is)"; exit 1; }
+	test -f $(INIT) || $(MAKE) --no-print-directory eurosat
+	$(PY) ablations.py splits --init $(INIT) --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
 
 # The label pass's BatchNorm mode on a fresh cpu-preset network (docs/label_bn.md)
 ablation-label-bn: eurosat-data

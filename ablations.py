@@ -60,11 +60,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the paper says its studies trained for fewer epochs but not for how many, so its presets' epochs
 # stand (--train-args "--epochs N" changes them).
 SCALES = {
-    "study": {"cifar": ["--preset", "study-cpu"], "rs": ["--preset", "cpu", "--epochs", "16"],
+    "study": {"cifar": ["--preset", "study-cpu"], "rs": ["--preset", "transfer-cpu"],
               "labeler_net": "alexnet-cifar-cpu"},
     "paper": {"cifar": ["--preset", "alexnet-cifar", "--aug", "simple", "--views", "1",
                         "--label-views", "1", "--lct", "false"],
-              "rs": ["--preset", "paper"], "labeler_net": "alexnet-cifar"},
+              "rs": ["--preset", "transfer"], "labeler_net": "alexnet-cifar"},
 }
 
 
@@ -86,9 +86,10 @@ PAPER_K = dict(zip(_K["columns"], _row_of(_K, row="kNN")["values"]))
 PAPER_UNEVEN = dict(zip(_UNEVEN["x"], _row_of(_UNEVEN, dataset="cifar10", row="kNN")["values"]))
 PAPER_IMBALANCED = dict(zip(_IMB["d"], _row_of(_IMB, row="Uneven")["values"]))
 _SPLITS = paper_table("5whu")
-PAPER_SPLITS = {m: [r["values"][_SPLITS["columns"].index("OTL")] for r in _SPLITS["rows"]
-                    if r["evaluation"] == e and r["k"] == k] for m, e, k in
-                (("knn10", "kNN", 10), ("linear", "linear", None))}
+PAPER_SPLITS = {model: {m: [r["values"][_SPLITS["columns"].index(model)] for r in _SPLITS["rows"]
+                           if r["evaluation"] == e and r["k"] == k]
+                       for m, e, k in (("knn10", "kNN", 10), ("linear", "linear", None))}
+                for model in ("OTL", "supervised")}
 
 
 def _mean_sd(xs):
@@ -110,9 +111,10 @@ PAPER = {
               f"{_listed(PAPER_UNEVEN)})",
     "imbalanced": "kNN of OTL trained on the uneven D_100 .. D_500 (table imb-data): "
                   + ", ".join(f"{v:.1f}" for v in PAPER_IMBALANCED.values()),
-    "splits": "five random 80/20 splits of SIRI-WHU (table 5whu), OTL: kNN@10 {:.1f} +- {:.1f}, "
-              "linear {:.1f} +- {:.1f}".format(*_mean_sd(PAPER_SPLITS["knn10"]),
-                                               *_mean_sd(PAPER_SPLITS["linear"])),
+    "splits": "five random 80/20 divisions of SIRI-WHU, from a pretrained ResNet-18 (table 5whu): "
+              + "; ".join(f"{m}: kNN@10 {{:.1f}} +- {{:.1f}}, linear {{:.1f}} +- {{:.1f}}".format(
+                  *_mean_sd(PAPER_SPLITS[m]["knn10"]), *_mean_sd(PAPER_SPLITS[m]["linear"]))
+                  for m in ("OTL", "supervised")),
     "labeler-in-training": "not in the paper (ours)",
     "lct": "not in the paper (ours); the paper writes the LCT loss as a sum over view pairs",
 }
@@ -135,7 +137,7 @@ GRIDS = {   # each study's default grid (--grid replaces it)
 STUDY_FLAGS = {("study", "lct"): ["--epochs", "5"]}
 EVALS = {"k": ("knn", "linear"), "uneven": ("knn",), "imbalanced": ("knn",),
          "splits": ("knn", "linear"), "labeler-in-training": ("knn", "linear"), "lct": ("knn",)}
-DATA = {"splits": "data/eurosat"}     # the rest: data/cifar10
+DATA = {"splits": "data/siri_whu"}     # the rest: data/cifar10
 # Studies whose question is a difference smaller than one seed can tell: their default --seeds
 # at study scale (labeler-in-training: about 45 minutes a seed on 2 CPU cores).
 DEFAULT_SEEDS = {"labeler-in-training": [0, 1]}
@@ -171,6 +173,11 @@ def get_args_parser():
         else:
             s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
                            "run, e.g. \"--epochs 4\" (they win over the preset's)")
+            if name == "splits":
+                s.add_argument("--init", default="runs/eurosat/checkpoint.pth", help="the "
+                               "pretrained backbone both models of every division start from "
+                               "(train_otl.py --init; default: make eurosat's run, the only "
+                               "pretraining set at hand; the paper's are PatternNet's)")
             if name != "splits":    # the splits study's grid is its seeds
                 scale = (f"; {','.join(map(str, DEFAULT_SEEDS[name]))} at study scale"
                          if name in DEFAULT_SEEDS else "")
@@ -400,11 +407,13 @@ def training_points(args):
     elif study in ("imbalanced", "splits"):
         d = utils.load_prepared(data)
         for g in grid:
-            if study == "splits":
+            if study == "splits":   # each division: OTL and supervised, both from --init
                 train, test = utils.stratified_split(d["labels"], 0.2, seed=int(g))
                 folder = derived_data(data, os.path.join(args.runs, "data", f"{_base(data)}_split{g}"),
                                       train, test, f"stratified 80/20 split, seed {g}")
-                pts.append((f"seed{g}", {"seed": int(g)}, folder, ["--seed", str(g)]))
+                for model, sfx, more in (("OTL", "", []), ("supervised", "_supervised", ["--supervised"])):
+                    pts.append((f"seed{g}{sfx}", {"seed": int(g), "model": model}, folder,
+                                ["--seed", str(g), "--init", args.init, *more]))
                 continue
             for even in (False, True):
                 kept = imbalanced_indices(d["labels"], d["train_idx"], int(g), even, args.seed)
@@ -461,6 +470,10 @@ def training_study(args):
     later checkout) but whose row is in the study's results JSON with the same data and flags is
     taken from there: so a study spans interruptions and machines through its committed results.
     The results are written after every run made, marked partial until the last point is in."""
+    if args.study == "splits" and not os.path.isfile(args.init):
+        raise SystemExit(f"--init {args.init}: no such checkpoint; the splits study starts every "
+                         "division from a pretrained backbone: run `make eurosat` first, or pass "
+                         "--init with another run's checkpoint.pth")
     pts = training_points(args)
     evals = EVALS[args.study]
     folder = os.path.join(args.runs, args.preset, args.study)
@@ -643,8 +656,8 @@ def summarise(study, rows, args):
                        f"{len(pairs)} cases, ours in {ex_better} of {len(pairs)}")
         return lines, verdict
     # training studies (rows: one per run, or seed_means' one per grid point)
-    keys = [k for k in ("k", "x", "d", "subset", "n_train", "seed", "seeds", "labeler", "views",
-                        "reduction")
+    keys = [k for k in ("k", "x", "d", "subset", "n_train", "model", "seed", "seeds", "labeler",
+                        "views", "reduction")
             if any(k in r for r in rows) and not (k == "seed" and args.study != "splits")]
     metrics = [m for m in METRICS if any(m in r for r in rows)]
     head = "| " + " | ".join(keys + metrics + ["final loss", "minutes"]) + " |"
@@ -714,13 +727,17 @@ def training_verdict(study, rows):
                     "smaller network and run)")
         return ("agrees: " if rho < 0 else "disagrees: ") + txt
     if study == "splits":
-        t = torch.tensor(knn, dtype=torch.float64)
-        lin = torch.tensor([r["linear"] for r in rows if "linear" in r], dtype=torch.float64)
-        sd = lambda x: x.std().item() if x.numel() > 1 else 0.0
-        return (f"over {len(rows)} splits: kNN@10 {t.mean():.1f} +- {sd(t):.1f}, linear "
-                f"{lin.mean():.1f} +- {sd(lin):.1f} (the paper's, SIRI-WHU: kNN@10 "
-                "{:.1f} +- {:.1f}, linear {:.1f} +- {:.1f})".format(
-                    *_mean_sd(PAPER_SPLITS["knn10"]), *_mean_sd(PAPER_SPLITS["linear"])))
+        parts = []
+        for model in ("OTL", "supervised"):
+            rs = [r for r in rows if r.get("model", "OTL") == model]
+            if rs:
+                ours = [_mean_sd([r[m] for r in rs if m in r]) for m in ("knn10", "linear")]
+                paper = [_mean_sd(PAPER_SPLITS[model][m]) for m in ("knn10", "linear")]
+                parts.append(f"{model} over {len(rs)} divisions: kNN@10 {ours[0][0]:.1f} +- "
+                             f"{ours[0][1]:.1f}, linear {ours[1][0]:.1f} +- {ours[1][1]:.1f} (the "
+                             f"paper's: {paper[0][0]:.1f} +- {paper[0][1]:.1f}, {paper[1][0]:.1f} "
+                             f"+- {paper[1][1]:.1f})")
+        return "; ".join(parts) + " (mean +- sample sd)"
     if study == "labeler-in-training":
         ranked = sorted(rows, key=lambda r: -r["knn10"])
         txt = ("ours, not in the paper: " + ", ".join(
@@ -787,15 +804,19 @@ def plot(study, rows, path):
                     ax.plot([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs], "o-", label=sub)
                 ax.plot(list(PAPER_IMBALANCED), list(PAPER_IMBALANCED.values()), "k:", label="uneven (paper)")
             elif study == "splits":   # seeds are not an axis: one point each, the mean and +- sd
-                xs = [r["seed"] for r in rows]
-                ys = [r.get(metric, float("nan")) for r in rows]
-                t = torch.tensor([y for y in ys if not math.isnan(y)], dtype=torch.float64)
-                m, sd = t.mean().item(), (t.std().item() if t.numel() > 1 else 0.0)   # as the table
-                ax.plot(xs, ys, "o", label="ours, one split each")
-                ax.axhline(m, color="k", lw=1, label=f"mean {m:.1f} +- {sd:.1f} (sd)")
-                ax.axhspan(m - sd, m + sd, color="k", alpha=0.1)
-                ax.set_xticks(xs)
-                ax.legend(fontsize=8)
+                for model, colour in (("OTL", "C0"), ("supervised", "C1")):
+                    rs = [r for r in rows if r.get("model", "OTL") == model]
+                    if not rs:
+                        continue
+                    xs = [r["seed"] for r in rs]
+                    ys = [r.get(metric, float("nan")) for r in rs]
+                    t = torch.tensor([y for y in ys if not math.isnan(y)], dtype=torch.float64)
+                    m, sd = t.mean().item(), (t.std().item() if t.numel() > 1 else 0.0)  # as the table
+                    ax.plot(xs, ys, "o", color=colour, label=f"{model}, one division each")
+                    ax.axhline(m, color=colour, lw=1, label=f"{model} mean {m:.1f} +- {sd:.1f} (sd)")
+                    ax.axhspan(m - sd, m + sd, color=colour, alpha=0.1)
+                    ax.set_xticks(sorted({r["seed"] for r in rows}))
+                ax.legend(fontsize=7)
             elif xkey:
                 ax.errorbar([r[xkey] for r in rows], [r.get(metric, float("nan")) for r in rows],
                             yerr=[r.get(metric + "_sd", 0.0) for r in rows], fmt="o-", capsize=3,
@@ -916,7 +937,7 @@ def label_bn(args):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     utils.print_run_header(args)
-    d = utils.load_prepared(args.data)
+    d = utils.load_prepared(args.data, args.img_size)
     manifest = utils.load_manifest(args.data)
     images = d["images"][d["train_idx"]]
     ckpt = os.path.join(args.output, "checkpoint.pth")

@@ -115,6 +115,9 @@ def get_args_parser():
     p.add_argument("--feature", default="pool", help="the evaluated layer (eval_knn.py --feature): "
                    "pool reads knn_<checkpoint>.json, another layer knn_<checkpoint>_<layer>.json, "
                    "auto the embedding's where the run has them, else pool's")
+    p.add_argument("--linear-feature", default=None, help="the linear probe's layer when it is "
+                   "another than --feature's (the paper's natural-image tables: kNN on the "
+                   "embedding, --feature auto, and the linear probe on conv5)")
     p.add_argument("--machine", default=None, help="where the runs ran, when the report is made "
                    "elsewhere (e.g. 'NVIDIA H100 80GB HBM3'); default: this machine")
     p.add_argument("--overview", action="store_true", help="write <out>/tables.md: the paper's "
@@ -144,18 +147,22 @@ def _split_of(res):
     return f"{what} ({n:,} images)" if n else what
 
 
-def run_summary(run_dir, feature="pool"):
-    """Accuracies of the final checkpoint and of the random-init snapshot of one run folder."""
+def run_summary(run_dir, feature="pool", linear_feature=None):
+    """Accuracies of the final checkpoint and of the random-init snapshot of one run folder: kNN
+    on `feature`, the linear probe on `linear_feature` (default: the same)."""
     if not os.path.isdir(run_dir):
         return None
     out = {"run": run_dir, "train": _load(os.path.join(run_dir, "results.json")), "feature": feature}
     if feature == "auto":   # as eval_*.py --feature auto: the embedding's results where there are
         feature = "embed" if os.path.isfile(os.path.join(run_dir, "knn_checkpoint_embed.json")) else "pool"
         out["feature"] = feature
-    sfx = "" if feature == "pool" else f"_{feature}"
+    lin_feature = feature if linear_feature in (None, "auto") else linear_feature
+    if lin_feature != feature:
+        out["linear_feature"] = lin_feature
+    sfx, lin_sfx = ("" if f == "pool" else f"_{f}" for f in (feature, lin_feature))
     for tag, stem in (("final", "checkpoint"), ("random_init", "checkpoint0000")):
         knn = _load(os.path.join(run_dir, f"knn_{stem}{sfx}.json"))
-        lin = _load(os.path.join(run_dir, f"linear_{stem}{sfx}.json"))
+        lin = _load(os.path.join(run_dir, f"linear_{stem}{lin_sfx}.json"))
         if tag == "final" and (knn or lin):
             out["test_split"] = _split_of(knn or lin)
         out[tag] = {"knn": knn["knn_top1"] if knn else None,
@@ -179,8 +186,9 @@ def _note(run):
     tr = run.get("train") or {}
     note = (f"preset {tr.get('preset', '?')}, {tr.get('epochs', '?')} epochs, "
             f"{tr.get('train_minutes', '?')} min on {tr.get('device', '?')}")
-    if run.get("feature", "pool") != "pool":
-        note += f", features: {run['feature']}"
+    if run.get("feature", "pool") != "pool" or run.get("linear_feature"):
+        note += f", features: {run.get('feature', 'pool')}"
+        note += f" (kNN), {run['linear_feature']} (linear)" if run.get("linear_feature") else ""
     if tr.get("init_from"):
         note += f", from {tr['init_from']['checkpoint']}"
     return note
@@ -205,7 +213,8 @@ def overview(args):
                   "| notes |", "|---|---|---|---|---|---|---|---|"]
         for ds in sets:
             folder = chosen.get(f"{arch}:{ds}", pattern.format(ds))
-            run = run_summary(os.path.join(args.runs, folder), "auto")
+            run = run_summary(os.path.join(args.runs, folder), "auto",   # the paper's layers
+                              "conv5" if arch == "alexnet" else None)
             tr = (run or {}).get("train") or {}
             if run and run["final"]["knn"] and tr.get("arch", arch) == arch:
                 lines.append(_row(f"{ds} | ours", run["final"], _note(run)))
@@ -239,12 +248,14 @@ def main(args):
         bad = [r for r, p in zip(args.rows, pairs) if len(p) != 2]
         if bad:
             raise SystemExit(f"--rows takes LABEL=RUN, got {bad}")
-        runs = [(f"{label} (ours)", run_summary(os.path.join(args.runs, run), args.feature))
-                for label, run in pairs]
+        runs = [(f"{label} (ours)", run_summary(os.path.join(args.runs, run), args.feature,
+                                                args.linear_feature)) for label, run in pairs]
         otl_run, sup_run = None, None
     else:
-        otl_run = run_summary(os.path.join(args.runs, args.otl_run or args.dataset), args.feature)
-        sup_run = run_summary(os.path.join(args.runs, f"{args.dataset}_supervised"), args.feature)
+        otl_run = run_summary(os.path.join(args.runs, args.otl_run or args.dataset), args.feature,
+                              args.linear_feature)
+        sup_run = run_summary(os.path.join(args.runs, f"{args.dataset}_supervised"), args.feature,
+                              args.linear_feature)
         runs = [("OTL (ours)", otl_run), ("supervised (ours)", sup_run)]
     split = next((r["test_split"] for _, r in runs if r and r.get("test_split")), "the test split")
     lines = [f"# {report_name}: results", "",

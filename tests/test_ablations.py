@@ -158,9 +158,25 @@ def test_imbalanced_study(small_data, tmp_path, inline):
 
 
 def test_splits_study(small_data, tmp_path, inline):
-    study("splits", tmp_path, small_data, "--grid", "0,1", "--train-args", TINY_TRAIN)
+    """Each division: OTL and supervised from the --init backbone, on its own seeded 80/20
+    split; the verdict gives both models' mean +- sd beside the paper's five divisions."""
+    with pytest.raises(SystemExit, match="make eurosat"):
+        study("splits", tmp_path, small_data, "--grid", "0", "--init", str(tmp_path / "none.pth"))
+    pre = tmp_path / "pretrained"
+    train_otl.main(train_otl.get_args_parser().parse_args(
+        ["--data", str(small_data), "--output", str(pre), "--device", "cpu", "--no-progress",
+         "--preset", "transfer-cpu", *TINY_TRAIN.split()]))
+    study("splits", tmp_path, small_data, "--grid", "0,1", "--train-args", TINY_TRAIN,
+          "--init", str(pre / "checkpoint.pth"))
     out, md = saved(tmp_path, "splits")
-    assert [r["seed"] for r in out["rows"]] == [0, 1]
+    assert [(r["seed"], r["model"]) for r in out["rows"]] == [
+        (0, "OTL"), (0, "supervised"), (1, "OTL"), (1, "supervised")]
+    for r in out["rows"]:
+        flags = r["study_point"]["train_flags"]
+        assert flags[flags.index("--init") + 1] == str(pre / "checkpoint.pth")
+        assert ("--supervised" in flags) == (r["model"] == "supervised")
+    assert "OTL over 2 divisions" in out["verdict"] and "supervised over 2 divisions" in out["verdict"]
+    assert "(the paper's: 88.8 +- 2.0, 91.6 +- 1.7)" in out["verdict"]
     import utils
     a = utils.load_prepared(str(tmp_path / "runs" / "data" / "data_split0"))
     b = utils.load_prepared(str(tmp_path / "runs" / "data" / "data_split1"))
@@ -351,8 +367,8 @@ def test_plot_has_no_empty_panel(tmp_path, monkeypatch):
                    tmp_path / "a.png")
     assert made[-1][1].get_ylabel() == "knn200 top-1 (%)"
     assert made[-1][1].patches[0].get_height() == 31.0
-    ablations.plot("splits", [{"seed": 0, "knn10": 30.0, "knn200": 31.0, "linear": 40.0},
-                              {"seed": 3, "knn10": 34.0, "knn200": 33.0, "linear": 42.0}],
+    ablations.plot("splits", [{"seed": 0, "knn10": 30.0, "knn200": 31.0, "linear": 40.0, "model": "OTL"},
+                              {"seed": 3, "knn10": 34.0, "knn200": 33.0, "linear": 42.0, "model": "OTL"}],
                    tmp_path / "b.png")
     assert made[-1][1].get_ylabel() == "linear top-1 (%)"
     # seeds are not an axis: integer ticks at the seeds, and the mean as a line

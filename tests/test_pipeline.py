@@ -73,6 +73,16 @@ def test_feature_auto_and_the_overview_of_every_table(small_data, tmp_path):
     js = json.loads((out / "cifar10.json").read_text())
     assert js["otl"]["feature"] == "embed"
     assert js["otl"]["final"]["linear"] == lin["linear_top1"]
+    # the paper's natural-image layers: kNN on the embedding, the linear probe on conv5
+    lin5 = eval_linear.main(eval_linear.get_args_parser().parse_args(
+        ["--checkpoint", ck, "--device", "cpu", "--no-progress", "--feature", "conv5"]))
+    report.main(report.get_args_parser().parse_args(
+        ["--dataset", "cifar10", "--runs", str(runs), "--out", str(out), "--otl-run", "a",
+         "--feature", "auto", "--linear-feature", "conv5", "--name", "paper_layers"]))
+    js5 = json.loads((out / "paper_layers.json").read_text())
+    assert js5["otl"]["final"]["knn"] == js["otl"]["final"]["knn"]
+    assert js5["otl"]["final"]["linear"] == lin5["linear_top1"] and js5["otl"]["linear_feature"] == "conv5"
+    assert "embed (kNN), conv5 (linear)" in (out / "paper_layers.md").read_text()
     report.main(report.get_args_parser().parse_args(
         ["--overview", "--runs", str(runs), "--out", str(out), "--run-for", "alexnet:cifar10=a"]))
     md = (out / "tables.md").read_text()
