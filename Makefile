@@ -170,7 +170,7 @@ $(SCRATCH_SETS): $(STAMP)
 	$(PY) train_otl.py --data data/$@ --output $(RUNS)/$(NAME) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
 	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(NAME) FEATURE=auto LINEAR_FEATURE=$(LIN_FEATURE)
 	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(NAME) --name $(NAME) --feature auto --linear-feature $(LIN_FEATURE)
-	$(PY) report.py --overview --runs $(RUNS) --out results $(OVERVIEW_ARGS)
+	$(PY) report.py --overview --out results
 
 # ------------------------------------------------------------------------- benchmarks
 # The labelers on the same outputs (gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh and

@@ -914,14 +914,18 @@ def uneven_notes(n=50_000):
         # the sample (n - 1) std over the k clusters: the paper's stds are reproduced by it
         s0 = otl.uneven_target(n, k, x, first=0).std().item()
         s1 = otl.uneven_target(n, k, x, first=1).std().item()
+        w = torch.arange(k, dtype=torch.float64) ** float(x)
+        su = (n * w / w.sum()).std().item()                     # the unrounded targets
         paper = f"{printed[j]:g}" + (f" (misprint; {fixed[j]:g})" if j in fixed else "")
-        rows.append(f"| {x:g} | {s0:.1f} | {s1:.1f} | {paper} |")
+        agree = "yes" if round(su, 1) == printed[j] else "no"
+        rows.append(f"| {x:g} | {su:.2f} | {paper} | {agree} | {s0:.1f} | {s1:.1f} |")
     return {"target_std": rows, "notes": [
-        f"Target std (N = {n:,}, k = {k}; sample std over the clusters of the integer targets) for "
-        "i = 0 .. k-1 (used here, the paper's indexing) and i = 1 .. k, beside the paper's "
-        "(table dis-com, CIFAR-10; its stds are those of the unrounded targets, and its misprints "
-        "are corrected as paper_tables.json marks them):", "",
-        "| x | std, i = 0 .. k-1 | std, i = 1 .. k | paper |", "|---|---|---|---|", *rows]}
+        f"Target std (N = {n:,}, k = {k}; the sample std over the clusters): the formula's "
+        "unrounded targets n_i = N i^x / sum_i i^x (i = 0 .. k-1) beside the paper's printed "
+        "stds (table dis-com, CIFAR-10; misprints as paper_tables.json marks them), then the "
+        "integer targets trained on here, for i = 0 .. k-1 (the paper's indexing) and i = 1 .. k:",
+        "", "| x | formula | paper | printed = formula | integer, i = 0 .. k-1 | integer, i = 1 .. k |",
+        "|---|---|---|---|---|---|", *rows]}
 
 
 # ==============================================================================================

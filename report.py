@@ -8,17 +8,21 @@ linear_*.json for the final checkpoint and the random-init snapshot, log.jsonl a
 
     python report.py --dataset eurosat --runs runs --otl-run eurosat_exact --name eurosat_exact
 
---overview writes results/tables.md instead: the paper's results by network (ResNet-18 on remote
-sensing, AlexNet and ResNet-50 on natural images), our row per data set where a run exists (an
-empty row that says why where none does) beside the paper's OTL rows.  The paper's numbers come
-from paper_tables.json, the transcription of every table of the paper.
+--overview writes results/tables.md instead: every table of the paper as paper_tables.json
+transcribes it (misprints marked), and beside it our rows, read from the report JSONs under
+--results (these reports and ablations.py's studies), each with its preset and what it gives up;
+a table without a run says what would make one.  It needs no run folders.
 
-    python report.py --overview --runs runs --out results
+    python report.py --overview --out results
 """
 import argparse
 import json
 import os
 import platform
+
+import torch
+
+import otl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,17 +91,6 @@ def paper_numbers(paper):
 
 
 PAPER = paper_numbers(paper_tables())
-# The overview's tables, one per network of the paper's result tables: (title, network, data
-# sets, the run folder of a data set under --runs)
-TABLES = [
-    ("ResNet-18 on remote-sensing images (k = 128, random 80/20 split)", "resnet18",
-     ("eurosat", "ucmerced", "siri_whu", "aid", "patternnet", "nwpu_resisc45", "hmhr"), "{}"),
-    ("AlexNet on natural images (kNN on the 128-d embedding)", "alexnet",
-     ("cifar10", "cifar100", "svhn", "imagenet"), "{}"),
-    ("ResNet-50 on natural images", "resnet50", ("cifar10", "cifar100", "svhn"), "{}_resnet50"),
-]
-SHARED = {"eurosat": "EuroSAT.zip", "hmhr": "HMHR.zip", "cifar10": "cifar10_jpg.zip"}
-DOWNLOADS = ("eurosat", "cifar10", "cifar100", "svhn")   # prepare_data.py --download works
 KS = ("10", "50", "100", "200")
 
 
@@ -120,11 +113,11 @@ def get_args_parser():
                    "embedding, --feature auto, and the linear probe on conv5)")
     p.add_argument("--machine", default=None, help="where the runs ran, when the report is made "
                    "elsewhere (e.g. 'NVIDIA H100 80GB HBM3'); default: this machine")
-    p.add_argument("--overview", action="store_true", help="write <out>/tables.md: the paper's "
-                   "three tables, every data set a row (--dataset is ignored)")
-    p.add_argument("--run-for", nargs="+", default=[], metavar="TABLE:DATASET=RUN", help="with "
-                   "--overview: take this run folder for a row instead of <dataset> "
-                   "(<dataset>_resnet50 for ResNet-50), e.g. resnet18:eurosat=eurosat_exact")
+    p.add_argument("--overview", action="store_true", help="write <out>/tables.md: every table "
+                   "of the paper, as printed, and our rows from the report JSONs under --results "
+                   "(--dataset is ignored)")
+    p.add_argument("--results", default=None, help="with --overview: the folder of the report "
+                   "JSONs (default: --out)")
     return p
 
 
@@ -194,48 +187,299 @@ def _note(run):
     return note
 
 
-def overview(args):
-    """results/tables.md: the paper's tables, a row per data set, ours beside the paper's."""
-    lines = ["# Every table of the paper: where this repository stands", "",
-             "Top-1 accuracy (%) on the test split; kNN weighted by exp(sim/0.1).  Ours: the run "
-             f"folder under `{args.runs}/` (its preset says how far from the paper's protocol it "
-             "is); paper: the paper's OTL rows from paper_tables.json (natural images: kNN with "
-             "k = 50, in the kNN@50 column).  Written by `python report.py --overview`.", ""]
-    chosen = {}
-    for item in args.run_for:
-        key, sep, run = item.partition("=")
-        if not sep or ":" not in key:
-            raise SystemExit(f"--run-for takes TABLE:DATASET=RUN (TABLE: resnet18, alexnet or "
-                             f"resnet50), got {item!r}")
-        chosen[key] = run
-    for title, arch, sets, pattern in TABLES:
-        lines += [f"## {title}", "", "| data set | who | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear "
-                  "| notes |", "|---|---|---|---|---|---|---|---|"]
-        for ds in sets:
-            folder = chosen.get(f"{arch}:{ds}", pattern.format(ds))
-            run = run_summary(os.path.join(args.runs, folder), "auto",   # the paper's layers
-                              "conv5" if arch == "alexnet" else None)
-            tr = (run or {}).get("train") or {}
-            if run and run["final"]["knn"] and tr.get("arch", arch) == arch:
-                lines.append(_row(f"{ds} | ours", run["final"], _note(run)))
-            else:
-                src = SHARED.get(ds)
-                why = (f"no run yet: `make {ds}` runs it from ../shared/data/{src}" if src and
-                       os.path.exists(os.path.join(HERE, "..", "shared", "data", src)) else
-                       f"no run yet: `make {ds} SRC=raw/{ds}` runs it from the images in raw/{ds}"
-                       if os.path.isdir(os.path.join(HERE, "raw", ds)) else
-                       f"no run: the data are not on this machine (`make {ds} SRC=<archive "
-                       f"or folder>`{', or without SRC to download' if ds in DOWNLOADS else ''})")
-                lines.append(f"| {ds} | ours | - | - | - | - | - | {why} |")
-            for key, val in PAPER.get(ds, {}).items():
-                if key.startswith("OTL") and val["network"].lower().replace("-", "") == arch:
-                    lines.append(_row(f"{ds} | paper", val, f"{key}: {val['note']} "
-                                      f"(table {val['table']})"))
+# ----------------------------------------------------------------------------------------------
+# --overview: every table of the paper, ours beside it
+# ----------------------------------------------------------------------------------------------
+# Our rows of each table: the report JSONs under --results whose runs are rows of it (report.py's
+# per-data-set reports, ablations.py's studies); a table without one says what would make it.
+OURS = {
+    "ev-knn": ["cifar10.json", "cifar100.json", "svhn.json"],
+    "ev-res": ["cifar10_resnet50.json", "cifar100_resnet50.json", "svhn_resnet50.json"],
+    "img-eval": ["imagenet.json"], "dis-com": ["ablations/uneven.json"],
+    "imb-data": ["ablations/imbalanced.json"],
+    "hrs": ["hmhr_transfer.json", "hmhr_transfer_dedup.json"],
+    "eur": ["eurosat.json", "gpu/fast208/eurosat_fast_h100.json"],
+    "whu": ["siri_whu_transfer.json"], "uc": ["ucmerced_transfer.json"], "aid": ["aid.json"],
+    "pat": ["patternnet.json"], "npu": ["nwpu_resisc45.json"], "5whu": ["ablations/splits.json"],
+    "diff-k-10": ["ablations/k.json"], "diff-k-100": ["ablations/k_cifar100.json"],
+}
+# What a run here gives up against the paper's protocol, by preset (docs/presets.md measures it)
+SHORT = {
+    "cpu": "compute: 2 CPU cores, so 32 px instead of 224, half width, 20 epochs instead of 300 "
+           "(the paper's network on one GPU, preset fast, meets the paper: table eur)",
+    "transfer-cpu": "compute: the cpu preset's backbone (32 px, half width), pretrained on "
+                    "EuroSAT (the paper's best: PatternNet, NWPU-RESISC45, not at hand)",
+    "alexnet-cifar-cpu": "compute: AlexNet at half width on 64 px, 8 epochs instead of 1600 at 224",
+    "resnet50-cifar-cpu": "compute: 2 epochs instead of 300",
+    "study-cpu": "compute: ResNet-18 at half width on 32 px, 10 epochs (the paper's studies: "
+                 "AlexNet, fewer epochs than its 1600)",
+}
+MISSING = {   # how a table's data set would be run, where no report exists
+    "cifar10": "`make cifar10` (from ../shared/data)", "eurosat": "`make eurosat`",
+    "hmhr": "`make hmhr`", "siri_whu": "`make siri_whu SRC=<folder>` (docs/datasets.md)",
+    "ucmerced": "`make ucmerced SRC=<UCMerced_LandUse.zip>`",
+    "aid": "`make aid SRC=<folder>` (docs/datasets.md)",
+    "patternnet": "`make patternnet SRC=<folder>`", "nwpu_resisc45": "`make nwpu_resisc45 SRC=<folder>`",
+    "cifar100": "`make cifar100` (downloads it)", "svhn": "`make svhn` (downloads it)",
+    "imagenet": "`make data DATASET=imagenet SRC=<folder>`, then train_otl.py",
+}
+
+
+def _f(v, sd=None):
+    return "-" if v is None else f"{v:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
+
+
+def _marks(t):
+    """{(row, column): '†n'} for the table's misprinted cells, and the footnote lines."""
+    marks, notes = {}, []
+    for i, m in enumerate(t.get("misprints", []), 1):
+        if "row" in m and "column" in m:
+            marks[(m["row"], m["column"])] = f"†{i}"
+        where = (f"row {m['row'] + 1}, column {t['columns'][m['column']]}" if "column" in m
+                 else f"row {m['row'] + 1}, {m['where']}" if "row" in m else m.get("where", ""))
+        notes.append(f"†{i} misprint ({where}): printed {m['printed']}, right "
+                     f"{m['right'] if m['right'] is not None else 'unknown'}: {m['why']}.")
+    return marks, notes
+
+
+def _printed(t, skip=()):
+    """The paper's table as printed: one markdown row per row, misprints marked."""
+    marks, _ = _marks(t)
+    keys = [k for k in ("dataset", "division", "method", "row", "evaluation", "feature", "k",
+                        "k_clusters") if any(k in r for r in t["rows"]) and k not in skip]
+    lines = ["| " + " | ".join(keys + [str(c) for c in t["columns"]]) + " |",
+             "|" + "---|" * (len(keys) + len(t["columns"]))]
+    for i, r in enumerate(t["rows"]):
+        cells = ["" if r.get(k) is None else str(r[k]) for k in keys]
+        cells += ["-" if v is None else f"{v:g}{marks.get((i, j), '')}"
+                  for j, v in enumerate(r["values"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _reports(results, names):
+    out = []
+    for name in names:
+        js = _load(os.path.join(results, name))
+        if js:
+            out.append((name, js))
+    return out
+
+
+def _runs_of(js):
+    """[(label, run)] of a report JSON: its rows (--rows), else its OTL and supervised runs."""
+    if js.get("runs"):
+        return [(k, v) for k, v in js["runs"].items() if v]
+    return [(k, js[key]) for k, key in (("OTL (ours)", "otl"), ("supervised (ours)", "supervised"))
+            if js.get(key)]
+
+
+def _where(js, run):
+    tr = run.get("train") or {}
+    mach = (js.get("machine") or {})
+    where = mach.get("runs_ran_on") or f"{mach.get('cpus', '?')} CPU cores"
+    return (f"preset {tr.get('preset', '?')}, {tr.get('epochs', '?')} epochs, "
+            f"{tr.get('train_minutes', '?')} min on {where}")
+
+
+def _model_rows(t, results):
+    """A remote-sensing table as rows of models: | who | kNN@10 .. @200 | linear | notes |, the
+    paper's columns first, then every run of our reports, each with its preset and, where the
+    paper's OTL is higher, what the run gives up."""
+    lines = ["| who | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear | notes |",
+             "|---|---|---|---|---|---|---|"]
+    best = {}
+    for j, col in enumerate(t["columns"]):
+        sc = _scores(t["rows"], j)
+        lines.append(_row(f"paper: {col}", sc, ""))
+        if col.startswith("OTL"):
+            best = max(best, sc, key=lambda s: (s.get("knn") or {}).get("10") or 0)
+    for name, js in _reports(results, OURS.get(t.get("label"), [])):
+        shown = False
+        for label, run in _runs_of(js):
+            tr = run.get("train") or {}
+            note = _where(js, run) + f" (`results/{name}`)"
+            ours, paper = (run["final"].get("knn") or {}).get("10"), (best.get("knn") or {}).get("10")
+            if "supervised" not in label and ours is not None and paper and ours < paper:
+                why = SHORT.get(tr.get("preset"))
+                note += f"; {paper - ours:.1f} below the paper's OTL at kNN@10" + (f": {why}" if why else "")
+            lines.append(_row(f"ours: {label.replace(' (ours)', '')}", run["final"], note))
+            init = run.get("random_init") or {}
+            if init.get("knn") and not tr.get("init_from") and not shown:
+                lines.append(_row("ours: random init", init, "the same network untrained (its "
+                                  "epoch-0 snapshot)"))
+                shown = True
+    return lines
+
+
+def _natural_rows(t, results):
+    """ev-knn / ev-res: the printed table, then ours: kNN@50 and the linear probe per data set."""
+    lines = _printed(t)
+    cols = t["datasets"]
+    found = {}
+    for name, js in _reports(results, OURS.get(t["label"], [])):
+        found.setdefault(js.get("dataset"), []).append((name, js))
+    for ds, reps in found.items():
+        for name, js in reps:
+            for label, run in _runs_of(js):
+                for ev, val in (("kNN (k = 50)", (run["final"].get("knn") or {}).get("50")),
+                                ("linear", run["final"].get("linear"))):
+                    cells = [_f(val) if c == ds else "" for c in cols]
+                    feat = run.get("linear_feature") if ev == "linear" else None
+                    lines.append(f"| {label} | {ev} | {feat or run.get('feature', 'pool')} | "
+                                 + " | ".join(cells) + f" | {_where(js, run)} (`results/{name}`) |")
+    if lines and found:
+        lines[0] = lines[0] + " notes |"
+        lines[1] = lines[1] + "---|"
+    return lines, [c for c in cols if c not in found]
+
+
+def _study_rows(t, results, key, values, nkeys, metric="knn50"):
+    """Ours under a printed table whose columns are a study's grid (values; nkeys label cells
+    before them): mean +- sd over the seeds of each point, '-' where the grid has none."""
+    lines = []
+    for name, js in _reports(results, OURS.get(t["label"], [])):
+        rows = js.get("seed_means") or js["rows"]
+        groups = {}
+        for r in rows:
+            groups.setdefault(r.get("subset", ""), {})[r.get(key)] = r
+        seeds = max(len(r.get("seeds", [0])) for r in rows)
+        for sub, by in groups.items():
+            cells = [_f(by[v][metric], by[v].get(metric + "_sd")) if v in by and metric in by[v] else "-"
+                     for v in values]
+            pre = rows[0].get("preset")
+            init = rows[0].get(metric.replace("knn", "knn_init"))
+            label = f"ours: {sub + ', ' if sub else ''}{metric.replace('knn', 'kNN@')}"
+            lines.append(f"| {label} | " + "| " * (nkeys - 1) + " | ".join(cells) + f" | preset {pre}, {seeds} seed(s) "
+                         f"a point{' (mean +- sd)' if seeds > 1 else ''}"
+                         + (f", random init {init:.1f}" if init is not None else "")
+                         + f"; {SHORT.get(pre, '')} (`results/{name}`) |")
+    return lines
+
+
+def _mean_row(name, scores, note):
+    """A row of mean +- sd over a list of {"knn", "linear"} scores."""
+    def ms(vals):
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            return "-"
+        m, sd = _mean_sd(vals)
+        return _f(m, sd)
+    cells = [ms([(s.get("knn") or {}).get(k) for s in scores]) for k in KS]
+    return f"| {name} | " + " | ".join(cells) + f" | {ms([s.get('linear') for s in scores])} | {note} |"
+
+
+def _mean_sd(vals):
+    m = sum(vals) / len(vals)
+    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+    return m, sd
+
+
+def _splits_rows(t, results):
+    """5whu as rows of models: the paper's five divisions and their mean +- sd, then every run of
+    ablations.py splits on SIRI-WHU and their mean +- sd."""
+    lines = ["| who | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear | notes |",
+             "|---|---|---|---|---|---|---|"]
+    paper = {c: [] for c in t["columns"]}
+    for d in sorted({r["division"] for r in t["rows"]}):
+        rows = [r for r in t["rows"] if r["division"] == d]
+        for j, col in enumerate(t["columns"]):
+            paper[col].append(_scores(rows, j))
+            lines.append(_row(f"paper: division {d}, {col}", paper[col][-1], ""))
+    for col, sc in paper.items():
+        lines.append(_mean_row(f"paper: {col}, mean +- sd", sc, f"over its {len(sc)} divisions"))
+    for name, js in _reports(results, OURS["5whu"]):
+        runs = [r for r in js["rows"] if "siri_whu" in str((r.get("study_point") or {}).get("data"))]
+        ours = {}
+        for r in runs:
+            sc = {"knn": {k: r.get(f"knn{k}") for k in KS}, "linear": r.get("linear")}
+            model = r.get("model", "OTL")
+            ours.setdefault(model, []).append(sc)
+            lines.append(_row(f"ours: seed {r['seed']}, {model}", sc, f"preset {r.get('preset')}, "
+                              f"{r.get('epochs')} epochs, {r.get('train_minutes')} min "
+                              f"(`results/{name}`)"))
+        for model, sc in ours.items():
+            lines.append(_mean_row(f"ours: {model}, mean +- sd", sc, f"over {len(sc)} divisions; "
+                                   + SHORT.get(runs[0].get("preset"), "")))
+    return lines
+
+
+def _table_section(label, t, results):
+    sec = t["section"] if t["section"].startswith("Appendix") else f"Section {t['section']}"
+    lines = [f"## `{label}`: {t['caption']}", "", f"In the paper: {sec}."
+             + (f" Notes: {'; '.join(t['notes'])}." if t.get("notes") else ""), ""]
+    t = {**t, "label": label}
+    missing = []
+    if label in ("hrs", "eur", "whu", "uc", "aid", "pat", "npu"):
+        body = _model_rows(t, results)
+        if not _reports(results, OURS[label]):
+            missing = [t["dataset"]]
+    elif label in ("ev-knn", "ev-res"):
+        body, missing = _natural_rows(t, results)
+    elif label == "img-eval":
+        body = _printed(t)
+        missing = [] if _reports(results, OURS[label]) else ["imagenet"]
+    elif label == "5whu":
+        body = _splits_rows(t, results)
+        if not any(line.startswith("| ours") for line in body):
+            missing = ["siri_whu"]
+    elif label == "dis-com":
+        body = _printed(t)
+        for ds, k in (("cifar10", 128), ("cifar100", 512)):   # the targets' std, unrounded
+            w = [torch.arange(k, dtype=torch.float64) ** float(x) for x in t["x"]]
+            std = [(50_000 * v / v.sum()).std().item() for v in w]
+            body.append(f"| {ds} | std, the formula n_i = N i^x / sum i^x (ours) | {k} | "
+                        + " | ".join(f"{v:.1f}" for v in std) + " |")
+        body += _study_rows(t, results, "x", t["x"], 3)
+    elif label == "imb-data":
+        body = _printed(t) + _study_rows(t, results, "d", t["d"], 1)
+    elif label in ("diff-k-10", "diff-k-100"):
+        body = _printed(t)
+        body.append("| n_bar = 50,000 / k (ours) | " + " | ".join(f"{50_000 / k:.1f}" for k in t["columns"]) + " |")
+        body += _study_rows(t, results, "k", t["columns"], 1)
+        if not _reports(results, OURS[label]):
+            missing = [t["dataset"]]
+    else:   # the toy model's tables: IND and DIS of each row's cluster sizes, computed here
+        body = _printed(t)
+        n = len(t["columns"]) - 2
+        body[0] += " IND, DIS (otl.py, of the corrected sizes) |"
+        body[1] += "---|"
+        right = {(m["row"], m["column"]): m["right"] for m in t.get("misprints", [])
+                 if "column" in m and m["right"] is not None}
+        for i, r in enumerate(t["rows"]):       # the sizes with their misprints corrected
+            sizes = [right.get((i, j), v) for j, v in enumerate(r["values"][:n])]
+            body[2 + i] += f" {otl.n_indistinguishable(sizes)}, {otl.n_distinguishable(sizes)} |"
+    lines += body
+    for ds in missing:
         lines.append("")
+        lines.append(f"Ours: no run of {ds} here; {MISSING.get(ds, 'see the README')} makes one.")
+    lines += [""] + _marks(t)[1] + [""]
+    return lines
+
+
+def overview(args):
+    """results/tables.md: every table of the paper (paper_tables.json), as printed, with our rows
+    from the report JSONs under --results."""
+    results = args.results or args.out
+    tables = paper_tables()["tables"]
+    lines = ["# Every table of the paper, and ours beside it", "",
+             "The paper's tables as paper_tables.json transcribes them (top-1 % on the test split; "
+             "† marks a misprint, explained under its table), then our runs: each row names its "
+             "preset and, where it falls short of the paper, what it gives up.  kNN votes "
+             "exp(sim / 0.1); the paper's natural-image kNN is k = 50.  Written by `python "
+             f"report.py --overview --results {utils_rel(results)}` from the report JSONs there.", ""]
+    lines += [f"- [`{label}`](#{label}): {t['caption'][:90]}" for label, t in tables.items()] + [""]
+    for label, t in tables.items():
+        lines += _table_section(label, t, results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tables.md"), "w") as fh:
-        fh.write("\n".join(lines))
-    print("\n".join(lines))
+        fh.write("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {os.path.join(args.out, 'tables.md')}: {len(tables)} tables")
+
+
+def utils_rel(path):
+    rel = os.path.relpath(os.path.abspath(path), HERE)
+    return path if rel.startswith("..") else rel
 
 
 def main(args):

@@ -138,6 +138,10 @@ def test_uneven_study(small_data, tmp_path, inline):
     counts = torch.bincount(ck["pseudo_labels"][0], minlength=16)
     assert torch.equal(counts.double(), otl.uneven_target(counts.sum().item(), 16, 2))
     assert "i = 0 .. k-1" in md
+    # the formula's stds beside the paper's printed ones: equal but for its two misprints
+    std_rows = [r.split(" | ") for r in out["target_std"]]
+    assert [r[3] for r in std_rows] == ["yes", "yes", "yes", "no", "no", "yes"]
+    assert std_rows[4][1] == "762.63" and "654.3 (misprint; 762.6)" in std_rows[4][2]
 
 
 def test_imbalanced_study(small_data, tmp_path, inline):

@@ -60,7 +60,7 @@ def test_feature_auto_and_the_overview_of_every_table(small_data, tmp_path):
           "--img-size", "64", "--embed", "16", "--heads", "2")
     ck = str(runs / "a" / "checkpoint.pth")
     k = eval_knn.main(eval_knn.get_args_parser().parse_args(
-        ["--checkpoint", ck, "--device", "cpu", "--no-progress", "--feature", "auto", "--ks", "10"]))
+        ["--checkpoint", ck, "--device", "cpu", "--no-progress", "--feature", "auto", "--ks", "10", "50"]))
     lin = eval_linear.main(eval_linear.get_args_parser().parse_args(
         ["--checkpoint", ck, "--device", "cpu", "--no-progress", "--feature", "auto"]))
     saved = json.loads((runs / "a" / "knn_checkpoint_embed.json").read_text())
@@ -78,23 +78,26 @@ def test_feature_auto_and_the_overview_of_every_table(small_data, tmp_path):
         ["--checkpoint", ck, "--device", "cpu", "--no-progress", "--feature", "conv5"]))
     report.main(report.get_args_parser().parse_args(
         ["--dataset", "cifar10", "--runs", str(runs), "--out", str(out), "--otl-run", "a",
-         "--feature", "auto", "--linear-feature", "conv5", "--name", "paper_layers"]))
-    js5 = json.loads((out / "paper_layers.json").read_text())
+         "--feature", "auto", "--linear-feature", "conv5"]))
+    js5 = json.loads((out / "cifar10.json").read_text())
     assert js5["otl"]["final"]["knn"] == js["otl"]["final"]["knn"]
     assert js5["otl"]["final"]["linear"] == lin5["linear_top1"] and js5["otl"]["linear_feature"] == "conv5"
-    assert "embed (kNN), conv5 (linear)" in (out / "paper_layers.md").read_text()
-    report.main(report.get_args_parser().parse_args(
-        ["--overview", "--runs", str(runs), "--out", str(out), "--run-for", "alexnet:cifar10=a"]))
+    assert "embed (kNN), conv5 (linear)" in (out / "cifar10.md").read_text()
+    # the overview: every table of the paper, ours from the report JSONs in --results (here
+    # cifar10.json of run a), the paper's misprints marked, a line for each table without a run
+    report.main(report.get_args_parser().parse_args(["--overview", "--out", str(out)]))
     md = (out / "tables.md").read_text()
-    for title in ("ResNet-18 on remote-sensing", "AlexNet on natural images", "ResNet-50 on natural"):
-        assert title in md
-    ours = [line for line in md.splitlines() if line.startswith("| cifar10 | ours |")]
-    assert len(ours) == 2      # AlexNet's table has the run, ResNet-50's says there is none
-    assert f"{k['knn_top1']['10']:.1f}" in ours[0] and "features: embed" in ours[0]
-    assert "no run" in ours[1]
-    for ds in ("ucmerced", "siri_whu", "aid", "patternnet", "nwpu_resisc45", "svhn", "imagenet"):
-        assert f"| {ds} | ours | - |" in md
-    assert "| eurosat | paper | 94.4 |" in md
-    with pytest.raises(SystemExit, match="TABLE:DATASET=RUN"):
-        report.main(report.get_args_parser().parse_args(
-            ["--overview", "--runs", str(runs), "--out", str(out), "--run-for", "cifar10=a"]))
+    tables = json.loads(open(os.path.join(report.HERE, "paper_tables.json")).read())["tables"]
+    for label, t in tables.items():
+        assert f"## `{label}`: {t['caption']}" in md
+    assert md.count(" misprint (") == sum(len(t["misprints"]) for t in tables.values())
+    ev_knn = md.split("## `ev-knn`")[1].split("\n## ")[0]
+    ours = [line for line in ev_knn.splitlines() if line.startswith("| OTL (ours) |")]
+    assert len(ours) == 2 and f"| {k['knn_top1']['50']:.1f} |" in ours[0]
+    assert "| linear | conv5 |" in ours[1] and f"| {lin5['linear_top1']:.1f} |" in ours[1]
+    assert "no run of cifar100 here" in ev_knn and "no run of cifar10 here" not in ev_knn
+    for ds in ("ucmerced", "siri_whu", "aid", "patternnet", "nwpu_resisc45", "imagenet"):
+        assert f"no run of {ds} here" in md
+    assert "| paper: OTL | 94.4 | 94.7 | 94.6 | 94.4 | 95.9 |  |" in md
+    # the toy model's IND and DIS, computed by otl.py from the corrected cluster sizes
+    assert "| Case 3 | 2 | 2 | 0 | 2†1 | 2 | 4 | 2, 4 |" in md
