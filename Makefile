@@ -140,7 +140,7 @@ cifar10-data: $(STAMP)
 #   the final and the random-init network (kNN on the 128-d embedding when the model has one;
 #   natural images: the linear probe on conv5, as the paper), then results/<set>.md and the
 #   overview results/tables.md.
-#   make cifar10                           AlexNet (alexnet-cifar-cpu here), from ../shared/data
+#   make cifar10                           AlexNet on CUDA (its CPU twin cifar-cpu: ResNet-18), from ../shared/data
 #   make ucmerced SRC=UCMerced_LandUse.zip ResNet-18 from make eurosat's backbone, three runs
 #   make ucmerced SRC=... INIT=runs/x/checkpoint.pth TRANSFER_PRESET=transfer    another backbone
 #   make cifar10 PRESET=resnet50-cifar RUN_NAME=cifar10_resnet50    the ResNet-50 table's run

@@ -210,6 +210,8 @@ SHORT = {
     "transfer-cpu": "compute: the cpu preset's backbone (32 px, half width), pretrained on "
                     "EuroSAT (the paper's best: PatternNet, NWPU-RESISC45, not at hand)",
     "alexnet-cifar-cpu": "compute: AlexNet at half width on 64 px, 8 epochs instead of 1600 at 224",
+    "cifar-cpu": "compute: ResNet-18 at half width on 32 px instead of AlexNet at 224, 16 epochs "
+                 "instead of 1600",
     "resnet50-cifar-cpu": "compute: 2 epochs instead of 300",
     "study-cpu": "compute: ResNet-18 at half width on 32 px, 10 epochs (the paper's studies: "
                  "AlexNet, fewer epochs than its 1600)",

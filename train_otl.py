@@ -46,7 +46,8 @@ def get_args_parser():
                    "'transfer-cpu' (a small set from another run's backbone, with --init), "
                    "'alexnet-cifar' / 'alexnet-cifar100' / 'alexnet-svhn' / 'alexnet-imagenet' and "
                    "'resnet50-cifar' / 'resnet50-svhn' (the paper's natural-image protocols), "
-                   "'alexnet-cifar-cpu' / 'resnet50-cifar-cpu' (their CPU twins), 'study-cpu' "
+                   "'cifar-cpu' (ResNet-18 at 32 px: make cifar10's CPU twin), "
+                   "'alexnet-cifar-cpu' / 'resnet50-cifar-cpu' (smaller CPU versions), 'study-cpu' "
                    "(ablations.py's training studies on 2 cores); 'auto': the data set's protocol "
                    "(paper, or the data set's alexnet-*) on CUDA and its CPU twin otherwise. "
                    "docs/presets.md says what each is and which values are the paper's")

@@ -131,5 +131,5 @@ def test_auto_takes_the_data_sets_paper_preset():
                      ("eurosat", "paper"), (None, "paper")):
         assert utils.preset_for("auto", cuda, ds) == name
     for ds in ("cifar10", "cifar100", "svhn"):
-        assert utils.preset_for("auto", cpu, ds) == "alexnet-cifar-cpu"
+        assert utils.preset_for("auto", cpu, ds) == "cifar-cpu"
     assert utils.preset_for("auto", cpu, "imagenet") == "cpu"

@@ -211,7 +211,7 @@ def test_auto_preset_follows_the_data_set_and_every_preset_builds():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for ds, paper in (("cifar10", "alexnet-cifar"), ("cifar100", "alexnet-cifar100"),
                       ("svhn", "alexnet-svhn")):
-        assert utils.preset_for("auto", cpu, ds) == "alexnet-cifar-cpu"
+        assert utils.preset_for("auto", cpu, ds) == "cifar-cpu"
         assert utils.preset_for("auto", cuda, ds) == paper
     for ds in (None, "eurosat", "hmhr", "folder"):
         assert utils.preset_for("auto", cpu, ds) == "cpu"
@@ -220,7 +220,7 @@ def test_auto_preset_follows_the_data_set_and_every_preset_builds():
     keys = set(utils.PRESETS["paper"])
     for name, p in utils.PRESETS.items():
         assert set(p) == keys, name
-        natural = name.startswith(("alexnet", "resnet50")) or name == "study-cpu"
+        natural = name.startswith(("alexnet", "resnet50")) or name in ("study-cpu", "cifar-cpu")
         assert p["rot90"] == (not natural), name
         cfg = otl.ModelConfig(arch=p["arch"], k=p["k"], heads=p["heads"], embed=p["embed"],
                               width=p["width"], small_stem=p["small_stem"])
