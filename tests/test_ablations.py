@@ -101,37 +101,51 @@ def test_labeler_study_rejects_k_above_n(small_data, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def test_k_study_and_resume(small_data, tmp_path, inline):
-    out = study("k", tmp_path, small_data, "--grid", "8,16", "--train-args", TINY_TRAIN.replace(" --k 16", ""))
+    out = study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0", "--train-args",
+                TINY_TRAIN.replace(" --k 16", ""))
     assert out["ran"] == ["k8", "k16"]
     saved_out, md = saved(tmp_path, "k")
     assert [r["k"] for r in saved_out["rows"]] == [8, 16]
     for r in saved_out["rows"]:
         assert 0 <= r["knn10"] <= 100 and 0 <= r["linear"] <= 100 and r["epochs"] == 1
-        assert r["preset"] == "study-cpu"
+        assert r["preset"] == "cpu"
     run_dir = tmp_path / "runs" / "study" / "k" / "k16"
     ck = torch.load(run_dir / "checkpoint.pth", weights_only=False)
-    assert ck["model_cfg"]["k"] == 16 and ck["args"]["aug"] == "simple" and ck["args"]["views"] == 1
+    # the study scale: the cpu preset cut to 8 epochs (here 1, from --train-args)
+    assert ck["model_cfg"]["k"] == 16 and ck["args"]["aug"] == "strong" and ck["args"]["views"] == 2
     assert "knn_init10" in saved_out["rows"][0]     # the random-init floor
     assert inline == ["train_otl.py", "eval_knn.py", "eval_linear.py", "eval_knn.py"] + \
         ["train_otl.py", "eval_knn.py", "eval_linear.py"]
     # a rerun trains nothing and gives the same rows
     del inline[:]
-    again = study("k", tmp_path, small_data, "--grid", "8,16", "--train-args", TINY_TRAIN.replace(" --k 16", ""))
+    again = study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0", "--train-args",
+                  TINY_TRAIN.replace(" --k 16", ""))
     assert again["ran"] == [] and again["rows"] == saved_out["rows"] and inline == []
     # a run whose evaluation is missing is evaluated again, not retrained
     stamp = os.path.getmtime(run_dir / "results.json")
     os.remove(run_dir / "knn.json")
-    third = study("k", tmp_path, small_data, "--grid", "8,16", "--train-args", TINY_TRAIN.replace(" --k 16", ""))
+    third = study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0", "--train-args",
+                  TINY_TRAIN.replace(" --k 16", ""))
     assert third["ran"] == ["k16"] and (run_dir / "knn.json").is_file()
     assert inline == ["train_otl.py", "eval_knn.py"]    # train_otl.py finds the run finished
     assert os.path.getmtime(run_dir / "results.json") == stamp
     assert third["rows"] == saved_out["rows"]
 
 
+def test_k_study_with_seeds(small_data, tmp_path, inline):
+    study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0,1", "--train-args",
+          TINY_TRAIN.replace(" --k 16", ""))
+    out, md = saved(tmp_path, "k")
+    assert [(m["k"], m["seeds"]) for m in out["seed_means"]] == [(8, [0, 1]), (16, [0, 1])]
+    assert "kNN@50 best at k = " in out["verdict"] and " 2 sd" in out["verdict"]
+    assert "Trained on `" in md and "the paper's study trained AlexNet on CIFAR-10" in md
+
+
 def test_uneven_study(small_data, tmp_path, inline):
-    study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0,1", "--train-args", TINY_TRAIN)
     out, md = saved(tmp_path, "uneven")
-    assert [r["x"] for r in out["rows"]] == [0, 2]
+    assert [(r["x"], r["seed"]) for r in out["rows"]] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert "kNN@50 at x = 0 minus x = 2" in out["verdict"] and " 2 sd" in out["verdict"]
     ck = torch.load(tmp_path / "runs" / "study" / "uneven" / "x2" / "checkpoint.pth", weights_only=False)
     assert ck["args"]["target_x"] == 2
     # the x = 2 run's pseudo-labels follow the uneven target: cluster 0 (i = 0) is empty
@@ -145,9 +159,13 @@ def test_uneven_study(small_data, tmp_path, inline):
 
 
 def test_imbalanced_study(small_data, tmp_path, inline):
-    study("imbalanced", tmp_path, small_data, "--grid", "1", "--train-args", TINY_TRAIN)
-    out, _ = saved(tmp_path, "imbalanced")
-    rows = {r["subset"]: r for r in out["rows"]}
+    study("imbalanced", tmp_path, small_data, "--grid", "0,1", "--seeds", "0,1", "--train-args",
+          TINY_TRAIN)
+    out, md = saved(tmp_path, "imbalanced")
+    assert len(out["rows"]) == 8 and len(out["seed_means"]) == 4
+    assert "uneven D_0 minus D_1" in out["verdict"] and "even minus uneven subset: D_0 " in out["verdict"]
+    assert "d is the paper's scaled" in md
+    rows = {r["subset"]: r for r in out["rows"] if r["d"] == 1 and r["seed"] == 0}
     # D_1 deletes 0 + 1 + ... + 9 = 45 of the 160 training images; the even subset is as large
     assert rows["uneven"]["n_train"] == rows["even"]["n_train"] == 160 - 45
     data = tmp_path / "runs" / "data"
@@ -190,10 +208,10 @@ def test_splits_study(small_data, tmp_path, inline):
 
 
 def test_labeler_in_training_study(small_data, tmp_path, inline):
-    """Its default is two seeds a labeler at study scale: the table gives mean +- sd, and the
-    verdict weighs the gap between the labelers against the seeds' spread."""
+    """With two seeds a labeler the table gives mean +- sd, and the verdict weighs the gap between
+    the labelers against 2 sd of the difference."""
     study("labeler-in-training", tmp_path, small_data, "--grid", "published,sinkhorn",
-          "--train-args", TINY_TRAIN)
+          "--seeds", "0,1", "--train-args", TINY_TRAIN)
     out, md = saved(tmp_path, "labeler-in-training")
     assert [(r["labeler"], r["seed"]) for r in out["rows"]] == [
         ("published", 0), ("published", 1), ("sinkhorn", 0), ("sinkhorn", 1)]
@@ -211,14 +229,15 @@ def test_labeler_in_training_study(small_data, tmp_path, inline):
         assert m["knn10"] == pytest.approx(sum(pair) / 2, abs=0.01)
         assert m["knn10_sd"] == pytest.approx(abs(pair[0] - pair[1]) / 2 ** 0.5, abs=0.01)
         assert f"{m['knn10']:.1f} +- {m['knn10_sd']:.1f}" in md
-    assert "seed-to-seed sd" in out["verdict"]
+    assert "published minus sinkhorn" in out["verdict"] or "sinkhorn minus published" in out["verdict"]
+    assert " 2 sd" in out["verdict"]
 
 
 def test_seeds_flag(small_data, tmp_path):
     parse = ablations.get_args_parser().parse_args
-    assert ablations.parse_seeds(parse(["k"])) == [0]
+    assert ablations.parse_seeds(parse(["k"])) == [0, 1, 2]      # three a point at study scale
     assert ablations.parse_seeds(parse(["k", "--seed", "3"])) == [3]
-    assert ablations.parse_seeds(parse(["labeler-in-training"])) == [0, 1]
+    assert ablations.parse_seeds(parse(["labeler-in-training"])) == [0, 1, 2]
     assert ablations.parse_seeds(parse(["labeler-in-training", "--preset", "paper"])) == [0]
     assert ablations.parse_seeds(parse(["uneven", "--seeds", "2,5"])) == [2, 5]
     for bad in ("1,1", "a", ""):
@@ -229,9 +248,10 @@ def test_seeds_flag(small_data, tmp_path):
 
 
 def test_a_run_made_with_other_flags_is_not_taken(small_data, tmp_path, inline):
-    study("uneven", tmp_path, small_data, "--grid", "0", "--train-args", TINY_TRAIN)
+    study("uneven", tmp_path, small_data, "--grid", "0", "--seeds", "0", "--train-args", TINY_TRAIN)
     with pytest.raises(SystemExit, match="holds a run of .* --epochs 1 .*delete that folder"):
-        study("uneven", tmp_path, small_data, "--grid", "0", "--train-args", TINY_TRAIN + " --lr 0.1")
+        study("uneven", tmp_path, small_data, "--grid", "0", "--seeds", "0", "--train-args",
+              TINY_TRAIN + " --lr 0.1")
 
 
 def test_partial_results_and_resume_from_results_json(small_data, tmp_path, inline, monkeypatch):
@@ -246,7 +266,7 @@ def test_partial_results_and_resume_from_results_json(small_data, tmp_path, inli
         real(cmd, log)
     monkeypatch.setattr(ablations, "run_stage", fail_second_training)
     with pytest.raises(SystemExit, match="stopped"):
-        study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+        study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN)
     out, md = saved(tmp_path, "uneven")
     assert out["partial"] == "1 of 2 runs" and [r["x"] for r in out["rows"]] == [0]
     assert "Partial: 1 of the grid's 2 runs" in md
@@ -257,13 +277,13 @@ def test_partial_results_and_resume_from_results_json(small_data, tmp_path, inli
     shutil.rmtree(tmp_path / "runs")
     monkeypatch.setattr(ablations, "run_stage", real)
     del inline[:]
-    done = study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    done = study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN)
     assert done["ran"] == ["x2"] and inline == ["train_otl.py", "eval_knn.py"]
     assert done["rows"][0] == first and "partial" not in done
     assert not (tmp_path / "runs" / "study" / "uneven" / "x0").exists()
     # other flags do not take the recorded row: x0 is trained again
     del inline[:]
-    again = study("uneven", tmp_path, small_data, "--grid", "0", "--train-args", TINY_TRAIN + " --lr 0.1",
+    again = study("uneven", tmp_path, small_data, "--grid", "0", "--seeds", "0", "--train-args", TINY_TRAIN + " --lr 0.1",
                   "--out", str(tmp_path / "out"))
     assert again["ran"] == ["x0"]
 
@@ -272,7 +292,7 @@ def test_rows_recorded_before_study_point_are_read_from_their_command(small_data
     """Results JSONs written before rows kept their flags (study_point) still carry a study
     across sessions: the flags are read back from the row's train command, and a row whose
     command asked for other flags is trained again."""
-    study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN)
     path = tmp_path / "out" / "uneven.json"
     out = json.loads(path.read_text())
     for r in out["rows"]:
@@ -283,7 +303,7 @@ def test_rows_recorded_before_study_point_are_read_from_their_command(small_data
     import shutil
     shutil.rmtree(tmp_path / "runs")
     del inline[:]
-    done = study("uneven", tmp_path, small_data, "--grid", "0,2", "--train-args", TINY_TRAIN)
+    done = study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN)
     assert done["ran"] == ["x2"]
     assert done["rows"][0]["knn10"] == out["rows"][0]["knn10"] and done["rows"][0]["point"] == "x0"
     assert ablations.study_point_of_command("python eval_knn.py --checkpoint c") is None
@@ -291,9 +311,11 @@ def test_rows_recorded_before_study_point_are_read_from_their_command(small_data
 
 
 def test_lct_study(small_data, tmp_path, inline):
-    study("lct", tmp_path, small_data, "--grid", "1-mean,2-sum", "--train-args", TINY_TRAIN)
+    study("lct", tmp_path, small_data, "--grid", "1-mean,2-sum", "--seeds", "0,1", "--train-args",
+          TINY_TRAIN)
     out, _ = saved(tmp_path, "lct")
-    assert [(r["views"], r["reduction"]) for r in out["rows"]] == [(1, "mean"), (2, "sum")]
+    assert [(r["views"], r["reduction"]) for r in out["rows"]] == [(1, "mean")] * 2 + [(2, "sum")] * 2
+    assert "against 1 view(s) mean: 2 sum " in out["verdict"] and " 2 sd" in out["verdict"]
     ck = torch.load(tmp_path / "runs" / "study" / "lct" / "views2_sum" / "checkpoint.pth",
                     weights_only=False)
     assert ck["args"]["lct_reduction"] == "sum" and ck["args"]["views"] == 2 and ck["args"]["lct"]
@@ -308,12 +330,12 @@ def test_bad_grid_fails(small_data, tmp_path):
 
 def test_failed_run_says_where_its_log_is(small_data, tmp_path):
     with pytest.raises(SystemExit, match="resumes here"):
-        study("k", tmp_path, small_data, "--grid", "8", "--train-args", TINY_TRAIN + " --lr -1")
+        study("k", tmp_path, small_data, "--grid", "8", "--seeds", "0", "--train-args", TINY_TRAIN + " --lr -1")
 
 
 def test_imbalanced_d_too_large(small_data, tmp_path):
     with pytest.raises(SystemExit, match="use a smaller d"):
-        study("imbalanced", tmp_path, small_data, "--grid", "2", "--train-args", TINY_TRAIN)
+        study("imbalanced", tmp_path, small_data, "--grid", "2", "--seeds", "0", "--train-args", TINY_TRAIN)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,3 +401,20 @@ def test_plot_has_no_empty_panel(tmp_path, monkeypatch):
     knn = made[-1][0]
     assert list(knn.get_xticks()) == [0, 3]
     assert any(list(line.get_ydata()) == [32.0, 32.0] for line in knn.get_lines())
+
+
+def test_the_two_sd_rule():
+    """A difference of two grid points' means counts when it exceeds 2 sd of the difference,
+    sqrt(sd_a^2 / n_a + sd_b^2 / n_b) over their seeds; one seed a point gives no verdict."""
+    def pt(x, m, sd, n=3):
+        return {"x": x, "knn50": m, "knn50_sd": sd, "seeds": list(range(n))}
+    d, sd = ablations._diff(pt(0, 70.0, 1.0), pt(10, 66.0, 2.0), "knn50")
+    assert d == 4.0 and sd == pytest.approx((1 / 3 + 4 / 3) ** 0.5)
+    clear = ablations.training_verdict("uneven", [pt(0, 70.0, 1.0), pt(10, 66.0, 2.0)])
+    assert clear.startswith("agrees") and "+4.0 +- 1.3, beyond 2 sd" in clear
+    noisy = ablations.training_verdict("uneven", [pt(0, 70.0, 3.0), pt(10, 66.0, 3.0)])
+    assert noisy.startswith("not shown (within 2 sd)") and "+4.0 +- 2.4, within 2 sd" in noisy
+    wrong = ablations.training_verdict("uneven", [pt(0, 60.0, 1.0), pt(10, 66.0, 1.0)])
+    assert wrong.startswith("disagrees")
+    one = ablations.training_verdict("uneven", [pt(0, 70.0, 0.0, 1), pt(10, 66.0, 0.0, 1)])
+    assert one.startswith("cannot tell (one seed)")
