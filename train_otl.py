@@ -408,6 +408,7 @@ def run(args, ranks, device):
     """The training of main, in a run folder this process holds: data, model, resume, the epochs,
     results.json."""
     torch.manual_seed(args.seed)
+    commit = utils.git_commit()     # the code this run started from: later edits are not what ran
     torch.backends.cudnn.benchmark = device.type == "cuda"   # a step's shapes repeat: fastest kernels
     gen = torch.Generator().manual_seed(args.seed + ranks.rank)
 
@@ -477,7 +478,7 @@ def run(args, ranks, device):
                 "pseudo_labels": torch.cat([p[1] for p in parts], 1) if labels is not None else None,
                 "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
                 "labeler_starts": starts,
-                "git_commit": utils.git_commit(), "data_identity": data_identity,
+                "git_commit": commit, "data_identity": data_identity,
                 "images_sha256": images_sha256}
 
     if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
@@ -533,7 +534,7 @@ def run(args, ranks, device):
                    "processes": ranks.world, "checkpoint": utils.rel_path(ckpt_path),
                    "init_from": getattr(args, "init_from", None),
                    "train_minutes": round(sum(epoch_s) / 60, 4),   # tiny runs must not round to 0
-                   "command": utils.command_line(), "git_commit": utils.git_commit()}
+                   "command": utils.command_line(), "git_commit": commit}
         utils.write_json(results, results_path)
     ranks.close()
     return results
