@@ -351,11 +351,14 @@ def _study_rows(t, results, key, values, nkeys, metric="knn50"):
                      for v in values]
             pre = rows[0].get("preset")
             init = rows[0].get(metric.replace("knn", "knn_init"))
+            data = js.get("data") or "data/cifar10"     # studies before they recorded it: CIFAR-10
+            why = (SHORT.get(pre, "") if "cifar10" in data else
+                   f"trained on {data}, not the paper's CIFAR-10: compare directions, not levels")
             label = f"ours: {sub + ', ' if sub else ''}{metric.replace('knn', 'kNN@')}"
             lines.append(f"| {label} | " + "| " * (nkeys - 1) + " | ".join(cells) + f" | preset {pre}, {seeds} seed(s) "
                          f"a point{' (mean +- sd)' if seeds > 1 else ''}"
                          + (f", random init {init:.1f}" if init is not None else "")
-                         + f"; {SHORT.get(pre, '')} (`results/{name}`) |")
+                         + f"; {why} (`results/{name}`) |")
     return lines
 
 
