@@ -688,7 +688,9 @@ def summarise(study, rows, args):
     init = [r for r in rows if "knn_init10" in r]
     if init:
         lines.append("")
-        lines.append(f"Random-init network (the first run's checkpoint0000.pth): kNN@10 "
+        what = ("The --init backbone before any training on this set" if args.study == "splits"
+                else "Random-init network")
+        lines.append(f"{what} (the first run's checkpoint0000.pth): kNN@10 "
                      f"{init[0]['knn_init10']:.1f}.")
     return lines, training_verdict(study, rows)
 
@@ -949,13 +951,15 @@ def study_notes(args):
     flags = " ".join(SCALES[args.preset]["rs" if args.study == "splits" else "train"])
     seeds = "" if args.study == "splits" else f", {len(parse_seeds(args))} seed(s) a grid point"
     note = f"Trained on `{utils.rel_path(data)}` with `{flags}`{seeds}"
+    if args.study == "splits":
+        note += f", OTL and supervised both from `{utils.rel_path(args.init)}`"
     if args.study != "splits" and "cifar10" not in os.path.basename(os.path.normpath(data)):
         note += ("; the paper's study trained AlexNet on CIFAR-10, so its numbers are its own "
                  "scale's: compare the directions and the differences beyond 2 sd, not the levels")
         if args.study == "imbalanced":
             note += ("; d is the paper's scaled to this set's class sizes (EuroSAT: about "
                      "2,160 training images a class, CIFAR-10: 5,000)")
-    out["notes"] = [note + ".", ""] + out["notes"]
+    out["notes"] = [note + "."] + ([""] + out["notes"] if out["notes"] else [])
     out["data"] = utils.rel_path(data)
     return out
 
