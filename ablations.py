@@ -59,8 +59,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # studies on CIFAR-10 with fewer epochs than its main runs, simple augmentation and no LCT.
 # "study" is sized for 2 CPU cores so that its effects can show: on CIFAR-10 at that size OTL
 # gained under 10 kNN points over its random network, less than the 3-4 points the studies
-# compare plus their seed noise; on EuroSAT the cpu preset cut to 8 epochs gains about 20 (strong
-# augmentation and LCT kept: ours, they are what makes 8 epochs learn; docs/ablations.md), three
+# compare plus their seed noise; on EuroSAT the cpu preset cut to 8 epochs gains about 18 (strong
+# augmentation and LCT kept: ours, simple augmentation learned less; docs/ablations.md), three
 # seeds a point, every grid within about 4 hours.  EuroSAT's classes hold about 2,160 training
 # images against CIFAR's 5,000, so the imbalanced study's d is the paper's scaled by 0.4.
 # "paper" is the paper's data and networks (CIFAR-10, alexnet-cifar) with the studies' changes;
