@@ -184,6 +184,9 @@ def get_args_parser():
         else:
             s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
                            "run, e.g. \"--epochs 4\" (they win over the preset's)")
+            s.add_argument("--rewrite", action="store_true", help="train nothing: write the "
+                           "table, verdict and plot again from the rows of the study's results "
+                           "JSON as they are (after a change to how studies are summarised)")
             if name == "splits":
                 s.add_argument("--init", default="runs/eurosat/checkpoint.pth", help="the "
                                "pretrained backbone both models of every division start from "
@@ -715,7 +718,7 @@ def _diff(a, b, metric):
 def _judged(d, sd):
     """'+2.1 +- 0.6, beyond 2 sd' (the 2-sd rule), or the difference alone with one seed."""
     if sd is None:
-        return f"{d:+.1f} (one seed a point: no sd, no verdict)"
+        return f"{d:+.1f} (no sd)"
     return f"{d:+.1f} +- {sd:.1f}, {'beyond' if abs(d) > 2 * sd else 'within'} 2 sd"
 
 
@@ -943,6 +946,22 @@ def seed_means(rows):
     return means
 
 
+def rewrite(args):
+    """The study's files again from the rows its results JSON holds, training nothing."""
+    path = results_stem(args) + ".json"
+    if not os.path.isfile(path):
+        raise SystemExit(f"--rewrite: {path} is missing; run the study first")
+    with open(path) as fh:
+        rows = json.load(fh)["rows"]
+    presets = sorted({str(r.get("preset")) for r in rows})
+    data = sorted({str((r.get("study_point") or {}).get("data", "?")) for r in rows})
+    extra = uneven_notes() if args.study == "uneven" else {"notes": []}
+    extra["notes"] = [f"Rewritten from the {len(rows)} rows of `{utils.rel_path(path)}` as "
+                      f"recorded (preset {', '.join(presets)}; data {', '.join(data)}), nothing "
+                      "trained."] + ([""] + extra["notes"] if extra["notes"] else [])
+    return write_results(args, rows, extra)
+
+
 def study_notes(args):
     """What the study's JSON and table add: where its data differ from the paper's study, and
     (uneven) the targets' std beside the paper's."""
@@ -1046,6 +1065,8 @@ def main(args):
     if args.study in LABELER_STUDIES:
         rows = labeler_study(args)
         return write_results(args, rows)
+    if args.rewrite:
+        return rewrite(args)
     rows, ran = training_study(args)
     out = write_results(args, rows, study_notes(args))
     out["ran"] = ran

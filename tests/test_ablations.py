@@ -418,3 +418,18 @@ def test_the_two_sd_rule():
     assert wrong.startswith("disagrees")
     one = ablations.training_verdict("uneven", [pt(0, 70.0, 0.0, 1), pt(10, 66.0, 0.0, 1)])
     assert one.startswith("cannot tell (one seed)")
+
+
+def test_rewrite_trains_nothing(small_data, tmp_path, inline):
+    """--rewrite writes the table, verdict and plot again from the results JSON's rows alone."""
+    study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN)
+    first, _ = saved(tmp_path, "uneven")
+    import shutil
+    shutil.rmtree(tmp_path / "runs")
+    del inline[:]
+    study("uneven", tmp_path, small_data, "--rewrite")
+    again, md = saved(tmp_path, "uneven")
+    assert inline == [] and again["rows"] == first["rows"] and again["verdict"] == first["verdict"]
+    assert "Rewritten from the 2 rows of" in md and "nothing trained" in md
+    with pytest.raises(SystemExit, match="run the study first"):
+        study("k", tmp_path, small_data, "--rewrite")
