@@ -952,6 +952,16 @@ def test_photometric_ops_of_a_small_batch_are_drawn_per_image():
     assert set(seen.tolist()) == set(range(6))
 
 
+def assert_same_stream(x, **off):
+    """augment with a feature turned off (off) draws as many random numbers as with it on."""
+    g = gen(6)
+    otl.augment(x, 32, generator=g, **off)
+    after_off = torch.rand(1, generator=g)
+    g = gen(6)
+    otl.augment(x, 32, generator=g)
+    assert torch.equal(after_off, torch.rand(1, generator=g))
+
+
 def test_augment_rot90_off_keeps_images_upright():
     """rot90=False (natural images): the bright top half stays on top in every view; with the
     default (overhead images) some views are turned; the random stream is the same either way."""
@@ -963,12 +973,7 @@ def test_augment_rot90_off_keeps_images_upright():
     assert (top_minus_bottom(up) > 0.3).all()
     turned = otl.augment(x, 32, scale=(1.0, 1.0), generator=gen(5))
     assert (top_minus_bottom(turned) < 0.3).sum() >= 16      # about 3 in 4 are turned
-    g = gen(6)
-    otl.augment(x, 32, generator=g, rot90=False)
-    after_off = torch.rand(1, generator=g)
-    g = gen(6)
-    otl.augment(x, 32, generator=g)
-    assert torch.equal(after_off, torch.rand(1, generator=g))
+    assert_same_stream(x, rot90=False)
 
 
 def test_augment_flip_off_keeps_left_and_right():
@@ -982,12 +987,7 @@ def test_augment_flip_off_keeps_left_and_right():
     assert (left_minus_right(kept) > 0.3).all()
     mirrored = otl.augment(x, 32, scale=(1.0, 1.0), generator=gen(5), rot90=False)
     assert (left_minus_right(mirrored) < -0.3).sum() >= 16     # about half are mirrored
-    g = gen(6)
-    otl.augment(x, 32, generator=g, flip=False)
-    after_off = torch.rand(1, generator=g)
-    g = gen(6)
-    otl.augment(x, 32, generator=g)
-    assert torch.equal(after_off, torch.rand(1, generator=g))
+    assert_same_stream(x, flip=False)
 
 
 def test_augment_n_ops_sets_how_far_strong_views_go():
