@@ -50,6 +50,7 @@ import time
 import torch
 
 import otl
+import report
 import utils
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -77,11 +78,13 @@ SCALES = {
 }
 
 
+_TABLES = report.paper_tables()["tables"]
+
+
 def paper_table(label):
     """The paper's table `label` as paper_tables.json transcribes it: columns, rows with the
     numbers as printed, misprints."""
-    with open(os.path.join(HERE, "paper_tables.json")) as fh:
-        return json.load(fh)["tables"][label]
+    return _TABLES[label]
 
 
 def _row_of(table, **match):
@@ -102,9 +105,7 @@ PAPER_SPLITS = {model: {m: [r["values"][_SPLITS["columns"].index(model)] for r i
                 for model in ("OTL", "supervised")}
 
 
-def _mean_sd(xs):
-    t = torch.tensor(xs, dtype=torch.float64)
-    return t.mean().item(), (t.std().item() if t.numel() > 1 else 0.0)
+_mean_sd = report.mean_sd
 
 
 def _listed(d):
@@ -995,8 +996,7 @@ def uneven_notes(n=50_000):
         # the sample (n - 1) std over the k clusters: the paper's stds are reproduced by it
         s0 = otl.uneven_target(n, k, x, first=0).std().item()
         s1 = otl.uneven_target(n, k, x, first=1).std().item()
-        w = torch.arange(k, dtype=torch.float64) ** float(x)
-        su = (n * w / w.sum()).std().item()                     # the unrounded targets
+        su = report.formula_std(n, k, x)                        # the unrounded targets
         paper = f"{printed[j]:g}" + (f" (misprint; {fixed[j]:g})" if j in fixed else "")
         agree = "yes" if round(su, 1) == printed[j] else "no"
         rows.append(f"| {x:g} | {su:.2f} | {paper} | {agree} | {s0:.1f} | {s1:.1f} |")

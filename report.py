@@ -368,19 +368,27 @@ def _study_rows(t, results, key, values, nkeys, metric="knn50"):
     return lines
 
 
+def formula_std(n, k, x):
+    """The sample std over the clusters of the paper's unrounded uneven target,
+    n_i = N i^x / sum_i i^x with i = 0 .. k-1 (table dis-com's stds)."""
+    w = torch.arange(k, dtype=torch.float64) ** float(x)
+    return (n * w / w.sum()).std().item()
+
+
 def _mean_row(name, scores, note):
     """A row of mean +- sd over a list of {"knn", "linear"} scores."""
     def ms(vals):
         vals = [v for v in vals if v is not None]
         if not vals:
             return "-"
-        m, sd = _mean_sd(vals)
+        m, sd = mean_sd(vals)
         return _f(m, sd)
     cells = [ms([(s.get("knn") or {}).get(k) for s in scores]) for k in KS]
     return f"| {name} | " + " | ".join(cells) + f" | {ms([s.get('linear') for s in scores])} | {note} |"
 
 
-def _mean_sd(vals):
+def mean_sd(vals):
+    """(mean, sample sd) of a list of numbers; sd 0 for one number.  ablations.py uses it too."""
     m = math.fsum(vals) / len(vals)
     sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
     return m, sd
@@ -437,8 +445,7 @@ def _table_section(label, t, results):
     elif label == "dis-com":
         body = _printed(t)
         for ds, k in (("cifar10", 128), ("cifar100", 512)):   # the targets' std, unrounded
-            w = [torch.arange(k, dtype=torch.float64) ** float(x) for x in t["x"]]
-            std = [(50_000 * v / v.sum()).std().item() for v in w]
+            std = [formula_std(50_000, k, x) for x in t["x"]]
             body.append(f"| {ds} | std, the formula n_i = N i^x / sum i^x (ours) | {k} | "
                         + " | ".join(f"{v:.1f}" for v in std) + " |")
         body += _study_rows(t, results, "x", t["x"], 3)
