@@ -228,8 +228,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
         batches = -(-per_rank // bs)
     outs = otl.label_pass(model, images, args.img_size, batch_size=bs,
                           device=device, bn=args.label_bn, views=args.label_views,
-                          strong=args.aug == "strong", cutout=args.cutout, rot90=args.rot90,
-                          n_ops=args.n_ops, flip=args.flip, crop=args.crop, generator=gen, progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
+                          **utils.augment_options(vars(args)), generator=gen, progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
     t_pass = time.time() - t0
     n, k = outs.shape[1], outs.shape[2] // args.heads
     lo = ranks.shard(n_total)[0]
@@ -300,6 +299,7 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
     Returns the log row's training figures, over all ranks."""
     n, b = images.shape[0], args.batch_size // ranks.world
     steps = math.ceil((n_total // ranks.world) / b)     # the same on every rank
+    opts = utils.augment_options(vars(args))
     net.train()
     # the order on the data's device, and the running loss summed there: the loop never waits for
     # the GPU (the bar reads the loss every 25 steps, a non-finite loss stops the run at the end
@@ -317,9 +317,7 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
             grp["lr"] = lr
         idx = perm[step * b:(step + 1) * b]
         x = images[idx].to(device, non_blocking=True)
-        xs = torch.cat([otl.augment(x, args.img_size, args.aug == "strong", cutout=args.cutout,
-                                    rot90=args.rot90, n_ops=args.n_ops, flip=args.flip,
-                                    crop=args.crop) for _ in range(args.views)])
+        xs = torch.cat([otl.augment(x, args.img_size, **opts) for _ in range(args.views)])
         xs = xs.contiguous(memory_format=torch.channels_last)
         with otl.autocast(device, args.amp):
             logits = net(xs).float().view(args.views, len(idx), args.heads, -1)   # (V, B, H, k)

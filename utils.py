@@ -771,6 +771,12 @@ def load_prepared(data_dir: str, size: int | None = None) -> dict:
     return d
 
 
+def augment_options(p: dict) -> dict:
+    """otl.augment's keywords (and label_pass's) from a preset or a run's flags (vars(args))."""
+    return dict(strong=p["aug"] == "strong", cutout=p["cutout"], rot90=p["rot90"],
+                n_ops=p["n_ops"], flip=p["flip"], crop=p["crop"])
+
+
 def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu", seed: int = 0,
                         device="cpu", progress: bool = False, augmented: bool = False) -> torch.Tensor:
     """(N, d) features of the images through a freshly initialised (seeded) network of `preset`,
@@ -788,9 +794,7 @@ def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu
         torch.manual_seed(seed + 1)
     # label_pass augments only when views > 1: then the second view is made and dropped
     feats = otl.label_pass(model, images, pre["img_size"], 256, device, bn="batch", head=False,
-                           views=2 if augmented else 1, strong=pre["aug"] == "strong",
-                           cutout=pre["cutout"], rot90=pre["rot90"], n_ops=pre["n_ops"],
-                           flip=pre["flip"], crop=pre["crop"],
+                           views=2 if augmented else 1, **augment_options(pre),
                            generator=torch.Generator().manual_seed(seed), progress=progress)[0]
     if model.embedding is not None:
         with torch.no_grad():
