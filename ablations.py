@@ -789,20 +789,20 @@ def training_verdict(study, rows):
                 + ", ".join(f"{PAPER_IMBALANCED_EVEN[dd] - PAPER_IMBALANCED[dd]:+.1f}"
                             for dd in PAPER_IMBALANCED) + ")")
         return "; ".join(parts)
-    if study == "labeler-in-training":
-        ranked = sorted(rows, key=lambda r: -r[m])
-        d, sd = _diff(ranked[0], ranked[1], m)
-        return ("ours, not in the paper: " + ", ".join(
-            f"{r['labeler']} {_f_sd(r, m)}" for r in rows) + f" kNN@50; {ranked[0]['labeler']} "
-            f"minus {ranked[1]['labeler']}: {_judged(d, sd)}"
-            + ("" if sd is None else ": a real lead" if abs(d) > 2 * sd else
+    if study == "labeler-in-training":    # the best labeler against each other one
+        top, *rest = sorted(rows, key=lambda r: -r[m])
+        gaps = [(r["labeler"], *_diff(top, r, m)) for r in rest]
+        behind = [name for name, d, sd in gaps if sd is not None and abs(d) > 2 * sd]
+        return (", ".join(f"{r['labeler']} {_f_sd(r, m)}" for r in rows) + " kNN@50; " + "; ".join(
+            f"{top['labeler']} minus {name}: {_judged(d, sd)}" for name, d, sd in gaps)
+            + ("" if any(sd is None for *_, sd in gaps) else
+               f": {top['labeler']} measurably above {', '.join(behind)}" if behind else
                ": no labeler is measurably better"))
     if study == "lct":
         base = rows[0]
-        return ("ours, not in the paper: " + ", ".join(
-            f"{r['views']} view(s) {r['reduction']} {_f_sd(r, m)}" for r in rows)
-            + f" kNN@50; against {base['views']} view(s) {base['reduction']}: " + ", ".join(
-                f"{r['views']} {r['reduction']} {_judged(*_diff(r, base, m))}" for r in rows[1:]))
+        return (", ".join(f"{r['views']} view(s) {r['reduction']} {_f_sd(r, m)}" for r in rows)
+                + f" kNN@50; against {base['views']} view(s) {base['reduction']}: " + "; ".join(
+                    f"{r['views']} {r['reduction']} {_judged(*_diff(r, base, m))}" for r in rows[1:]))
     return ""
 
 

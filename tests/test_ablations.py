@@ -418,6 +418,17 @@ def test_the_two_sd_rule():
     assert wrong.startswith("disagrees")
     one = ablations.training_verdict("uneven", [pt(0, 70.0, 0.0, 1), pt(10, 66.0, 0.0, 1)])
     assert one.startswith("cannot tell (one seed)")
+    # labeler-in-training: the best labeler against each other one, each by the same rule
+    def lab(name, m, sd):
+        return {**pt(0, m, sd), "labeler": name}
+    rows = [lab("published", 66.0, 1.0), lab("exact", 70.0, 1.0), lab("sinkhorn", 69.0, 1.0)]
+    v = ablations.training_verdict("labeler-in-training", rows)
+    assert "exact minus published: +4.0 +- 0.8, beyond 2 sd" in v
+    assert "exact minus sinkhorn: +1.0 +- 0.8, within 2 sd" in v
+    assert v.endswith("exact measurably above published")
+    rows[0] = lab("published", 69.5, 1.0)
+    assert ablations.training_verdict("labeler-in-training", rows).endswith(
+        ": no labeler is measurably better")
 
 
 def test_rewrite_trains_nothing(small_data, tmp_path, inline):
