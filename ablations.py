@@ -531,7 +531,7 @@ def training_study(args):
                                 args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
         rows.append({**training_row(run, point, outs), "study_point": ident})
         if todo and i + 1 < len(pts):   # nothing finished is lost if the study stops here
-            write_results(args, rows, study_notes(args), partial=len(pts))
+            write_results(args, rows, study_notes(args, rows), partial=len(pts))
     skipped = [n for n, *_ in pts if n not in ran]
     print(f"{args.study}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before"
           + (f" ({len(carried)} of them taken from the results JSON)" if carried else ""), flush=True)
@@ -596,6 +596,12 @@ def training_row(run, point, outs):
     row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
            "epochs": res.get("epochs"), "preset": res.get("preset"),
            "git_commit": res.get("git_commit"), "command": res.get("command")}
+    ck = os.path.join(run, "checkpoint.pth")
+    if os.path.isfile(ck):      # the N and k its labeler balanced (the uneven targets' size)
+        ck = torch.load(ck, map_location="cpu", weights_only=False)
+        if ck.get("pseudo_labels") is not None and not ck["args"].get("supervised"):
+            row.setdefault("n_train", len(ck["pseudo_labels"][0]))
+            row["k_clusters"] = ck["args"]["k"]
     for e, path in outs.items():
         with open(path) as fh:
             r = json.load(fh)
@@ -956,17 +962,17 @@ def rewrite(args):
         rows = json.load(fh)["rows"]
     presets = sorted({str(r.get("preset")) for r in rows})
     data = sorted({str((r.get("study_point") or {}).get("data", "?")) for r in rows})
-    extra = uneven_notes() if args.study == "uneven" else {"notes": []}
+    extra = uneven_notes(rows) if args.study == "uneven" else {"notes": []}
     extra["notes"] = [f"Rewritten from the {len(rows)} rows of `{utils.rel_path(path)}` as "
                       f"recorded (preset {', '.join(presets)}; data {', '.join(data)}), nothing "
                       "trained."] + ([""] + extra["notes"] if extra["notes"] else [])
     return write_results(args, rows, extra)
 
 
-def study_notes(args):
+def study_notes(args, rows=()):
     """What the study's JSON and table add: where its data differ from the paper's study, and
     (uneven) the targets' std beside the paper's."""
-    out = uneven_notes() if args.study == "uneven" else {"notes": []}
+    out = uneven_notes(rows) if args.study == "uneven" else {"notes": []}
     data = args.data or DATA.get(args.study, SCALES[args.preset]["data"])
     flags = " ".join(SCALES[args.preset]["rs" if args.study == "splits" else "train"])
     seeds = "" if args.study == "splits" else f", {len(parse_seeds(args))} seed(s) a grid point"
@@ -984,14 +990,15 @@ def study_notes(args):
     return out
 
 
-def uneven_notes(n=50_000):
+def uneven_notes(rows=(), n=50_000):
     """The std of the uneven targets under both indexings beside the paper's (table dis-com,
-    CIFAR-10), to check the targets against the paper's."""
+    CIFAR-10, N = n), to check the targets against the paper's; then the std of the targets the
+    rows trained on (their n_train and k_clusters) where those differ."""
     row = _row_of(_UNEVEN, dataset="cifar10", row="std")
     k, printed = row["k_clusters"], row["values"]
     fixed = {m["column"]: m["right"] for m in _UNEVEN["misprints"]
              if m.get("row") == _UNEVEN["rows"].index(row)}
-    rows = []
+    lines = []
     for j, x in enumerate(_UNEVEN["x"]):
         # the sample (n - 1) std over the k clusters: the paper's stds are reproduced by it
         s0 = otl.uneven_target(n, k, x, first=0).std().item()
@@ -999,14 +1006,22 @@ def uneven_notes(n=50_000):
         su = report.formula_std(n, k, x)                        # the unrounded targets
         paper = f"{printed[j]:g}" + (f" (misprint; {fixed[j]:g})" if j in fixed else "")
         agree = "yes" if round(su, 1) == printed[j] else "no"
-        rows.append(f"| {x:g} | {su:.2f} | {paper} | {agree} | {s0:.1f} | {s1:.1f} |")
-    return {"target_std": rows, "notes": [
+        lines.append(f"| {x:g} | {su:.2f} | {paper} | {agree} | {s0:.1f} | {s1:.1f} |")
+    notes = [
         f"Target std (N = {n:,}, k = {k}; the sample std over the clusters): the formula's "
         "unrounded targets n_i = N i^x / sum_i i^x (i = 0 .. k-1) beside the paper's printed "
         "stds (table dis-com, CIFAR-10; misprints as paper_tables.json marks them), then the "
-        "integer targets trained on here, for i = 0 .. k-1 (the paper's indexing) and i = 1 .. k:",
+        "integer targets `otl.uneven_target` makes of them, for i = 0 .. k-1 (the paper's "
+        "indexing, what training uses) and i = 1 .. k:",
         "", "| x | formula | paper | printed = formula | integer, i = 0 .. k-1 | integer, i = 1 .. k |",
-        "|---|---|---|---|---|---|", *rows]}
+        "|---|---|---|---|---|---|", *lines]
+    trained = {(r["n_train"], r["k_clusters"]) for r in rows if r.get("n_train") and r.get("k_clusters")}
+    for nt, kt in sorted(trained - {(n, k)}):
+        notes += ["", f"Trained here on N = {nt:,} images, k = {kt}: the integer targets' std, "
+                  "i = 0 .. k-1: " + ", ".join(
+                      f"x = {x:g}: {otl.uneven_target(nt, kt, x, first=0).std().item():.1f}"
+                      for x in _UNEVEN["x"]) + "."]
+    return {"target_std": lines, "notes": notes}
 
 
 # ==============================================================================================
@@ -1068,7 +1083,7 @@ def main(args):
     if args.rewrite:
         return rewrite(args)
     rows, ran = training_study(args)
-    out = write_results(args, rows, study_notes(args))
+    out = write_results(args, rows, study_notes(args, rows))
     out["ran"] = ran
     return out
 

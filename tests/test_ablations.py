@@ -152,6 +152,11 @@ def test_uneven_study(small_data, tmp_path, inline):
     counts = torch.bincount(ck["pseudo_labels"][0], minlength=16)
     assert torch.equal(counts.double(), otl.uneven_target(counts.sum().item(), 16, 2))
     assert "i = 0 .. k-1" in md
+    # and the std of the targets this grid trained on: its own N and k, not the paper's
+    n = len(ck["pseudo_labels"][0])
+    assert {(r["n_train"], r["k_clusters"]) for r in out["rows"]} == {(n, 16)}
+    std2 = otl.uneven_target(n, 16, 2, first=0).std().item()
+    assert f"Trained here on N = {n:,} images, k = 16" in md and f"x = 2: {std2:.1f}" in md
     # the formula's stds beside the paper's printed ones: equal but for its two misprints
     std_rows = [r.split(" | ") for r in out["target_std"]]
     assert [r[3] for r in std_rows] == ["yes", "yes", "yes", "no", "no", "yes"]
