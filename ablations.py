@@ -509,6 +509,8 @@ def training_study(args):
             print(f"[{args.study}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
                   f"(trained at commit {str(old.get('git_commit'))[:12]}; its run folder is not here)",
                   flush=True)
+            old = {f: v for f, v in old.items()     # only uneven's notes use what it trained on
+                   if args.study == "uneven" or f not in ("n_train", "k_clusters") or f in point}
             rows.append({**point, **old, "study_point": ident})   # older rows lack "point"
             carried.append(name)
             continue
@@ -529,7 +531,8 @@ def training_study(args):
                 ck = "checkpoint0000.pth" if e == "knn_init" else "checkpoint.pth"
                 run_stage(py + [script, "--checkpoint", os.path.join(run, ck), "--device",
                                 args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
-        rows.append({**training_row(run, point, outs), "study_point": ident})
+        rows.append({**training_row(run, point, outs, trained_on=args.study == "uneven"),
+                     "study_point": ident})
         if todo and i + 1 < len(pts):   # nothing finished is lost if the study stops here
             write_results(args, rows, study_notes(args, rows), partial=len(pts))
     skipped = [n for n, *_ in pts if n not in ran]
@@ -590,14 +593,17 @@ def claim_run(run, ident):
     utils.write_json(ident, path)
 
 
-def training_row(run, point, outs):
+def training_row(run, point, outs, trained_on=False):
+    """One run's table row: its grid point, scores, final loss and labeler figures; with
+    trained_on, also the N and k its labeler balanced (read from the checkpoint), which the
+    uneven study needs for the std of the targets it trained on."""
     with open(os.path.join(run, "results.json")) as fh:
         res = json.load(fh)
     row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
            "epochs": res.get("epochs"), "preset": res.get("preset"),
            "git_commit": res.get("git_commit"), "command": res.get("command")}
     ck = os.path.join(run, "checkpoint.pth")
-    if os.path.isfile(ck):      # the N and k its labeler balanced (the uneven targets' size)
+    if trained_on and os.path.isfile(ck):
         ck = torch.load(ck, map_location="cpu", weights_only=False)
         if ck.get("pseudo_labels") is not None and not ck["args"].get("supervised"):
             row.setdefault("n_train", len(ck["pseudo_labels"][0]))

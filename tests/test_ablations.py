@@ -315,6 +315,26 @@ def test_rows_recorded_before_study_point_are_read_from_their_command(small_data
     assert ablations.study_point_of_command(None) is None
 
 
+def test_only_uneven_rows_record_what_the_labeler_balanced(small_data, tmp_path, inline):
+    """n_train and k_clusters (read from each checkpoint) serve uneven's notes only; another
+    study's table gets no constant n_train column, even from rows recorded with one."""
+    study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0", "--train-args",
+          TINY_TRAIN.replace(" --k 16", ""))
+    path = tmp_path / "out" / "k.json"
+    out = json.loads(path.read_text())
+    assert not any("n_train" in r or "k_clusters" in r for r in out["rows"])
+    assert "| k | knn10 |" in (tmp_path / "out" / "k.md").read_text()
+    for r in out["rows"]:                        # rows recorded when every study kept them
+        r.update(n_train=123, k_clusters=r["k"])
+    path.write_text(json.dumps(out))
+    import shutil
+    shutil.rmtree(tmp_path / "runs")
+    done = study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0", "--train-args",
+                 TINY_TRAIN.replace(" --k 16", ""))
+    assert done["ran"] == [] and not any("n_train" in r for r in done["rows"])
+    assert [r["knn10"] for r in done["rows"]] == [r["knn10"] for r in out["rows"]]
+
+
 def test_lct_study(small_data, tmp_path, inline):
     study("lct", tmp_path, small_data, "--grid", "1-mean,2-sum", "--seeds", "0,1", "--train-args",
           TINY_TRAIN)
