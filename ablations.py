@@ -495,6 +495,7 @@ def training_study(args):
     folder = os.path.join(args.runs, args.preset, args.study)
     extra = shlex.split(args.train_args)
     recorded = recorded_rows(args)
+    trained_on = args.study == "uneven"     # only uneven's notes use the N and k it balanced
     rows, ran, carried = [], [], []
     for i, (name, point, data, flags) in enumerate(pts):
         run = os.path.join(folder, name)
@@ -509,8 +510,8 @@ def training_study(args):
             print(f"[{args.study}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
                   f"(trained at commit {str(old.get('git_commit'))[:12]}; its run folder is not here)",
                   flush=True)
-            old = {f: v for f, v in old.items()     # only uneven's notes use what it trained on
-                   if args.study == "uneven" or f not in ("n_train", "k_clusters") or f in point}
+            old = {f: v for f, v in old.items()
+                   if trained_on or f not in ("n_train", "k_clusters") or f in point}
             rows.append({**point, **old, "study_point": ident})   # older rows lack "point"
             carried.append(name)
             continue
@@ -531,7 +532,7 @@ def training_study(args):
                 ck = "checkpoint0000.pth" if e == "knn_init" else "checkpoint.pth"
                 run_stage(py + [script, "--checkpoint", os.path.join(run, ck), "--device",
                                 args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
-        rows.append({**training_row(run, point, outs, trained_on=args.study == "uneven"),
+        rows.append({**training_row(run, point, outs, trained_on=trained_on),
                      "study_point": ident})
         if todo and i + 1 < len(pts):   # nothing finished is lost if the study stops here
             write_results(args, rows, study_notes(args, rows), partial=len(pts))
