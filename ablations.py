@@ -907,7 +907,8 @@ def write_results(args, rows, extra=None, partial=None):
     means = seed_means(rows) if args.study in TRAINING_STUDIES else None
     lines, verdict = summarise(args.study, means or rows, args)
     out = {"study": args.study, "preset": args.preset, "paper": PAPER[args.study],
-           "verdict": verdict, "rows": rows, **({"seed_means": means} if means else {}),
+           "verdict": verdict, **({"grid": parse_grid(args.study, args.grid, args.preset)} if args.study in GRIDS else {}),
+           "rows": rows, **({"seed_means": means} if means else {}),
            **({"partial": f"{len(rows)} of {partial} runs"} if partial else {}), **(extra or {}),
            "command": utils.command_line(), "git_commit": utils.git_commit(),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),

@@ -342,9 +342,11 @@ def _natural_rows(t, results):
     return lines, [c for c in cols if c not in found]
 
 
-def _study_rows(t, results, key, values, nkeys, metric="knn50"):
+def _study_rows(t, results, key, values, nkeys, metric="knn50", by_rank=False):
     """Ours under a printed table whose columns are a study's grid (values; nkeys label cells
-    before them): mean +- sd over the seeds of each point, '-' where the grid has none."""
+    before them): mean +- sd over the seeds of each point, '-' where the grid has none.
+    by_rank: a grid of the paper's length but other values (the imbalanced study's d, scaled to
+    the data's class sizes) fills the columns in order, and the note says which value went where."""
     lines = []
     for name, js in _reports(results, OURS.get(t["label"], [])):
         rows = js.get("seed_means") or js["rows"]
@@ -352,16 +354,23 @@ def _study_rows(t, results, key, values, nkeys, metric="knn50"):
         for r in rows:
             groups.setdefault(r.get("subset", ""), {})[r.get(key)] = r
         seeds = max(len(r.get("seeds", [0])) for r in rows)
+        ours = sorted({r.get(key) for r in rows})
+        grid = (js.get("grid") or ours) if by_rank else values
+        mapped = by_rank and len(grid) == len(values) and set(grid) != set(values)
+        col = dict(zip(values, grid)) if mapped else {v: v for v in values}
         for sub, by in groups.items():
-            cells = [_f(by[v][metric], by[v].get(metric + "_sd")) if v in by and metric in by[v] else "-"
-                     for v in values]
+            cells = [_f(by[col[v]][metric], by[col[v]].get(metric + "_sd"))
+                     if col[v] in by and metric in by[col[v]] else "-" for v in values]
             pre = rows[0].get("preset")
+            shown = pre + (f" for {rows[0]['epochs']} epochs" if rows[0].get("epochs") else "")
+            if mapped:
+                shown += f", {key} = {', '.join(str(g) for g in grid)} under the paper's columns"
             init = rows[0].get(metric.replace("knn", "knn_init"))
             data = js.get("data") or "data/cifar10"     # studies before they recorded it: CIFAR-10
             why = (SHORT.get(pre, "") if "cifar10" in data else
                    f"trained on {data}, not the paper's CIFAR-10: compare directions, not levels")
             label = f"ours: {sub + ', ' if sub else ''}{metric.replace('knn', 'kNN@')}"
-            lines.append(f"| {label} | " + "| " * (nkeys - 1) + " | ".join(cells) + f" | preset {pre}, {seeds} seed(s) "
+            lines.append(f"| {label} | " + "| " * (nkeys - 1) + " | ".join(cells) + f" | preset {shown}, {seeds} seed(s) "
                          f"a point{' (mean +- sd)' if seeds > 1 else ''}"
                          + (f", random init {init:.1f}" if init is not None else "")
                          + f"; {why} (`results/{name}`) |")
@@ -450,7 +459,7 @@ def _table_section(label, t, results):
                         + " | ".join(f"{v:.1f}" for v in std) + " |")
         body += _study_rows(t, results, "x", t["x"], 3)
     elif label == "imb-data":
-        body = _printed(t) + _study_rows(t, results, "d", t["d"], 1)
+        body = _printed(t) + _study_rows(t, results, "d", t["d"], 1, by_rank=True)
     elif label in ("diff-k-10", "diff-k-100"):
         body = _printed(t)
         body.append("| n_bar = 50,000 / k (ours) | " + " | ".join(f"{50_000 / k:.1f}" for k in t["columns"]) + " |")

@@ -169,7 +169,7 @@ def test_imbalanced_study(small_data, tmp_path, inline):
     out, md = saved(tmp_path, "imbalanced")
     assert len(out["rows"]) == 8 and len(out["seed_means"]) == 4
     assert "uneven D_0 minus D_1" in out["verdict"] and "even minus uneven subset: D_0 " in out["verdict"]
-    assert "d is the paper's scaled" in md
+    assert "d is the paper's scaled" in md and out["grid"] == [0, 1]
     rows = {r["subset"]: r for r in out["rows"] if r["d"] == 1 and r["seed"] == 0}
     # D_1 deletes 0 + 1 + ... + 9 = 45 of the 160 training images; the even subset is as large
     assert rows["uneven"]["n_train"] == rows["even"]["n_train"] == 160 - 45

@@ -101,3 +101,36 @@ def test_feature_auto_and_the_overview_of_every_table(small_data, tmp_path):
     assert "| paper: OTL | 94.4 | 94.7 | 94.6 | 94.4 | 95.9 |  |" in md
     # the toy model's IND and DIS, computed by otl.py from the corrected cluster sizes
     assert "| Case 3 | 2 | 2 | 0 | 2†1 | 2 | 4 | 2, 4 |" in md
+
+
+def _imbalanced_json(results, grid, ds):
+    """A results/ablations/imbalanced.json as ablations.py writes it: seed means of the points
+    in ds (a subset of grid), kNN@50 = d / 10 + 1 for the uneven subsets, + 2 for the even."""
+    rows = [{"d": d, "subset": sub, "seeds": [0, 1, 2], "preset": "cpu", "epochs": 8,
+             "knn50": d / 10 + (1 if sub == "uneven" else 2), "knn50_sd": 0.5, "knn_init50": 48.3}
+            for d in ds for sub in ("uneven", "even")]
+    (results / "ablations").mkdir(parents=True, exist_ok=True)
+    (results / "ablations" / "imbalanced.json").write_text(json.dumps(
+        {"study": "imbalanced", "data": "data/eurosat", "grid": grid, "rows": rows, "seed_means": rows}))
+
+
+def test_overview_puts_a_scaled_imbalanced_grid_under_the_papers_columns(tmp_path):
+    """EuroSAT's imbalanced study deletes d = 40 .. 200 where the paper's CIFAR-10 one deletes
+    100 .. 500: the overview fills D_100 .. D_500 in order, says which d went where, and leaves
+    '-' under the columns a partial study has not reached."""
+    def imb_rows():
+        report.main(report.get_args_parser().parse_args(
+            ["--overview", "--out", str(tmp_path), "--results", str(tmp_path)]))
+        sec = (tmp_path / "tables.md").read_text().split("## `imb-data`")[1].split("\n## ")[0]
+        return {ln.split(" | ")[0]: ln.split(" | ") for ln in sec.splitlines() if ln.startswith("| ours")}
+    grid = [40, 80, 120, 160, 200]
+    _imbalanced_json(tmp_path, grid, grid)
+    rows = imb_rows()
+    assert rows["| ours: uneven, kNN@50"][1:6] == ["5.0 +- 0.5", "9.0 +- 0.5", "13.0 +- 0.5",
+                                                  "17.0 +- 0.5", "21.0 +- 0.5"]
+    assert rows["| ours: even, kNN@50"][1] == "6.0 +- 0.5"
+    note = rows["| ours: uneven, kNN@50"][6]
+    assert "d = 40, 80, 120, 160, 200 under the paper's columns" in note
+    assert "preset cpu for 8 epochs" in note and "not the paper's CIFAR-10" in note
+    _imbalanced_json(tmp_path, grid, [40, 80])        # partial: the grid recorded, two points in
+    assert imb_rows()["| ours: uneven, kNN@50"][1:6] == ["5.0 +- 0.5", "9.0 +- 0.5", "-", "-", "-"]
