@@ -863,8 +863,14 @@ def plot(study, rows, path):
             if study == "imbalanced":
                 for sub in ("uneven", "even"):
                     rs = [r for r in rows if r["subset"] == sub]
-                    ax.plot([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs], "o-", label=sub)
-                ax.plot(list(PAPER_IMBALANCED), list(PAPER_IMBALANCED.values()), "k:", label="uneven (paper)")
+                    ax.errorbar([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs],
+                                yerr=[r.get(metric + "_sd", 0.0) for r in rs], fmt="o-", capsize=3,
+                                label=sub)
+                # the paper's D_100 .. D_500 at our scaled d, in order, when the grids match in length
+                ds = sorted({r["d"] for r in rows})
+                xs = ds if len(ds) == len(PAPER_IMBALANCED) else list(PAPER_IMBALANCED)
+                ax.plot(xs, list(PAPER_IMBALANCED.values()), "k:",
+                        label="uneven (paper" + (", its d scaled)" if xs != list(PAPER_IMBALANCED) else ")"))
             elif study == "splits":   # seeds are not an axis: one point each, the mean and +- sd
                 for model, colour in (("OTL", "C0"), ("supervised", "C1")):
                     rs = [r for r in rows if r.get("model", "OTL") == model]
