@@ -823,7 +823,7 @@ def _f_sd(r, m):
     return f"{r[m]:.1f}" + (f" +- {r[m + '_sd']:.1f}" if m + "_sd" in r else "")
 
 
-def plot(study, rows, path):
+def plot(study, rows, path, grid=None):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -866,9 +866,9 @@ def plot(study, rows, path):
                     ax.errorbar([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs],
                                 yerr=[r.get(metric + "_sd", 0.0) for r in rs], fmt="o-", capsize=3,
                                 label=sub)
-                # the paper's D_100 .. D_500 at our scaled d, in order, when the grids match in length
-                ds = sorted({r["d"] for r in rows})
-                xs = ds if len(ds) == len(PAPER_IMBALANCED) else list(PAPER_IMBALANCED)
+                # the paper's D_100 .. D_500 at the study's scaled d (its whole grid, so a partial
+                # study draws them where they belong), in order, when the grids match in length
+                xs = grid if grid and len(grid) == len(PAPER_IMBALANCED) else list(PAPER_IMBALANCED)
                 ax.plot(xs, list(PAPER_IMBALANCED.values()), "k:",
                         label="uneven (paper" + (", its d scaled)" if xs != list(PAPER_IMBALANCED) else ")"))
             elif study == "splits":   # seeds are not an axis: one point each, the mean and +- sd
@@ -912,9 +912,10 @@ def write_results(args, rows, extra=None, partial=None):
     stem = results_stem(args)
     means = seed_means(rows) if args.study in TRAINING_STUDIES else None
     lines, verdict = summarise(args.study, means or rows, args)
+    grid = parse_grid(args.study, args.grid, args.preset) if args.study in GRIDS else None
     out = {"study": args.study, "preset": args.preset, "paper": PAPER[args.study],
-           "verdict": verdict, **({"grid": parse_grid(args.study, args.grid, args.preset)} if args.study in GRIDS else {}),
-           "rows": rows, **({"seed_means": means} if means else {}),
+           "verdict": verdict, **({"grid": grid} if grid else {}), "rows": rows,
+           **({"seed_means": means} if means else {}),
            **({"partial": f"{len(rows)} of {partial} runs"} if partial else {}), **(extra or {}),
            "command": utils.command_line(), "git_commit": utils.git_commit(),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -934,7 +935,7 @@ def write_results(args, rows, extra=None, partial=None):
     with open(stem + ".md", "w") as fh:
         fh.write("\n".join(md) + "\n")
     if not args.no_plot:
-        plot(args.study, means or rows, stem + ".png")
+        plot(args.study, means or rows, stem + ".png", grid)
     print(f"{args.study}: {verdict}\nwrote {stem}.json, .md" + ("" if args.no_plot else ", .png")
           + (f" (partial: {out['partial']})" if partial else ""), flush=True)
     return out

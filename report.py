@@ -354,8 +354,7 @@ def _study_rows(t, results, key, values, nkeys, metric="knn50", by_rank=False):
         for r in rows:
             groups.setdefault(r.get("subset", ""), {})[r.get(key)] = r
         seeds = max(len(r.get("seeds", [0])) for r in rows)
-        ours = sorted({r.get(key) for r in rows})
-        grid = (js.get("grid") or ours) if by_rank else values
+        grid = (js.get("grid") or sorted({r.get(key) for r in rows})) if by_rank else values
         mapped = by_rank and len(grid) == len(values) and set(grid) != set(values)
         col = dict(zip(values, grid)) if mapped else {v: v for v in values}
         for sub, by in groups.items():
