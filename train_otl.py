@@ -48,7 +48,7 @@ def get_args_parser():
                    "'resnet50-cifar' / 'resnet50-svhn' (the paper's natural-image protocols), "
                    "'cifar-cpu' (ResNet-18 at 32 px: make cifar10's CPU twin), "
                    "'alexnet-cifar-cpu' / 'resnet50-cifar-cpu' (smaller CPU versions), 'study-cpu' "
-                   "(ablations.py's training studies on 2 cores); 'auto': the data set's protocol "
+                   "(a CIFAR-10 study scale on 2 cores); 'auto': the data set's protocol "
                    "(paper, or the data set's alexnet-*) on CUDA and its CPU twin otherwise. "
                    "docs/presets.md says what each is and which values are the paper's")
     g = p.add_argument_group("model (preset values when not given)")
