@@ -156,7 +156,7 @@ def get_args_parser():
                    "per-GPU batches; off, each process normalises its own batch")
     g.add_argument("--compile", type=utils.str2bool, default=False, help="train through "
                    "torch.compile(model) (default false): faster steps after a compile at the "
-                   "start, so it pays in long runs (docs/presets.md has the measurement); "
+                   "start, so it can pay in long runs (not yet timed in a training run); "
                    "checkpoints, the label pass and evaluation use the uncompiled model, which "
                    "shares its weights")
     g.add_argument("--amp", type=utils.str2bool, default=None, help="bfloat16 autocast; default: "
