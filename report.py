@@ -198,9 +198,11 @@ OURS = {
     "ev-res": ["cifar10_resnet50.json", "cifar100_resnet50.json", "svhn_resnet50.json"],
     "img-eval": ["imagenet.json"], "dis-com": ["ablations/uneven.json"],
     "imb-data": ["ablations/imbalanced.json"],
-    "hrs": ["hmhr_transfer.json", "hmhr_transfer_dedup.json"],
+    "hrs": ["hmhr_transfer.json", "hmhr_transfer_dedup.json", "gpu/transfer/hmhr_transfer_gpu.json",
+            "gpu/transfer/hmhr_transfer_dedup_gpu.json"],
     "eur": ["eurosat.json", "gpu/fast208/eurosat_fast_h100.json"],
-    "whu": ["siri_whu_transfer.json"], "uc": ["ucmerced_transfer.json"], "aid": ["aid.json"],
+    "whu": ["siri_whu_transfer.json", "gpu/transfer/siri_whu_transfer_gpu.json"],
+    "uc": ["ucmerced_transfer.json"], "aid": ["aid.json"],
     "pat": ["patternnet.json"], "npu": ["nwpu_resisc45.json"], "5whu": ["ablations/splits.json"],
     "diff-k-10": ["ablations/k.json"], "diff-k-100": ["ablations/k_cifar100.json"],
 }

@@ -40,7 +40,28 @@
 #                                    supervised twin for its epochs (E_SUP: fewer), kNN + linear;
 #                                    then a 10-epoch fast OTL network and the labeler on its
 #                                    outputs (stages on the GPU; the three labelers, GPU and host)
+#   bash bench/gpu_session.sh stash  the transfer tables' call 1 (carry .gpu/eu_part_aa and
+#                                    .gpu/EuroSAT_small.zip): the first piece to /tmp (TESTS=1:
+#                                    the CUDA tests too)
+#   D=<seconds> bash bench/gpu_session.sh transfer
+#                                    the paper's transfer tables at the `transfer` preset (224 px,
+#                                    64 epochs). The backbone first, where runs/gpu/eurosat_fast
+#                                    has none: EuroSAT from the two pieces, the fast preset for
+#                                    E_BACKBONE (100) epochs, its kNN + linear. Then, for each set
+#                                    in .gpu/ whose report is not made yet (HMHR.zip: as found and
+#                                    without its duplicates; siri_whu.zip), its three runs at once
+#                                    (OTL from the backbone, OTL from random init, supervised from
+#                                    the backbone), each evaluated at its start and end, and the
+#                                    report. Call 2 carries .gpu/eu_part_ab and .gpu/HMHR.zip
+#                                    (D=540), call 3 .gpu/siri_whu.zip (D=240), each at once after
+#                                    the last: a warm machine keeps runs/ and /tmp. With the
+#                                    machine's start the three take about 15 minutes of device
+#                                    time; where less is left, call 3 waits for a later session
+#                                    (which trains the backbone again). AID (161 MB at 150 px)
+#                                    needs three more calls of pieces: not planned here.
 #
+# bench/pack_gpu.py fills .gpu/ (the transfer calls' pieces of 60 MB, HMHR, SIRI-WHU re-encoded
+# to fit, EuroSAT_small.zip, a manifest of what each file is).
 # .gpu/ (ignored: add /.gpu/ to .git/info/exclude) holds ../shared/data/EuroSAT.zip split by
 # `split -b 55000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` (with the tree and the small
 # archive, the first piece must stay under the 64 MiB a call carries) and a 40-per-class
@@ -56,17 +77,36 @@ PY=${PY:-python3}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/gpu_state
 START=$(date +%s)
-R=runs/gpu
+R=${R:-runs/gpu}     # the run folders
+G=${G:-.gpu}         # what the calls carry (bench/pack_gpu.py)
 left() { echo $(( D - ($(date +%s) - START) )); }
 machine() {     # the GPU, torch, cores and commit to $OUT/machine.txt; the sha256 of any files named
   { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
     nproc; git rev-parse HEAD 2>/dev/null; [ $# -eq 0 ] || sha256sum "$@"; } 2>&1 | tee "$OUT/machine.txt"
 }
-evaluate() {    # kNN + linear on run folder $1's checkpoint, each within $2 seconds
-  for ev in eval_knn eval_linear; do
-    timeout "$2" $PY $ev.py --checkpoint "$1/checkpoint.pth" --device cuda --no-progress 2>&1 | tail -2
+evaluate() {    # kNN + linear on run folder $1's checkpoints $3.. (default checkpoint.pth), each within $2 s
+  local dir=$1 t=$2 ck; shift 2
+  for ck in "${@:-checkpoint.pth}"; do
+    for ev in eval_knn eval_linear; do
+      timeout "$t" $PY $ev.py --checkpoint "$dir/$ck" --device "${DEV:-cuda}" --no-progress 2>&1 | tail -2
+    done
   done
+}
+cuda_tests() {  # the CUDA tests within $1 seconds; small_data reads ../shared/data/EuroSAT.zip
+  # (only where no archive is there: ../shared does not travel to the GPU machine, and a
+  # checkout beside the real archive keeps it)
+  [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp $G/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
+  timeout "$1" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_otl_scale.py \
+      tests/test_train_otl.py tests/test_bench.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
+}
+eurosat_data() { # data/eurosat from ZIP, else from the first piece in /tmp and the second in .gpu/
+  ZIP=${ZIP:-/tmp/EuroSAT.zip}
+  [ -f "$ZIP" ] || cat /tmp/gpu_state/eu_part_aa $G/eu_part_ab > "$ZIP" || { rm -f "$ZIP"; exit 3; }
+  sha256sum "$ZIP"
+  $PY prepare_data.py --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16 \
+      2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
+  sha256sum data/eurosat/split.json
 }
 twin() {        # the fast preset's supervised twin within $1 seconds (more flags after), evaluated
   local t=$1; shift
@@ -76,13 +116,13 @@ twin() {        # the fast preset's supervised twin within $1 seconds (more flag
   evaluate $R/eurosat_fast_supervised 40
 }
 pack() {        # the run folders without checkpoints and features, to $OUT
-  tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R data/eurosat/manifest.json
+  tar czf "$OUT/runs_gpu.tgz" --exclude='*.pth' --exclude='features_*' $R ${DATA:-data}/*/manifest.json
   echo "done, $(left) s left"
 }
 
 case "${1:-}" in
 bench)
-  cp .gpu/eu_part_aa /tmp/gpu_state/ 2>/dev/null || echo "no .gpu/eu_part_aa: the train stage will need ZIP="
+  cp $G/eu_part_aa /tmp/gpu_state/ 2>/dev/null || echo "no $G/eu_part_aa: the train stage will need ZIP="
   machine
   # 1. training and label-pass images/s at 112 (fast) and 224 px (paper), against a plain
   #    supervised ResNet-18 loop
@@ -94,12 +134,8 @@ bench)
         --out "$OUT/train_throughput_gpu.json" 2>&1 | tail -4
     cp "$OUT/train_throughput_gpu.json" /tmp/gpu_state/ 2>/dev/null
   fi
-  # 2. the CUDA tests (skipped on CPU machines); small_data reads ../shared/data/EuroSAT.zip
-  #    (only where no archive is there: ../shared does not travel to the GPU machine, and a
-  #    checkout beside the real archive keeps it)
-  [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
-  timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_otl_scale.py \
-      tests/test_train_otl.py tests/test_bench.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
+  # 2. the CUDA tests (skipped on CPU machines)
+  cuda_tests 120
   # 3. the labeler at 1.28M x 3000 Gaussian, ours (ALL=1: the published rules and Sinkhorn at
   #    320,000 rows and the Gaussian sweep as well)
   if [ "${ALL:-0}" = 1 ]; then LB="--ks 50,100,200,500,1000 --ref-n 320000"
@@ -120,8 +156,8 @@ bench)
   echo "bench done in $(( $(date +%s) - START )) s"
   ;;
 labeler)
-  FEATS=${FEATS:-.gpu/feat_eu_train}
-  AB=${AB:-.gpu/ab/otl_old.py}
+  FEATS=${FEATS:-$G/feat_eu_train}
+  AB=${AB:-$G/ab/otl_old.py}
   machine otl.py otl_scale.py "$AB" $FEATS/*
   # 1. ours against the published rules on the real outputs at every k (the CPU's matrix)
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_BENCH:-200}" $PY bench/bench_labeler.py \
@@ -132,11 +168,8 @@ labeler)
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${T_AB:-120}" $PY bench/compare_labelers.py \
       "$AB" otl_scale.py --device cuda --inputs large --large-n 1280000 --reps 3 \
       --pt "$FEATS/trained_net_outputs.pt" --whole-only --out "$OUT/labeler_ab_head_gpu.json" 2>&1 | tail -6
-  # 3. the CUDA tests (small_data reads ../shared/data/EuroSAT.zip: the small archive where none is)
-  [ -e ../shared/data/EuroSAT.zip ] || { mkdir -p ../shared/data && cp .gpu/EuroSAT_small.zip ../shared/data/EuroSAT.zip; }
-  timeout "${T_TEST:-150}" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py \
-      tests/test_otl_scale.py tests/test_train_otl.py tests/test_bench.py -rs 2>&1 \
-      | tee "$OUT/pytest_cuda.txt" | tail -5
+  # 3. the CUDA tests
+  cuda_tests "${T_TEST:-150}"
   # 4. the torch operations a call launches, counted on the GPU with the call's seconds, to check
   # the time per operation that --kernels --as-gpu on the CPU predicts
   $PY -c "import torch, utils; f = torch.load('$FEATS/trained_backbone_features.pt', weights_only=True); [torch.save(utils.fresh_head_outputs(f, k, 0).contiguous(), f'/tmp/tb_{k}.pt') for k in (100, 500)]"
@@ -148,12 +181,7 @@ labeler)
   ;;
 train|supervised)
   : "${D:?set D to the seconds this call may use}"
-  ZIP=${ZIP:-/tmp/EuroSAT.zip}
-  [ -f "$ZIP" ] || cat /tmp/gpu_state/eu_part_aa .gpu/eu_part_ab > "$ZIP" || { rm -f "$ZIP"; exit 3; }
-  sha256sum "$ZIP"
-  $PY prepare_data.py --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16 \
-      2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
-  sha256sum data/eurosat/split.json
+  eurosat_data
   if [ "$1" = supervised ]; then
     # the supervised twin of the fast preset for its epochs (E_SUP: fewer), its kNN + linear;
     # then, with 90 s left, a fast-preset OTL network for 10 epochs and the exact labeler's
@@ -237,5 +265,76 @@ eval)
   fi
   pack
   ;;
-*) echo "usage: bash bench/gpu_session.sh bench | D=<seconds> bash bench/gpu_session.sh train|supervised | bash bench/gpu_session.sh eval | bash bench/gpu_session.sh labeler" >&2; exit 2 ;;
+stash)
+  cp $G/eu_part_aa /tmp/gpu_state/ || { echo "no $G/eu_part_aa: carry it (bench/pack_gpu.py makes it)"; exit 3; }
+  machine
+  [ "${TESTS:-0}" = 1 ] && cuda_tests 150
+  echo "stashed in $(( $(date +%s) - START )) s"
+  ;;
+transfer)
+  : "${D:?set D to the seconds this call may use}"
+  machine
+  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  # DEV=cpu and RUN_ARGS (more train_otl.py flags for the transfer runs) let the tests run this
+  # stage small on a CPU
+  DEV=${DEV:-cuda}; RUN_ARGS=${RUN_ARGS:-}; DATA=${DATA:-data}
+  BB=$R/eurosat_fast
+  # seconds kept for the transfer runs after the backbone (AFTER_BB): six HMHR runs at once
+  AFTER_BB=${AFTER_BB:-150}
+  if [ ! -f $BB/checkpoint.pth ]; then
+    eurosat_data
+    MM=$(awk "BEGIN { print ($(left) - $AFTER_BB - 100) / 60 }")
+    echo "backbone: the fast preset for ${E_BACKBONE:-100} epochs, at most $MM min; $(left) s left"
+    timeout $(( $(left) - AFTER_BB - 60 )) $PY train_otl.py --data data/eurosat --output $BB \
+        --preset fast --epochs "${E_BACKBONE:-100}" --no-progress --max-minutes "$MM" \
+        2>&1 | tee "$OUT/train_backbone.log" | tail -4
+    evaluate $BB 40
+  fi
+  [ -f $BB/checkpoint.pth ] || { echo "no backbone at $BB"; exit 3; }
+  # <data folder>:<data set>:<report>; a set is run where its archive is here and its report is
+  # not made yet (runs/ stays on a warm machine, and so may an archive an earlier call carried)
+  SETS=()
+  [ -f $G/HMHR.zip ] && SETS+=(hmhr:hmhr:hmhr_transfer hmhr_dedup:hmhr:hmhr_transfer_dedup)
+  [ -f $G/siri_whu.zip ] && SETS+=(siri_whu:siri_whu:siri_whu_transfer)
+  TODO=()
+  for s in ${SETS[@]+"${SETS[@]}"}; do
+    IFS=: read -r dir ds rep <<< "$s"
+    [ -f "$R/reports/${rep}_gpu.json" ] && continue
+    src=$G/HMHR.zip; [ "$ds" = siri_whu ] && src=$G/siri_whu.zip
+    flags=(); [ "$dir" = hmhr_dedup ] && flags=(--drop-duplicates)
+    $PY prepare_data.py --dataset "$ds" --source "$src" --out "$DATA/$dir" ${flags[@]+"${flags[@]}"} 2>&1 \
+        | tr '\r' '\n' | grep -v "it/s\]$" | tail -2
+    TODO+=("$s")
+  done
+  [ ${#TODO[@]} -gt 0 ] || { echo "no transfer set left in $G/ (HMHR.zip, siri_whu.zip: bench/pack_gpu.py)"; pack; exit 0; }
+  # a set's three runs, and every set's, at once: each is small, so the GPU has room for all,
+  # and each run's own start-up and evaluations overlap the others' training
+  T_RUN=$(( $(left) - 60 ))
+  one() {         # run folder $1 on data/$2 (more train_otl.py flags after): train, then evaluate
+    local run=$1 dir=$2; shift 2
+    export OMP_NUM_THREADS=2     # nine processes share 16 cores
+    mkdir -p "$R/$run"
+    { timeout "$T_RUN" $PY train_otl.py --data "$DATA/$dir" --output "$R/$run" --preset transfer \
+          --device "$DEV" --no-progress "$@" $RUN_ARGS 2>&1
+      evaluate "$R/$run" 60 checkpoint.pth checkpoint0000.pth; } > "$R/$run/train.log" 2>&1
+    tail -2 "$R/$run/train.log"
+  }
+  for s in "${TODO[@]}"; do
+    IFS=: read -r dir ds rep <<< "$s"
+    one "${dir}_from_eurosat" "$dir" --init $BB/checkpoint.pth &
+    one "${dir}_scratch" "$dir" &
+    one "${dir}_supervised_from_eurosat" "$dir" --supervised --init $BB/checkpoint.pth &
+  done
+  wait
+  for s in "${TODO[@]}"; do
+    IFS=: read -r dir ds rep <<< "$s"
+    $PY report.py --dataset "$ds" --runs $R --out $R/reports --name "${rep}_gpu" \
+        --rows "OTL from EuroSAT OTL=${dir}_from_eurosat" "OTL from random init=${dir}_scratch" \
+        "supervised from EuroSAT OTL=${dir}_supervised_from_eurosat" \
+        --machine "one $GPU; the backbone: $BB, the fast preset on EuroSAT" 2>&1
+    cp "$R/reports/${rep}_gpu.md" "$OUT/" 2>/dev/null
+  done
+  pack
+  ;;
+*) echo "usage: bash bench/gpu_session.sh bench | stash | D=<seconds> bash bench/gpu_session.sh train|supervised|transfer | bash bench/gpu_session.sh eval | bash bench/gpu_session.sh labeler" >&2; exit 2 ;;
 esac

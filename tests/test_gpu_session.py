@@ -57,3 +57,62 @@ def test_labeler_stage_runs_the_matrix_the_tests_and_counts_kernels(tmp_path):
     for name in ("tb_100", "tb_500", "trained_net_outputs"):     # on the GPU, with its seconds
         assert f"--kernels --repeat 3 --json {tmp_path}/out/labeler_kernels_gpu_{name}.json" in out
     assert out.index("bench_labeler.py") < out.index("-m pytest") < out.index("--kernels")
+
+
+def transfer_tree(tmp_path, sets=("HMHR.zip", "siri_whu.zip"), backbone=True):
+    """What the transfer stage reads: the archives the call carried (G) and the run folders (R)."""
+    g, r = tmp_path / "g", tmp_path / "runs"
+    g.mkdir(parents=True, exist_ok=True)
+    for name in sets:
+        (g / name).write_bytes(b"")
+    if backbone:
+        (r / "eurosat_fast").mkdir(parents=True)
+        (r / "eurosat_fast" / "checkpoint.pth").write_bytes(b"")
+    return dict(D="300", G=str(g), R=str(r), DATA=str(tmp_path / "data")), g, r
+
+
+def test_transfer_stage_runs_each_sets_three_runs_from_the_backbone_and_reports_them(tmp_path):
+    env, g, r = transfer_tree(tmp_path)
+    out = dry("transfer", tmp_path, **env).stdout
+    assert "--preset fast" not in out                   # the backbone is there: not trained again
+    assert (f"prepare_data.py --dataset hmhr --source {g}/HMHR.zip --out {tmp_path}/data/hmhr_dedup "
+            "--drop-duplicates") in out
+    assert f"--out {tmp_path}/data/hmhr\n" in out and f"--out {tmp_path}/data/siri_whu\n" in out
+    init = f"--init {r}/eurosat_fast/checkpoint.pth"
+    for folder, ds, rep in (("hmhr", "hmhr", "hmhr_transfer"), ("hmhr_dedup", "hmhr", "hmhr_transfer_dedup"),
+                            ("siri_whu", "siri_whu", "siri_whu_transfer")):
+        logs = {run: (r / f"{folder}_{run}" / "train.log").read_text()
+                for run in ("from_eurosat", "scratch", "supervised_from_eurosat")}
+        assert init in logs["from_eurosat"] and "--supervised" not in logs["from_eurosat"]
+        assert "--init" not in logs["scratch"] and "--supervised" not in logs["scratch"]
+        assert init in logs["supervised_from_eurosat"] and "--supervised" in logs["supervised_from_eurosat"]
+        for run, log in logs.items():
+            assert (f"train_otl.py --data {tmp_path}/data/{folder} --output {r}/{folder}_{run} "
+                    "--preset transfer --device cuda") in log
+            for ck in ("checkpoint.pth", "checkpoint0000.pth"):      # its end and its start
+                for ev in ("eval_knn.py", "eval_linear.py"):
+                    assert f"{ev} --checkpoint {r}/{folder}_{run}/{ck} --device cuda" in log
+        assert (f"report.py --dataset {ds} --runs {r} --out {r}/reports --name {rep}_gpu --rows "
+                f"OTL from EuroSAT OTL={folder}_from_eurosat OTL from random init={folder}_scratch "
+                f"supervised from EuroSAT OTL={folder}_supervised_from_eurosat") in out
+
+
+def test_transfer_stage_skips_a_reported_set_and_trains_a_missing_backbone_first(tmp_path):
+    env, g, r = transfer_tree(tmp_path, sets=("HMHR.zip",))
+    (r / "reports").mkdir()
+    for rep in ("hmhr_transfer_gpu", "hmhr_transfer_dedup_gpu"):
+        (r / "reports" / f"{rep}.json").write_text("{}")
+    out = dry("transfer", tmp_path, **env).stdout
+    assert "prepare_data.py" not in out and "no transfer set left" in out
+    # no backbone: EuroSAT is prepared and the fast preset trained for E_BACKBONE epochs; here
+    # (PY=echo) none appears, and the stage says so and stops
+    env2, _, r2 = transfer_tree(tmp_path / "b", sets=(), backbone=False)
+    res = dry("transfer", tmp_path, **env2, E_BACKBONE="60")
+    assert (f"train_otl.py --data data/eurosat --output {r2}/eurosat_fast --preset fast --epochs 60 "
+            "--no-progress --max-minutes") in res.stdout
+    assert res.returncode == 3 and f"no backbone at {r2}/eurosat_fast" in res.stdout
+
+
+def test_stash_stage_needs_the_first_piece(tmp_path):
+    res = dry("stash", tmp_path, G=str(tmp_path / "empty"))
+    assert res.returncode == 3 and "bench/pack_gpu.py makes it" in res.stdout

@@ -134,3 +134,27 @@ def test_overview_puts_a_scaled_imbalanced_grid_under_the_papers_columns(tmp_pat
     assert "preset cpu for 8 epochs" in note and "not the paper's CIFAR-10" in note
     _imbalanced_json(tmp_path, grid, [40, 80])        # partial: the grid recorded, two points in
     assert imb_rows()["| ours: uneven, kNN@50"][1:6] == ["5.0 +- 0.5", "9.0 +- 0.5", "-", "-", "-"]
+
+
+def test_overview_takes_the_gpu_transfer_reports_beside_the_cpu_ones(tmp_path):
+    """bench/gpu_session.sh transfer's reports, kept in results/gpu/transfer/, are rows of the
+    transfer tables, each saying where it ran; a table whose GPU report is missing keeps its
+    CPU rows alone."""
+    def rep(path, knn10, where=None):
+        run = {"final": {"knn": {"10": knn10}, "linear": knn10 + 1},
+               "train": {"preset": "transfer", "epochs": 64, "train_minutes": 0.4, "init_from": "bb"}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"dataset": "hmhr", "runs": {"OTL from EuroSAT OTL (ours)": run},
+                                    "machine": {"cpus": 2, "runs_ran_on": where}}))
+    rep(tmp_path / "hmhr_transfer.json", 70.0)
+    rep(tmp_path / "gpu" / "transfer" / "hmhr_transfer_gpu.json", 81.5, "one NVIDIA H200")
+    report.main(report.get_args_parser().parse_args(
+        ["--overview", "--out", str(tmp_path), "--results", str(tmp_path)]))
+    md = (tmp_path / "tables.md").read_text()
+    hrs = md.split("## `hrs`")[1].split("\n## ")[0]
+    ours = [ln for ln in hrs.splitlines() if ln.startswith("| ours: OTL from EuroSAT OTL |")]
+    assert len(ours) == 2 and "| 70.0 |" in ours[0] and "on 2 CPU cores" in ours[0]
+    assert "| 81.5 |" in ours[1] and "on one NVIDIA H200" in ours[1]
+    assert "`results/gpu/transfer/hmhr_transfer_gpu.json`" in ours[1]
+    whu = md.split("## `whu`")[1].split("\n## ")[0]
+    assert "| ours:" not in whu and "no run of siri_whu here" in whu
