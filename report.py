@@ -194,7 +194,7 @@ def _note(run):
 # Our rows of each table: the report JSONs under --results whose runs are rows of it (report.py's
 # per-data-set reports, ablations.py's studies); a table without one says what would make it.
 OURS = {
-    "ev-knn": ["cifar10.json", "cifar100.json", "svhn.json"],
+    "ev-knn": ["cifar10.json", "cifar100.json", "svhn.json", "gpu/cifar10/cifar10_fast_gpu.json"],
     "ev-res": ["cifar10_resnet50.json", "cifar100_resnet50.json", "svhn_resnet50.json"],
     "img-eval": ["imagenet.json"], "dis-com": ["ablations/uneven.json"],
     "imb-data": ["ablations/imbalanced.json"],
@@ -216,6 +216,8 @@ SHORT = {
     "cifar-cpu": "compute: ResNet-18 at half width on 32 px instead of AlexNet at 224, 16 epochs "
                  "instead of 1600",
     "resnet50-cifar-cpu": "compute: 2 epochs instead of 300",
+    "cifar-fast": "compute: ResNet-18 (small stem) on 32 px instead of AlexNet at 224, 64 epochs "
+                  "instead of 1600",
     "study-cpu": "compute: ResNet-18 at half width on 32 px, 10 epochs (the paper's studies: "
                  "AlexNet, fewer epochs than its 1600)",
 }

@@ -59,6 +59,15 @@
 #                                    time; where less is left, call 3 waits for a later session
 #                                    (which trains the backbone again). AID (161 MB at 150 px)
 #                                    needs three more calls of pieces: not planned here.
+#   D=<seconds> bash bench/gpu_session.sh cifar
+#                                    CIFAR-10 (carry .gpu/cifar10_jpg.zip): first, once, the
+#                                    paper's alexnet-cifar protocol for 0.5 minutes of epochs,
+#                                    timed (PAPER=0 leaves it out); then the cifar-fast preset
+#                                    (CIFAR_EPOCHS: other epochs) for what D leaves, resumed by
+#                                    the next call until it is done; then kNN (pool) and linear
+#                                    (conv5) at its start and end, and its report: one call, D=590
+#                                    (where it is not done, a second at once: nothing to carry,
+#                                    data/ and runs/ stay).
 #
 # bench/pack_gpu.py fills .gpu/ (the transfer calls' pieces of 60 MB, HMHR, SIRI-WHU re-encoded
 # to fit, EuroSAT_small.zip, a manifest of what each file is).
@@ -336,5 +345,38 @@ transfer)
   done
   pack
   ;;
-*) echo "usage: bash bench/gpu_session.sh bench | stash | D=<seconds> bash bench/gpu_session.sh train|supervised|transfer | bash bench/gpu_session.sh eval | bash bench/gpu_session.sh labeler" >&2; exit 2 ;;
+cifar)
+  : "${D:?set D to the seconds this call may use}"
+  machine
+  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  C=${DATA:-data}/cifar10
+  [ -f $C/manifest.json ] || $PY prepare_data.py --dataset cifar10 --source $G/cifar10_jpg.zip \
+      --out $C --workers 16 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -2
+  # the paper's protocol (AlexNet, 224 px, 1600 epochs): its epoch time, from 0.5 minutes of it
+  if [ "${PAPER:-1}" = 1 ] && [ ! -f $R/cifar10_alexnet_timing/log.jsonl ]; then
+    timeout 75 $PY train_otl.py --data $C --output $R/cifar10_alexnet_timing \
+        --preset alexnet-cifar --max-minutes 0.5 --no-progress 2>&1 | tee "$OUT/train_alexnet_timing.log" | tail -4
+  fi
+  RUN=$R/cifar10_fast
+  if [ ! -f $RUN/results.json ]; then   # results.json: the run is done
+    MM=$(awk "BEGIN { print ($(left) - 120) / 60 }")
+    echo "cifar-fast: at most $MM min of training in this call; $(left) s left"
+    timeout $(( $(left) - 90 )) $PY train_otl.py --data $C --output $RUN --preset cifar-fast \
+        ${CIFAR_EPOCHS:+--epochs $CIFAR_EPOCHS} --knn-monitor 20 --no-progress --max-minutes "$MM" \
+        2>&1 | tee -a "$OUT/train_cifar10_fast.log" | tail -6
+  fi
+  if [ -f $RUN/results.json ]; then
+    for ck in checkpoint.pth checkpoint0000.pth; do
+      timeout 60 $PY eval_knn.py --checkpoint $RUN/$ck --device cuda --no-progress --feature auto 2>&1 | tail -1
+      timeout 60 $PY eval_linear.py --checkpoint $RUN/$ck --device cuda --no-progress --feature conv5 2>&1 | tail -1
+    done
+    $PY report.py --dataset cifar10 --runs $R --out $R/reports --otl-run cifar10_fast --name cifar10_fast_gpu \
+        --feature auto --linear-feature conv5 --machine "one $GPU" 2>&1
+    cp $R/reports/cifar10_fast_gpu.md "$OUT/" 2>/dev/null
+  else
+    echo "cifar-fast is not done: run this stage again at once (it resumes from $RUN/checkpoint.pth)"
+  fi
+  pack
+  ;;
+*) echo "usage: bash bench/gpu_session.sh bench | stash | D=<seconds> bash bench/gpu_session.sh train|supervised|transfer|cifar | bash bench/gpu_session.sh eval | bash bench/gpu_session.sh labeler" >&2; exit 2 ;;
 esac

@@ -1,14 +1,14 @@
 """Pack the data the GPU checks need into .gpu/, in pieces that fit what one remote call carries.
 
     python bench/pack_gpu.py --eurosat ../shared/data/EuroSAT.zip --hmhr ../shared/data/HMHR.zip \
-        --siri-whu raw/siri_whu --quality 95
+        --cifar10 ../shared/data/cifar10_jpg.zip --siri-whu raw/siri_whu --quality 95
 
 The remote-run tool carries at most 64 MiB of the checkout a call (the tracked tree, about 3 MB,
 included), and EuroSAT's archive is 96 MB, so it travels as pieces (`eu_part_aa`, `eu_part_ab`,
-...: concatenated in name order they are the archive again, byte for byte). HMHR (8 MB) is
-copied as it is. SIRI-WHU's TIFFs are 281 MB, so each image is re-encoded as a JPEG at
---quality (95: about 40 MB; a lossy copy, which results made from it must say), its class
-folder and file name kept but the extension. `manifest.json` records each file's bytes and
+...: concatenated in name order they are the archive again, byte for byte). HMHR (8 MB) and
+CIFAR-10's JPEG archive (62 MB) are copied as they are. SIRI-WHU's TIFFs are 281 MB, so each
+image is re-encoded as a JPEG at --quality (95: about 40 MB; a lossy copy, which results made
+from it must say), its class folder and file name kept but the extension. `manifest.json` records each file's bytes and
 sha256, what it came from and the quality, so a result can name the exact data it trained on.
 bench/gpu_session.sh (its header) says which call carries which file.
 """
@@ -40,6 +40,8 @@ def get_args_parser():
                    "EuroSAT_small.zip, the first N images of each class in the archive's layout, "
                    "which stands in for ../shared/data/EuroSAT.zip in the CUDA tests (0: none)")
     p.add_argument("--hmhr", default=None, help="HMHR.zip, copied as it is")
+    p.add_argument("--cifar10", default=None, help="cifar10_jpg.zip (62 MB: a call of its own), "
+                   "copied as it is")
     p.add_argument("--siri-whu", default=None, help="the SIRI-WHU folder of class folders "
                    "(docs/datasets.md), re-encoded into siri_whu.zip")
     p.add_argument("--quality", type=int, default=95, help="JPEG quality of the re-encoded images "
@@ -111,8 +113,8 @@ def reencode_folder(src, dst_zip, quality):
 
 
 def main(args):
-    if not (args.eurosat or args.hmhr or args.siri_whu):
-        raise SystemExit("nothing to pack: give --eurosat, --hmhr and / or --siri-whu")
+    if not (args.eurosat or args.hmhr or args.cifar10 or args.siri_whu):
+        raise SystemExit("nothing to pack: give --eurosat, --hmhr, --cifar10 and / or --siri-whu")
     os.makedirs(args.out, exist_ok=True)
     manifest = os.path.join(args.out, "manifest.json")
     files = {}
@@ -125,9 +127,10 @@ def main(args):
                               args.small_per_class)
             files["EuroSAT_small.zip"] = {"from": args.eurosat, "images": n, "what": f"the "
                                           f"first {args.small_per_class} images of each class"}
-    if args.hmhr:
-        shutil.copyfile(args.hmhr, os.path.join(args.out, "HMHR.zip"))
-        files["HMHR.zip"] = {"from": args.hmhr, "what": "a copy"}
+    for src, name in ((args.hmhr, "HMHR.zip"), (args.cifar10, "cifar10_jpg.zip")):
+        if src:
+            shutil.copyfile(src, os.path.join(args.out, name))
+            files[name] = {"from": src, "what": "a copy"}
     if args.siri_whu:
         dst = os.path.join(args.out, "siri_whu.zip")
         n, err = reencode_folder(args.siri_whu, dst, args.quality)

@@ -116,3 +116,32 @@ def test_transfer_stage_skips_a_reported_set_and_trains_a_missing_backbone_first
 def test_stash_stage_needs_the_first_piece(tmp_path):
     res = dry("stash", tmp_path, G=str(tmp_path / "empty"))
     assert res.returncode == 3 and "bench/pack_gpu.py makes it" in res.stdout
+
+
+def test_cifar_stage_times_the_papers_protocol_once_trains_until_done_then_evaluates(tmp_path):
+    r = tmp_path / "runs"
+    env = dict(D="590", R=str(r), G=str(tmp_path / "g"), DATA=str(tmp_path / "data"))
+    c = tmp_path / "data" / "cifar10"
+    out = dry("cifar", tmp_path, **env).stdout
+    assert f"prepare_data.py --dataset cifar10 --source {tmp_path}/g/cifar10_jpg.zip --out {c}" in out
+    assert (f"train_otl.py --data {c} --output {r}/cifar10_alexnet_timing --preset alexnet-cifar "
+            "--max-minutes 0.5") in out
+    assert f"train_otl.py --data {c} --output {r}/cifar10_fast --preset cifar-fast --knn-monitor 20" in out
+    assert "eval_knn.py" not in out and "is not done: run this stage again at once" in out
+    # done (results.json), timed before, prepared: only the evaluations at start and end and the report
+    (r / "cifar10_fast").mkdir(parents=True)
+    (r / "cifar10_fast" / "results.json").write_text("{}")
+    (r / "cifar10_alexnet_timing").mkdir()
+    (r / "cifar10_alexnet_timing" / "log.jsonl").write_text("{}")
+    c.mkdir(parents=True)
+    (c / "manifest.json").write_text("{}")
+    out = dry("cifar", tmp_path, **env, CIFAR_EPOCHS="40").stdout
+    assert "train_otl.py" not in out and "prepare_data.py" not in out
+    for ck in ("checkpoint.pth", "checkpoint0000.pth"):
+        assert f"eval_knn.py --checkpoint {r}/cifar10_fast/{ck} --device cuda --no-progress --feature auto" in out
+        assert f"eval_linear.py --checkpoint {r}/cifar10_fast/{ck} --device cuda --no-progress --feature conv5" in out
+    assert (f"report.py --dataset cifar10 --runs {r} --out {r}/reports --otl-run cifar10_fast "
+            "--name cifar10_fast_gpu --feature auto --linear-feature conv5") in out
+    (r / "cifar10_fast" / "results.json").unlink()          # not done: resumed, with other epochs
+    assert "--preset cifar-fast --epochs 40 --knn-monitor 20" in dry("cifar", tmp_path, **env,
+                                                                     CIFAR_EPOCHS="40").stdout

@@ -70,8 +70,10 @@ def test_reencoded_copy_keeps_classes_names_and_order_and_records_its_loss(archi
     rec = json.loads((out / "manifest.json").read_text())["siri_whu.zip"]
     assert rec["images"] == 6 and rec["quality"] == 90 and 0 < rec["mean_abs_pixel_error"] < 5
     # a later call adds to the manifest and keeps what the earlier one recorded
-    pack("--out", str(out), "--hmhr", str(archive))
-    assert set(json.loads((out / "manifest.json").read_text())) == {"siri_whu.zip", "HMHR.zip"}
+    pack("--out", str(out), "--hmhr", str(archive), "--cifar10", str(archive))
+    assert (out / "cifar10_jpg.zip").read_bytes() == archive.read_bytes()
+    assert set(json.loads((out / "manifest.json").read_text())) == {
+        "siri_whu.zip", "HMHR.zip", "cifar10_jpg.zip"}
 
 
 def test_nothing_to_pack_and_a_folder_without_classes_fail(tmp_path):
