@@ -135,7 +135,7 @@ PRESETS = {
     # instead of 1600, batch 512 at lr 0.1 with a 2-epoch warm-up and a cosine schedule, as
     # "fast"; strong augmentation with 2 ops and a 16-px Cutout, two views, LCT, k = 128 and a
     # label pass every epoch.  Its epochs are sized from "fast"'s measured throughput
-    # (docs/presets.md); it has not run on a GPU yet.
+    # (docs/presets.md).
     "cifar-fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=True,
                        img_size=32, epochs=64, batch_size=512, lr=0.1, schedule="cosine",
                        lr_drops=[], lr_values=[], views=2, lct=True, aug="strong", cutout=16,

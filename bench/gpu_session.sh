@@ -45,8 +45,9 @@
 #                                    the CUDA tests too)
 #   D=<seconds> bash bench/gpu_session.sh transfer
 #                                    the paper's transfer tables at the `transfer` preset (224 px,
-#                                    64 epochs). The backbone first, where runs/gpu/eurosat_fast
-#                                    has none: EuroSAT from the two pieces, the fast preset for
+#                                    64 epochs). The backbone first, until runs/gpu/eurosat_fast
+#                                    is done (a call that ends early leaves it to the next one):
+#                                    EuroSAT from the two pieces, the fast preset for
 #                                    E_BACKBONE (100) epochs, its kNN + linear. Then, for each set
 #                                    in .gpu/ whose report is not made yet (HMHR.zip: as found and
 #                                    without its duplicates; siri_whu.zip), its three runs at once
@@ -290,8 +291,8 @@ transfer)
   BB=$R/eurosat_fast
   # seconds kept for the transfer runs after the backbone (AFTER_BB): six HMHR runs at once
   AFTER_BB=${AFTER_BB:-150}
-  if [ ! -f $BB/checkpoint.pth ]; then
-    eurosat_data
+  if [ ! -f $BB/results.json ]; then      # results.json: the backbone's run is done
+    [ -f data/eurosat/manifest.json ] || eurosat_data
     MM=$(awk "BEGIN { print ($(left) - $AFTER_BB - 100) / 60 }")
     echo "backbone: the fast preset for ${E_BACKBONE:-100} epochs, at most $MM min; $(left) s left"
     timeout $(( $(left) - AFTER_BB - 60 )) $PY train_otl.py --data data/eurosat --output $BB \
@@ -299,7 +300,7 @@ transfer)
         2>&1 | tee "$OUT/train_backbone.log" | tail -4
     evaluate $BB 40
   fi
-  [ -f $BB/checkpoint.pth ] || { echo "no backbone at $BB"; exit 3; }
+  [ -f $BB/results.json ] || { echo "the backbone at $BB is not done: run this stage again at once (it resumes)"; pack; exit 3; }
   # <data folder>:<data set>:<report>; a set is run where its archive is here and its report is
   # not made yet (runs/ stays on a warm machine, and so may an archive an earlier call carried)
   SETS=()

@@ -220,7 +220,8 @@ def test_auto_preset_follows_the_data_set_and_every_preset_builds():
     keys = set(utils.PRESETS["paper"])
     for name, p in utils.PRESETS.items():
         assert set(p) == keys, name
-        natural = name.startswith(("alexnet", "resnet50")) or name in ("study-cpu", "cifar-cpu", "cifar-fast")
+        natural = (name.startswith(("alexnet", "resnet50"))
+                   or name in ("study-cpu", "cifar-cpu", "cifar-fast"))
         assert p["rot90"] == (not natural), name
         cfg = otl.ModelConfig(arch=p["arch"], k=p["k"], heads=p["heads"], embed=p["embed"],
                               width=p["width"], small_stem=p["small_stem"])
