@@ -129,12 +129,11 @@ PRESETS = {
                       lr_drops=[], lr_values=[], views=2, lct=True, aug="strong", cutout=16,
                       label_every=1, label_views=2, warmup_epochs=0, rot90=False, n_ops=2,
                       flip=True, crop=1.0),
-    # "cifar-fast": CIFAR-10 on one GPU within one call of the remote-run tool (training,
-    # evaluation and the paper protocol's timing in 10 minutes): ResNet-18 at full width with the
-    # small stem (3x3, no max-pool) at CIFAR's own 32 px instead of AlexNet at 224, 64 epochs
-    # instead of 1600, batch 512 at lr 0.1 with a 2-epoch warm-up and a cosine schedule, as
-    # "fast"; strong augmentation with 2 ops and a 16-px Cutout, two views, LCT, k = 128 and a
-    # label pass every epoch.  Its epochs are sized from "fast"'s measured throughput
+    # "cifar-fast": CIFAR-10 in one short GPU run, as "fast" is EuroSAT's: ResNet-18 at full
+    # width with the small stem (3x3, no max-pool) at CIFAR's own 32 px instead of AlexNet at
+    # 224, 64 epochs instead of 1600, batch 512 at lr 0.1 with a 2-epoch warm-up and a cosine
+    # schedule; strong augmentation with 2 ops and a 16-px Cutout, two views, LCT, k = 128 and
+    # a label pass every epoch.  Its epochs are sized from "fast"'s measured throughput
     # (docs/presets.md).
     "cifar-fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=True,
                        img_size=32, epochs=64, batch_size=512, lr=0.1, schedule="cosine",
@@ -195,7 +194,8 @@ _STRONG = dict(aug="strong_augmentation", cutout="strong_augmentation", lct="str
 # Where each value of a preset that stands for a paper protocol comes from: "paper: <path>" names
 # the entry of paper_tables.json's "protocols" that gives it (tests/test_presets.py holds the
 # preset to it), "ours" a value the paper does not give.  The presets not named here (cpu, fast,
-# cifar-fast, the -cpu twins, study-cpu) are ours throughout; docs/presets.md says what they give up.
+# cifar-fast, the -cpu twins, study-cpu) are ours throughout; docs/presets.md says what they
+# give up.
 PRESET_SOURCES = {
     "paper": _sources(
         **_RS_COMMON, epochs=f"{_RS}.from_scratch.epochs", lr=f"{_RS}.from_scratch.lr",
