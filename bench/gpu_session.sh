@@ -57,8 +57,8 @@
 #                                    (D=540), call 3 .gpu/siri_whu.zip (D=240), each at once after
 #                                    the last: a warm machine keeps runs/ and /tmp. With the
 #                                    machine's start the three take about 15 minutes of device
-#                                    time; where less is left, call 3 waits for a later session
-#                                    (which trains the backbone again). AID (161 MB at 150 px)
+#                                    time; where less is at hand, call 3 waits for a later
+#                                    machine (which trains the backbone again). AID (161 MB at 150 px)
 #                                    needs three more calls of pieces: not planned here.
 #   D=<seconds> bash bench/gpu_session.sh cifar
 #                                    CIFAR-10 (carry .gpu/cifar10_jpg.zip): first, once, the
