@@ -89,18 +89,21 @@ mkdir -p "$OUT" /tmp/gpu_state
 START=$(date +%s)
 R=${R:-runs/gpu}     # the run folders
 G=${G:-.gpu}         # what the calls carry (bench/pack_gpu.py)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)   # for the reports
 left() { echo $(( D - ($(date +%s) - START) )); }
 machine() {     # the GPU, torch, cores and commit to $OUT/machine.txt; the sha256 of any files named
   { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
     nproc; git rev-parse HEAD 2>/dev/null; [ $# -eq 0 ] || sha256sum "$@"; } 2>&1 | tee "$OUT/machine.txt"
 }
-evaluate() {    # kNN + linear on run folder $1's checkpoints $3.. (default checkpoint.pth), each within $2 s
+evaluate() {    # kNN + linear on run folder $1's checkpoints $3.. (default checkpoint.pth), each
+  # within $2 s; KNN_FEATURE / LINEAR_FEATURE: the layers (default the pooled features)
   local dir=$1 t=$2 ck; shift 2
   for ck in "${@:-checkpoint.pth}"; do
-    for ev in eval_knn eval_linear; do
-      timeout "$t" $PY $ev.py --checkpoint "$dir/$ck" --device "${DEV:-cuda}" --no-progress 2>&1 | tail -2
-    done
+    timeout "$t" $PY eval_knn.py --checkpoint "$dir/$ck" --device "${DEV:-cuda}" --no-progress \
+        ${KNN_FEATURE:+--feature $KNN_FEATURE} 2>&1 | tail -2
+    timeout "$t" $PY eval_linear.py --checkpoint "$dir/$ck" --device "${DEV:-cuda}" --no-progress \
+        ${LINEAR_FEATURE:+--feature $LINEAR_FEATURE} 2>&1 | tail -2
   done
 }
 cuda_tests() {  # the CUDA tests within $1 seconds; small_data reads ../shared/data/EuroSAT.zip
@@ -284,7 +287,6 @@ stash)
 transfer)
   : "${D:?set D to the seconds this call may use}"
   machine
-  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   # DEV=cpu and RUN_ARGS (more train_otl.py flags for the transfer runs) let the tests run this
   # stage small on a CPU
   DEV=${DEV:-cuda}; RUN_ARGS=${RUN_ARGS:-}; DATA=${DATA:-data}
@@ -349,7 +351,6 @@ transfer)
 cifar)
   : "${D:?set D to the seconds this call may use}"
   machine
-  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   C=${DATA:-data}/cifar10
   [ -f $C/manifest.json ] || $PY prepare_data.py --dataset cifar10 --source $G/cifar10_jpg.zip \
       --out $C --workers 16 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -2
@@ -367,10 +368,7 @@ cifar)
         2>&1 | tee -a "$OUT/train_cifar10_fast.log" | tail -6
   fi
   if [ -f $RUN/results.json ]; then
-    for ck in checkpoint.pth checkpoint0000.pth; do
-      timeout 60 $PY eval_knn.py --checkpoint $RUN/$ck --device cuda --no-progress --feature auto 2>&1 | tail -1
-      timeout 60 $PY eval_linear.py --checkpoint $RUN/$ck --device cuda --no-progress --feature conv5 2>&1 | tail -1
-    done
+    KNN_FEATURE=auto LINEAR_FEATURE=conv5 evaluate $RUN 60 checkpoint.pth checkpoint0000.pth
     $PY report.py --dataset cifar10 --runs $R --out $R/reports --otl-run cifar10_fast --name cifar10_fast_gpu \
         --feature auto --linear-feature conv5 --machine "one $GPU" 2>&1
     cp $R/reports/cifar10_fast_gpu.md "$OUT/" 2>/dev/null

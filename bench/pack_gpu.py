@@ -8,8 +8,9 @@ included), and EuroSAT's archive is 96 MB, so it travels as pieces (`eu_part_aa`
 ...: concatenated in name order they are the archive again, byte for byte). HMHR (8 MB) and
 CIFAR-10's JPEG archive (62 MB) are copied as they are. SIRI-WHU's TIFFs are 281 MB, so each
 image is re-encoded as a JPEG at --quality (95: about 40 MB; a lossy copy, which results made
-from it must say), its class folder and file name kept but the extension. `manifest.json` records each file's bytes and
-sha256, what it came from and the quality, so a result can name the exact data it trained on.
+from it must say), its class folder and file name kept but the extension. `manifest.json`
+records each file's bytes and sha256, what it came from and the quality, so a result can name
+the exact data it trained on.
 bench/gpu_session.sh (its header) says which call carries which file.
 """
 import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds otl, utils)
@@ -119,9 +120,10 @@ def main(args):
     manifest = os.path.join(args.out, "manifest.json")
     files = {}
     if args.eurosat:
+        whole = sha256(args.eurosat)
         for name in split_file(args.eurosat, args.out, "eu_part_", int(args.piece_mb * MB)):
             files[name] = {"from": args.eurosat, "what": "a piece of the archive (cat eu_part_* "
-                           "in name order)", "archive_sha256": sha256(args.eurosat)}
+                           "in name order)", "archive_sha256": whole}
         if args.small_per_class:
             n = small_archive(args.eurosat, os.path.join(args.out, "EuroSAT_small.zip"),
                               args.small_per_class)
