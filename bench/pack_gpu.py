@@ -17,7 +17,6 @@ import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
-import hashlib
 import io
 import json
 import shutil
@@ -26,6 +25,7 @@ import zipfile
 import numpy as np
 
 import prepare_data
+import utils
 
 MB = 1_000_000
 
@@ -48,14 +48,6 @@ def get_args_parser():
     p.add_argument("--quality", type=int, default=95, help="JPEG quality of the re-encoded images "
                    "(95: the highest that keeps SIRI-WHU near 40 MB)")
     return p
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def split_file(src, out_dir, prefix, piece_bytes):
@@ -120,7 +112,7 @@ def main(args):
     manifest = os.path.join(args.out, "manifest.json")
     files = {}
     if args.eurosat:
-        whole = sha256(args.eurosat)
+        whole = utils.sha256_file(args.eurosat)
         for name in split_file(args.eurosat, args.out, "eu_part_", int(args.piece_mb * MB)):
             files[name] = {"from": args.eurosat, "what": "a piece of the archive (cat eu_part_* "
                            "in name order)", "archive_sha256": whole}
@@ -142,7 +134,7 @@ def main(args):
                                  "mean_abs_pixel_error": round(err, 3)}
     for name, rec in files.items():
         path = os.path.join(args.out, name)
-        rec.update(bytes=os.path.getsize(path), sha256=sha256(path))
+        rec.update(bytes=os.path.getsize(path), sha256=utils.sha256_file(path))
         print(f"{path}: {rec['bytes'] / MB:.1f} MB, {rec['what']}")
     if os.path.isfile(manifest):             # what an earlier call packed stays recorded
         with open(manifest) as fh:
