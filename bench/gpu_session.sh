@@ -70,12 +70,11 @@
 #                                    (where it is not done, a second at once: nothing to carry,
 #                                    data/ and runs/ stay).
 #
-# bench/pack_gpu.py fills .gpu/ (the transfer calls' pieces of 60 MB, HMHR, SIRI-WHU re-encoded
-# to fit, EuroSAT_small.zip, a manifest of what each file is).
-# .gpu/ (ignored: add /.gpu/ to .git/info/exclude) holds ../shared/data/EuroSAT.zip split by
-# `split -b 55000000 ../shared/data/EuroSAT.zip .gpu/eu_part_` (with the tree and the small
-# archive, the first piece must stay under the 64 MiB a call carries) and a 40-per-class
-# EuroSAT_small.zip for the tests' small_data fixture.  Outputs go to $OUT (what comes back).
+# .gpu/ (ignored: add /.gpu/ to .git/info/exclude) is filled by bench/pack_gpu.py:
+# ../shared/data/EuroSAT.zip in pieces (eu_part_aa, eu_part_ab; with the tree and the small
+# archive, the first piece must stay under the 64 MiB a call carries), a 40-per-class
+# EuroSAT_small.zip for the tests' small_data fixture, HMHR, SIRI-WHU re-encoded to fit, and a
+# manifest of what each file is.  Outputs go to $OUT (what comes back).
 # ZIP=<path> names a whole archive already on the machine instead.  On a machine with the
 # archive beside the checkout, `make train-bench-gpu labeler-bench-gpu` and
 # `make eurosat PRESET=fast` are the plain commands.  results/gpu/README.md lists what these
@@ -113,12 +112,14 @@ cuda_tests() {  # the CUDA tests within $1 seconds; small_data reads ../shared/d
   timeout "$1" $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_otl.py tests/test_otl_scale.py \
       tests/test_train_otl.py tests/test_bench.py -rs 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -5
 }
+prepare() {     # prepare_data.py with these flags, its progress bars left out of the log
+  $PY prepare_data.py "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
+}
 eurosat_data() { # data/eurosat from ZIP, else from the first piece in /tmp and the second in .gpu/
   ZIP=${ZIP:-/tmp/EuroSAT.zip}
   [ -f "$ZIP" ] || cat /tmp/gpu_state/eu_part_aa $G/eu_part_ab > "$ZIP" || { rm -f "$ZIP"; exit 3; }
   sha256sum "$ZIP"
-  $PY prepare_data.py --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16 \
-      2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -3
+  prepare --dataset eurosat --source "$ZIP" --out data/eurosat --workers 16
   sha256sum data/eurosat/split.json
 }
 twin() {        # the fast preset's supervised twin within $1 seconds (more flags after), evaluated
@@ -303,19 +304,16 @@ transfer)
     evaluate $BB 40
   fi
   [ -f $BB/results.json ] || { echo "the backbone at $BB is not done: run this stage again at once (it resumes)"; pack; exit 3; }
-  # <data folder>:<data set>:<report>; a set is run where its archive is here and its report is
-  # not made yet (runs/ stays on a warm machine, and so may an archive an earlier call carried)
-  SETS=()
-  [ -f $G/HMHR.zip ] && SETS+=(hmhr:hmhr:hmhr_transfer hmhr_dedup:hmhr:hmhr_transfer_dedup)
-  [ -f $G/siri_whu.zip ] && SETS+=(siri_whu:siri_whu:siri_whu_transfer)
+  # <data folder>:<data set>:<report>:<archive in $G>; a set is run where its archive is here and
+  # its report is not made yet (runs/ stays on a warm machine, and so may an archive an earlier
+  # call carried)
   TODO=()
-  for s in ${SETS[@]+"${SETS[@]}"}; do
-    IFS=: read -r dir ds rep <<< "$s"
-    [ -f "$R/reports/${rep}_gpu.json" ] && continue
-    src=$G/HMHR.zip; [ "$ds" = siri_whu ] && src=$G/siri_whu.zip
+  for s in hmhr:hmhr:hmhr_transfer:HMHR.zip hmhr_dedup:hmhr:hmhr_transfer_dedup:HMHR.zip \
+           siri_whu:siri_whu:siri_whu_transfer:siri_whu.zip; do
+    IFS=: read -r dir ds rep zip <<< "$s"
+    [ -f "$G/$zip" ] && [ ! -f "$R/reports/${rep}_gpu.json" ] || continue
     flags=(); [ "$dir" = hmhr_dedup ] && flags=(--drop-duplicates)
-    $PY prepare_data.py --dataset "$ds" --source "$src" --out "$DATA/$dir" ${flags[@]+"${flags[@]}"} 2>&1 \
-        | tr '\r' '\n' | grep -v "it/s\]$" | tail -2
+    prepare --dataset "$ds" --source "$G/$zip" --out "$DATA/$dir" ${flags[@]+"${flags[@]}"}
     TODO+=("$s")
   done
   [ ${#TODO[@]} -gt 0 ] || { echo "no transfer set left in $G/ (HMHR.zip, siri_whu.zip: bench/pack_gpu.py)"; pack; exit 0; }
@@ -332,14 +330,14 @@ transfer)
     tail -2 "$R/$run/train.log"
   }
   for s in "${TODO[@]}"; do
-    IFS=: read -r dir ds rep <<< "$s"
+    IFS=: read -r dir ds rep zip <<< "$s"
     one "${dir}_from_eurosat" "$dir" --init $BB/checkpoint.pth &
     one "${dir}_scratch" "$dir" &
     one "${dir}_supervised_from_eurosat" "$dir" --supervised --init $BB/checkpoint.pth &
   done
   wait
   for s in "${TODO[@]}"; do
-    IFS=: read -r dir ds rep <<< "$s"
+    IFS=: read -r dir ds rep zip <<< "$s"
     $PY report.py --dataset "$ds" --runs $R --out $R/reports --name "${rep}_gpu" \
         --rows "OTL from EuroSAT OTL=${dir}_from_eurosat" "OTL from random init=${dir}_scratch" \
         "supervised from EuroSAT OTL=${dir}_supervised_from_eurosat" \
@@ -352,8 +350,7 @@ cifar)
   : "${D:?set D to the seconds this call may use}"
   machine
   C=${DATA:-data}/cifar10
-  [ -f $C/manifest.json ] || $PY prepare_data.py --dataset cifar10 --source $G/cifar10_jpg.zip \
-      --out $C --workers 16 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -2
+  [ -f $C/manifest.json ] || prepare --dataset cifar10 --source $G/cifar10_jpg.zip --out $C --workers 16
   # the paper's protocol (AlexNet, 224 px, 1600 epochs): its epoch time, from 0.5 minutes of it
   if [ "${PAPER:-1}" = 1 ] && [ ! -f $R/cifar10_alexnet_timing/log.jsonl ]; then
     timeout 75 $PY train_otl.py --data $C --output $R/cifar10_alexnet_timing \
