@@ -68,16 +68,14 @@ def split_file(src, out_dir, prefix, piece_bytes):
 
 def small_archive(src, dst, per_class):
     """The first per_class images of each class folder of zip src, into zip dst, same names."""
-    taken = {}
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
-        for name in sorted(zin.namelist()):
-            cls = os.path.dirname(name)
-            if name.endswith("/") or not name.lower().endswith(prepare_data.IMG_EXT):
-                continue
-            if taken.get(cls, 0) < per_class:
-                zout.writestr(name, zin.read(name))
-                taken[cls] = taken.get(cls, 0) + 1
-    return sum(taken.values())
+        names = sorted(n for n in zin.namelist()
+                       if not n.endswith("/") and n.lower().endswith(prepare_data.IMG_EXT))
+        keep = prepare_data._first_per_class(len(names), [os.path.dirname(n) for n in names],
+                                             [None] * len(names), per_class)
+        for i in keep:
+            zout.writestr(names[i], zin.read(names[i]))
+    return len(keep)
 
 
 def reencode_folder(src, dst_zip, quality):
