@@ -262,7 +262,7 @@ class Inputs:
         path = os.path.join(self.folder, f"features_{net}_{utils.data_identity(data)[:12]}"
                             f"_n{a.n}_seed{a.seed}.pt")
         if os.path.isfile(path):
-            return torch.load(path, weights_only=True)
+            return utils.load_file(path)
         d = utils.load_prepared(data)
         images = d["images"][d["train_idx"]]
         if len(images) < a.n:
@@ -605,7 +605,10 @@ def training_row(run, point, outs, trained_on=False):
            "git_commit": res.get("git_commit"), "command": res.get("command")}
     ck = os.path.join(run, "checkpoint.pth")
     if trained_on and os.path.isfile(ck):
-        ck = torch.load(ck, map_location="cpu", weights_only=False)
+        try:        # tensors and plain data only: a crafted checkpoint in a study folder runs nothing
+            ck = utils.load_file(ck)
+        except ValueError as e:
+            raise SystemExit(f"{e}; or move {run} out of the study's folder") from None
         if ck.get("pseudo_labels") is not None and not ck["args"].get("supervised"):
             row.setdefault("n_train", len(ck["pseudo_labels"][0]))
             row["k_clusters"] = ck["args"]["k"]

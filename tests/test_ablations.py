@@ -11,6 +11,7 @@ import torch
 import ablations
 import otl
 import train_otl
+import utils
 
 TINY_TRAIN = "--width 8 --img-size 16 --epochs 1 --batch-size 32 --k 16"
 
@@ -110,7 +111,7 @@ def test_k_study_and_resume(small_data, tmp_path, inline):
         assert 0 <= r["knn10"] <= 100 and 0 <= r["linear"] <= 100 and r["epochs"] == 1
         assert r["preset"] == "cpu"
     run_dir = tmp_path / "runs" / "study" / "k" / "k16"
-    ck = torch.load(run_dir / "checkpoint.pth", weights_only=False)
+    ck = utils.load_file(run_dir / "checkpoint.pth")
     # the study scale: the cpu preset cut to 8 epochs (here 1, from --train-args)
     assert ck["model_cfg"]["k"] == 16 and ck["args"]["aug"] == "strong" and ck["args"]["views"] == 2
     assert "knn_init10" in saved_out["rows"][0]     # the random-init floor
@@ -146,7 +147,7 @@ def test_uneven_study(small_data, tmp_path, inline):
     out, md = saved(tmp_path, "uneven")
     assert [(r["x"], r["seed"]) for r in out["rows"]] == [(0, 0), (0, 1), (2, 0), (2, 1)]
     assert "kNN@50 at x = 0 minus x = 2" in out["verdict"] and " 2 sd" in out["verdict"]
-    ck = torch.load(tmp_path / "runs" / "study" / "uneven" / "x2" / "checkpoint.pth", weights_only=False)
+    ck = utils.load_file(tmp_path / "runs" / "study" / "uneven" / "x2" / "checkpoint.pth")
     assert ck["args"]["target_x"] == 2
     # the x = 2 run's pseudo-labels follow the uneven target: cluster 0 (i = 0) is empty
     counts = torch.bincount(ck["pseudo_labels"][0], minlength=16)
@@ -161,6 +162,24 @@ def test_uneven_study(small_data, tmp_path, inline):
     std_rows = [r.split(" | ") for r in out["target_std"]]
     assert [r[3] for r in std_rows] == ["yes", "yes", "yes", "no", "no", "yes"]
     assert std_rows[4][1] == "762.63" and "654.3 (misprint; 762.6)" in std_rows[4][2]
+    # a crafted checkpoint.pth in a finished run folder: the rerun reads its row, runs nothing
+    marker = tmp_path / "ran"
+    torch.save({"args": _Payload(marker), "pseudo_labels": None},
+               tmp_path / "runs" / "study" / "uneven" / "x2" / "checkpoint.pth")
+    with pytest.raises(SystemExit, match="refusing to load .*x2"):
+        study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0,1", "--train-args",
+              TINY_TRAIN)
+    assert not marker.exists()
+
+
+class _Payload:
+    """Unpickling this runs a command that writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def test_imbalanced_study(small_data, tmp_path, inline):
@@ -225,7 +244,7 @@ def test_labeler_in_training_study(small_data, tmp_path, inline):
         "published", "published_seed1", "sinkhorn", "sinkhorn_seed1"]
     log = (runs / "sinkhorn" / "log.jsonl").read_text()
     assert json.loads(log.splitlines()[0])["pl_std"] >= 0
-    ck = torch.load(runs / "published_seed1" / "checkpoint.pth", weights_only=False)
+    ck = utils.load_file(runs / "published_seed1" / "checkpoint.pth")
     assert ck["args"]["seed"] == 1 and ck["args"]["labeler"] == "published"
     means = out["seed_means"]
     assert [(m["labeler"], m["seeds"]) for m in means] == [("published", [0, 1]), ("sinkhorn", [0, 1])]
@@ -341,8 +360,7 @@ def test_lct_study(small_data, tmp_path, inline):
     out, _ = saved(tmp_path, "lct")
     assert [(r["views"], r["reduction"]) for r in out["rows"]] == [(1, "mean")] * 2 + [(2, "sum")] * 2
     assert "against 1 view(s) mean: 2 sum " in out["verdict"] and " 2 sd" in out["verdict"]
-    ck = torch.load(tmp_path / "runs" / "study" / "lct" / "views2_sum" / "checkpoint.pth",
-                    weights_only=False)
+    ck = utils.load_file(tmp_path / "runs" / "study" / "lct" / "views2_sum" / "checkpoint.pth")
     assert ck["args"]["lct_reduction"] == "sum" and ck["args"]["views"] == 2 and ck["args"]["lct"]
 
 
