@@ -155,7 +155,8 @@ def _median0(A):
 
 def _tie_scale(head, tie_eps):
     """The tie-break's eps: tie_eps times the median over the first rows of a row's largest |O| (a
-    median, so that one outlier cannot make the perturbation swamp real gaps).  The dense and the
+    median, so that one outlier cannot make the perturbation swamp real gaps; relative at every
+    scale, as a fixed floor would swamp outputs smaller than it).  The dense and the
     streaming path take the same eps, so that they break ties alike."""
     if (np is not None and head.device.type == "cpu" and head.dtype == torch.float32
             and head.shape[1] <= 16):
@@ -163,7 +164,11 @@ def _tie_scale(head, tie_eps):
         top = torch.from_numpy(np.abs(np.array(head.numpy().T, order="C")).max(0))
     else:
         top = head.abs().amax(1)
-    return tie_eps * max(float(_median0(top)), 1e-30)
+    med = float(_median0(top))
+    if med == 0:    # over half of the rows all zero: the others' scale (none: any eps > 0 splits)
+        top = top[top > 0]
+        med = float(top.median()) if top.numel() else 1e-30
+    return tie_eps * med
 
 
 def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 2048,

@@ -2122,3 +2122,20 @@ def test_tuned_labeler_and_reference_within_one_on_fractional_targets(n, k):
     for r in (otl.translate(O), otl_scale.translate(O)):
         assert int(r.counts.sum()) == n
         assert bool(((r.counts.double() - n / k).abs() < 1).all())
+
+
+@pytest.mark.parametrize("scale", [1e-38, 1e-36])
+@pytest.mark.parametrize("n,k", [(2000, 10), (2048, 128), (1200, 300)])
+def test_tiny_outputs_labels_are_argmax_of_T(n, k, scale):
+    """Outputs far below 1 (at 1e-38 many float32 values are subnormal) on each path: dense
+    (k = 10), whole rows (k = 128), candidate lists (k = 300).  The problem does not change with
+    the outputs' scale, so neither may the answer: labels argmax(O - T) under the tie rule, as
+    otl.translate's, with no row off its argmax by more than the tie-break while ties_left says
+    none is on a tie."""
+    O = torch.randn(n, k, generator=gen(k)) * scale
+    r, ref = otl_scale.translate(O), otl.translate(O)
+    check_even(r)
+    assert 0 <= r.ties_left <= r.active
+    check_translation(O, r)
+    assert torch.equal((O.double() - ref.T).argmax(1), ref.labels)
+    assert torch.equal(r.labels, ref.labels)
