@@ -10,7 +10,8 @@ Every study writes <out>/<study>.json (every grid point, the command and commit)
 table and whether our trend agrees with the paper's) and <study>.png (the plot).  The runs live in
 <runs>/<preset>/<study>/<point>/; a run that has finished (its results.json and evaluation JSONs
 are there) is skipped, an interrupted one resumes from its checkpoint, so rerunning the same
-command after a crash or a Ctrl-C continues where it stopped.  The labeler studies keep each
+command after a crash or a Ctrl-C continues where it stopped; an evaluation of other weights than
+the run's checkpoint is made again.  The labeler studies keep each
 measurement in <runs>/<preset>/labeler/measurements.jsonl and skip the ones made.
 
 Labeler studies (no training; N = 50,000; inputs: Gaussian outputs, for the paper's randomly
@@ -315,11 +316,14 @@ def labeler_study(args):
     store = os.path.join(folder, "measurements.jsonl")
     done = {}
     if os.path.isfile(store):
-        with open(store) as fh:
-            for line in fh:
-                if line.strip():
-                    r = json.loads(line)
-                    done[r["key"]] = r
+        good, bad = report.jsonl_records(store, measurement_ok)
+        done = {r["key"]: r for _, r in good}
+        if bad:     # out of the file, so that the measurements made again start on a line of their own
+            print(f"warning: {store}: dropped damaged line(s) {report.line_numbers(bad)}, not a whole "
+                  "measurement; they are measured again", flush=True)
+            with open(store + ".tmp", "w") as fh:
+                fh.writelines(json.dumps(r) + "\n" for _, r in good)
+            os.replace(store + ".tmp", store)
     grid = parse_grid(args.study, args.grid, args.preset)
     if args.study == "beta":
         todo = [(inp, args.k, "published", b) for inp in ("gaussian", "random_net") for b in grid]
@@ -345,6 +349,16 @@ def labeler_study(args):
         rows.append(done[key])
     print(f"{args.study}: {made} measured, {len(rows) - made} from {store}", flush=True)
     return rows
+
+
+def measurement_ok(r):
+    """Whether a line of measurements.jsonl holds every field the labeler studies read, each of
+    its type."""
+    history = r.get("std_history", []) if isinstance(r, dict) else None
+    return (isinstance(r, dict) and all(isinstance(r.get(f), str) for f in ("key", "input", "method"))
+            and all(report.is_whole(r.get(f)) for f in ("k", "iterations", "max_minus_min"))
+            and all(report.is_number(r.get(f)) for f in ("beta", "std", "std_before", "std_max", "seconds"))
+            and isinstance(history, list) and all(map(report.is_number, history)))
 
 
 def _bar(items, args):
@@ -518,19 +532,18 @@ def training_study(args):
         os.makedirs(folder, exist_ok=True)
         claim_run(run, ident)
         py = [sys.executable]
-        todo = not os.path.isfile(os.path.join(run, "results.json")) or not all(
-            os.path.isfile(p) for p in outs.values())
+        todo = not os.path.isfile(os.path.join(run, "results.json")) or not evaluated(run, outs)
         if todo:
             print(f"[{args.study}] {name} ({i + 1}/{len(pts)})", flush=True)
             ran.append(name)
             run_stage(py + ["train_otl.py", "--data", data, "--output", run, "--device", args.device,
                             "--no-progress", *flags, *extra], log)
+            evaluated(run, outs)    # those made before this training are of other weights
             for e, path in outs.items():
                 if os.path.isfile(path):
                     continue
                 script = "eval_linear.py" if e == "linear" else "eval_knn.py"
-                ck = "checkpoint0000.pth" if e == "knn_init" else "checkpoint.pth"
-                run_stage(py + [script, "--checkpoint", os.path.join(run, ck), "--device",
+                run_stage(py + [script, "--checkpoint", _checkpoint_of(run, e), "--device",
                                 args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
         rows.append({**training_row(run, point, outs, trained_on=trained_on),
                      "study_point": ident})
@@ -542,17 +555,25 @@ def training_study(args):
     return rows, ran
 
 
+STUDY_ROWS = (lambda rows: isinstance(rows, list) and all(
+    isinstance(r, dict) and all(report.is_top1(v) for k, v in r.items() if k.startswith(("knn", "linear")))
+    for r in rows), "a list of row objects, their accuracies numbers in [0, 100]")
+
+
+def read_study(path):
+    """A study's results JSON, its rows checked; None when there is none."""
+    return report.read_json(path, "restore it (git checkout), or delete it: the study then reads "
+                            "its rows again from its run folders and trains those that are gone",
+                            {"rows": STUDY_ROWS}, ("rows",))
+
+
 def results_stem(args):
     return os.path.join(args.out, args.study + ("" if args.preset == "study" else f"_{args.preset}"))
 
 
 def recorded_rows(args):
     """{run name: row} of the study's results JSON, for the runs whose folders are gone."""
-    path = results_stem(args) + ".json"
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as fh:
-        rows = json.load(fh).get("rows", [])
+    rows = (read_study(results_stem(args) + ".json") or {}).get("rows", [])
     out = {}
     for r in rows:
         ident = r.get("study_point") or study_point_of_command(r.get("command"))
@@ -575,12 +596,16 @@ def study_point_of_command(command):
     return {"data": utils.rel_path(argv[3]), "train_flags": argv[9:]}
 
 
+POINT_FIELDS = {"data": (lambda v: isinstance(v, str), "a path"), "train_flags": (
+    lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v), "a list of flags")}
+
+
 def claim_run(run, ident):
     """Record what a run folder is for, or stop if it holds a run made with other flags."""
     path = os.path.join(run, "study_point.json")
-    if os.path.isfile(path):
-        with open(path) as fh:
-            had = json.load(fh)
+    had = report.read_json(path, f"delete it (the run in {run} is then taken as this point's) or "
+                           "delete that folder", POINT_FIELDS, tuple(POINT_FIELDS))
+    if had is not None:
         if had != ident:
             raise SystemExit(
                 f"{run} holds a run of {had['data']} with train_otl.py flags {' '.join(had['train_flags'])}"
@@ -594,12 +619,35 @@ def claim_run(run, ident):
     utils.write_json(ident, path)
 
 
+def _checkpoint_of(run, e):
+    return os.path.join(run, "checkpoint0000.pth" if e == "knn_init" else "checkpoint.pth")
+
+
+def _read_eval(run, e, path):
+    return report.read_eval(path, "linear" if e == "linear" else "knn", _checkpoint_of(run, e),
+                            remake=f"delete it and run the same ablations.py command again: it "
+                            f"evaluates {_checkpoint_of(run, e)} again")
+
+
+def evaluated(run, outs):
+    """Whether every evaluation JSON of outs ({name: path}) is there and of the run's checkpoint
+    as it is now.  One of other weights (the run trained again since) is deleted, with a line
+    saying so, and so made again."""
+    epochs = (report.read_results(run) or {}).get("epochs")
+    for e, path in outs.items():
+        ev = _read_eval(run, e, path)
+        why = ev and report.stale(path, ev, _checkpoint_of(run, e), 0 if e == "knn_init" else epochs)
+        if why:
+            print(f"  {why}: deleted, it is evaluated again", flush=True)
+            os.remove(path)
+    return all(os.path.isfile(p) for p in outs.values())
+
+
 def training_row(run, point, outs, trained_on=False):
     """One run's table row: its grid point, scores, final loss and labeler figures; with
     trained_on, also the N and k its labeler balanced (read from the checkpoint), which the
     uneven study needs for the std of the targets it trained on."""
-    with open(os.path.join(run, "results.json")) as fh:
-        res = json.load(fh)
+    res = report.read_results(run)
     row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
            "epochs": res.get("epochs"), "preset": res.get("preset"),
            "git_commit": res.get("git_commit"), "command": res.get("command")}
@@ -613,23 +661,21 @@ def training_row(run, point, outs, trained_on=False):
             row.setdefault("n_train", len(ck["pseudo_labels"][0]))
             row["k_clusters"] = ck["args"]["k"]
     for e, path in outs.items():
-        with open(path) as fh:
-            r = json.load(fh)
+        r = _read_eval(run, e, path)
         if e == "linear":
             row["linear"] = round(r["linear_top1"], 2)
         else:
             for kk, v in r["knn_top1"].items():
                 row[f"{e}{kk}"] = round(v, 2)
-    log = os.path.join(run, "log.jsonl")
-    if os.path.isfile(log):
-        with open(log) as fh:
-            last = [json.loads(line) for line in fh if line.strip()]
-        if last:
-            lab = [r for r in last if "pl_std" in r]
-            row["final_loss"] = round(last[-1]["loss"], 4)
-            if lab:
-                row["pl_std_last"] = round(lab[-1]["pl_std"], 3)
-                row["labeler_s_mean"] = round(sum(r["labeler_s"] for r in lab) / len(lab), 3)
+    log = report.read_log(os.path.join(run, "log.jsonl"))
+    if log and "loss" in log[-1]:
+        row["final_loss"] = round(log[-1]["loss"], 4)
+    lab = [r for r in log if "pl_std" in r]
+    if lab:
+        row["pl_std_last"] = round(lab[-1]["pl_std"], 3)
+    secs = [r["labeler_s"] for r in lab if "labeler_s" in r]
+    if secs:
+        row["labeler_s_mean"] = round(sum(secs) / len(secs), 3)
     return row
 
 
@@ -976,8 +1022,7 @@ def rewrite(args):
     path = results_stem(args) + ".json"
     if not os.path.isfile(path):
         raise SystemExit(f"--rewrite: {path} is missing; run the study first")
-    with open(path) as fh:
-        rows = json.load(fh)["rows"]
+    rows = read_study(path)["rows"]
     presets = sorted({str(r.get("preset")) for r in rows})
     data = sorted({str((r.get("study_point") or {}).get("data", "?")) for r in rows})
     extra = uneven_notes(rows) if args.study == "uneven" else {"notes": []}

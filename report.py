@@ -4,6 +4,8 @@
 
 Reads <runs>/<dataset>/ (OTL) and <runs>/<dataset>_supervised/ when present: knn_*.json and
 linear_*.json for the final checkpoint and the random-init snapshot, log.jsonl and results.json.
+Each evaluation must be of the run's checkpoint as it is now (the same sha256, or without one the
+same epoch as results.json's): a stale one stops the report with the command that redoes it.
 --otl-run and --name report another run folder under another name, e.g. a run with other flags:
 
     python report.py --dataset eurosat --runs runs --otl-run eurosat_exact --name eurosat_exact
@@ -24,6 +26,7 @@ import platform
 import torch
 
 import otl
+import utils
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -122,18 +125,166 @@ def get_args_parser():
     return p
 
 
-def _load(path):
-    if os.path.isfile(path):
-        with open(path) as fh:
-            return json.load(fh)
-    return None
+# ----------------------------------------------------------------------------------------------
+# Reading run folders: every file checked, a user's mistake one line naming the file
+# ----------------------------------------------------------------------------------------------
+
+def is_number(v):
+    """A finite JSON number (not a bool, which Python counts as an int)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_whole(v):
+    """A whole number >= 0 (an epoch, a count)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def is_top1(v):
+    """A top-1 accuracy in percent."""
+    return is_number(v) and 0 <= v <= 100
+
+
+WHOLE = (is_whole, "a whole number >= 0")
+TOP1 = (is_top1, "a top-1 accuracy: a number in [0, 100]")
+EVAL_FIELDS = {
+    "epoch": WHOLE, "n_test": WHOLE, "linear_top1": TOP1,
+    "knn_top1": (lambda v: isinstance(v, dict) and v and all(map(is_top1, v.values())),
+                 "{k: top-1 accuracy in [0, 100]}"),
+    "checkpoint_sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 in hex"),
+    "data_dir": (lambda v: isinstance(v, str), "a path")}
+RESULTS_FIELDS = {
+    "epochs": WHOLE, "train_minutes": (lambda v: is_number(v) and v >= 0, "a number >= 0"),
+    "init_from": (lambda v: v is None or isinstance(v, dict) and isinstance(v.get("checkpoint"), str),
+                  'null or {"checkpoint": path, ...}')}
+MANIFEST_FIELDS = {"test_frac": (lambda v: v is None or is_number(v) and 0 < v < 1,
+                                  "a fraction in (0, 1)")}
+LOG_NUMBERS = ("loss", "pl_std", "labeler_s")     # the log's fields that reports and studies read
+
+
+def _shown(v, n=60):
+    text = json.dumps(v)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def read_json(path, remake, fields=None, required=()):
+    """The JSON object in `path`, None when there is no such file.  A file that is damaged (cut
+    short, not UTF-8), not an object, without a `required` field, or with a field of `fields`
+    ({name: (test, what it must be)}) that fails its test stops the script with one line naming
+    the file, what is wrong and `remake`: what to do to make it again."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except OSError as e:
+        raise SystemExit(f"cannot read {path} ({e.strerror or e}); {remake}") from None
+    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError
+        raise SystemExit(f"{path} is damaged ({e}); {remake}") from None
+    if not isinstance(obj, dict):
+        raise SystemExit(f"{path} holds {_shown(obj)}, not a JSON object; {remake}")
+    for name in required:
+        if name not in obj:
+            raise SystemExit(f'{path} has no "{name}"; {remake}')
+    for name, (test, what) in (fields or {}).items():
+        if name in obj and not test(obj[name]):
+            raise SystemExit(f'{path}: "{name}" is {_shown(obj[name])}, not {what}; {remake}')
+    return obj
+
+
+def eval_command(kind, checkpoint, feature="pool"):
+    """The command that writes the evaluation JSON of `kind` ("knn" or "linear") of a checkpoint
+    where report.py reads it."""
+    script = "eval_linear.py" if kind == "linear" else "eval_knn.py"
+    return f"python {script} --checkpoint {checkpoint}" + ("" if feature == "pool" else
+                                                          f" --feature {feature}")
+
+
+def read_eval(path, kind, checkpoint, feature="pool", remake=None):
+    """The evaluation JSON at `path` of `kind` ("knn": eval_knn.py's, "linear": eval_linear.py's)
+    of `checkpoint`, its fields checked; None when there is none."""
+    return read_json(path, remake or f"run {eval_command(kind, checkpoint, feature)} again",
+                     EVAL_FIELDS, ("epoch", f"{kind}_top1"))
+
+
+def read_results(run_dir):
+    """A run folder's results.json (written when the run finished), its fields checked; None when
+    there is none."""
+    # a finished run given its train_otl.py command again writes only results.json
+    return read_json(os.path.join(run_dir, "results.json"), "delete it and run the run's "
+                     f"train_otl.py command (--output {run_dir}) again: it writes it anew",
+                     RESULTS_FIELDS, ("epochs",))
+
+
+def jsonl_records(path, valid):
+    """([(line number, record)] of the lines of a JSON-lines file that `valid` accepts, [line
+    numbers of the others]); blank lines are neither."""
+    good, bad = [], []
+    with open(path, "rb") as fh:
+        for i, line in enumerate(fh.read().split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except ValueError:
+                rec = None
+            (good if valid(rec) else bad).append((i, rec))
+    return good, [i for i, _ in bad]
+
+
+def line_numbers(nums, most=10):
+    return ", ".join(map(str, nums[:most])) + (" ..." if len(nums) > most else "")
+
+
+def read_log(path):
+    """The epochs' records of a log.jsonl ([] when there is none).  A line that is not a JSON
+    object with a whole-number "epoch" (a write cut short) is skipped, and a field of LOG_NUMBERS
+    that is not a finite number is left out, each with a warning naming the file and lines: the
+    log only adds figures to a table."""
+    if not os.path.isfile(path):
+        return []
+    good, bad = jsonl_records(path, lambda r: isinstance(r, dict) and is_whole(r.get("epoch")))
+    if bad:
+        print(f"warning: {path}: skipped damaged line(s) {line_numbers(bad)}, not a JSON record of "
+              "an epoch (train_otl.py drops them when the run resumes)", flush=True)
+    out, typed = [], []
+    for i, rec in good:
+        wrong = [k for k in LOG_NUMBERS if k in rec and not is_number(rec[k])]
+        if wrong:
+            typed.append(f"{i} ({', '.join(wrong)})")
+        out.append({k: v for k, v in rec.items() if k not in wrong})
+    if typed:
+        print(f"warning: {path}: left out fields that are not finite numbers, line(s) "
+              f"{line_numbers(typed)}", flush=True)
+    return out
+
+
+def stale(path, ev, checkpoint, epochs, command=None):
+    """None when the evaluation `ev` (read from `path`) is of the run's `checkpoint`, which is of
+    epoch `epochs` (None: not known); else one line naming both sides and what to do (command:
+    what evaluates it again).  The sha256 decides where the evaluation and the file both give
+    one, the epoch where it is known."""
+    had = ev.get("checkpoint_sha256")
+    sha = utils.sha256_file(checkpoint) if had and os.path.isfile(checkpoint) else None
+    if sha in (None, had) and epochs in (None, ev["epoch"]):
+        return None
+    if sha is not None and sha == had:      # the evaluation is of this file: results.json is older
+        return (f"{os.path.join(os.path.dirname(checkpoint), 'results.json')} says {epochs} "
+                f"epochs, but {checkpoint}, evaluated in {path}, is of epoch {ev['epoch']}: the "
+                "run has not finished; run its train_otl.py command again, then evaluate it again")
+    why = (f"{path} is an evaluation of epoch {ev['epoch']}" + (f" (sha256 {had[:12]})" if had else "")
+           + f", but the run's {checkpoint} is of epoch {'?' if epochs is None else epochs}"
+           + (f" (sha256 {sha[:12]})" if sha else ""))
+    return why + (f"; evaluate it again: {command}" if command else "")
 
 
 def _split_of(res):
     """What the evaluation's test split was, from its data set's manifest: 'official' or the
     seeded random fraction, and how many test images."""
     n = res.get("n_test")
-    man = _load(os.path.join(res.get("data_dir") or "", "manifest.json")) or {}
+    data = res.get("data_dir")
+    man = data and read_json(os.path.join(data, "manifest.json"), f"run prepare_data.py --out "
+                             f"{data} (with the --source it was made from) again", MANIFEST_FIELDS)
+    man = man or {}
     if man.get("split") == "official":
         return f"the official test split ({n:,} images)" if n else "the official test split"
     frac = man.get("test_frac") or 0.2
@@ -143,10 +294,13 @@ def _split_of(res):
 
 def run_summary(run_dir, feature="pool", linear_feature=None):
     """Accuracies of the final checkpoint and of the random-init snapshot of one run folder: kNN
-    on `feature`, the linear probe on `linear_feature` (default: the same)."""
+    on `feature`, the linear probe on `linear_feature` (default: the same).  An evaluation of
+    other weights than the run's checkpoint as it is now (made before the run went on, say)
+    stops the report with a line naming both and the command that evaluates it again."""
     if not os.path.isdir(run_dir):
         return None
-    out = {"run": run_dir, "train": _load(os.path.join(run_dir, "results.json")), "feature": feature}
+    train = read_results(run_dir)
+    out = {"run": run_dir, "train": train, "feature": feature}
     if feature == "auto":   # as eval_*.py --feature auto: the embedding's results where there are
         feature = "embed" if os.path.isfile(os.path.join(run_dir, "knn_checkpoint_embed.json")) else "pool"
         out["feature"] = feature
@@ -155,17 +309,24 @@ def run_summary(run_dir, feature="pool", linear_feature=None):
         out["linear_feature"] = lin_feature
     sfx, lin_sfx = ("" if f == "pool" else f"_{f}" for f in (feature, lin_feature))
     for tag, stem in (("final", "checkpoint"), ("random_init", "checkpoint0000")):
-        knn = _load(os.path.join(run_dir, f"knn_{stem}{sfx}.json"))
-        lin = _load(os.path.join(run_dir, f"linear_{stem}{lin_sfx}.json"))
+        ckpt = os.path.join(run_dir, f"{stem}.pth")
+        epochs = (train or {}).get("epochs") if tag == "final" else 0
+        evs = {}
+        for kind, f, path in (("knn", feature, os.path.join(run_dir, f"knn_{stem}{sfx}.json")),
+                              ("linear", lin_feature, os.path.join(run_dir, f"linear_{stem}{lin_sfx}.json"))):
+            evs[kind] = read_eval(path, kind, ckpt, f)
+            why = evs[kind] and stale(path, evs[kind], ckpt, epochs, eval_command(kind, ckpt, f))
+            if why:
+                raise SystemExit(why)
+        knn, lin = evs["knn"], evs["linear"]
         if tag == "final" and (knn or lin):
             out["test_split"] = _split_of(knn or lin)
         out[tag] = {"knn": knn["knn_top1"] if knn else None,
                     "linear": lin["linear_top1"] if lin else None,
                     "epoch": (knn or lin or {}).get("epoch")}
-    log = os.path.join(run_dir, "log.jsonl")
-    if os.path.isfile(log):
-        with open(log) as fh:
-            out["log"] = [json.loads(line) for line in fh if line.strip()]
+    log = read_log(os.path.join(run_dir, "log.jsonl"))
+    if log:
+        out["log"] = log
     return out
 
 
@@ -267,7 +428,8 @@ def _printed(t, skip=()):
 def _reports(results, names):
     out = []
     for name in names:
-        js = _load(os.path.join(results, name))
+        js = read_json(os.path.join(results, name), "write it again with the command that made "
+                       "it (results/README.md names each)")
         if js:
             out.append((name, js))
     return out

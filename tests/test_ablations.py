@@ -92,6 +92,27 @@ def test_k_labeler_and_sinkhorn_share_measurements(small_data, tmp_path):
         assert len({r["std_before"] for r in out["rows"] if r["input"] == i and r["k"] == 10}) == 1
 
 
+def test_damaged_measurements_are_measured_again(small_data, tmp_path, capsys):
+    """A line of measurements.jsonl cut short or with a field of the wrong type is dropped from
+    the store with a warning naming it, and measured again."""
+    study("k-labeler", tmp_path, small_data, "--n", "150", "--grid", "10")
+    before = {r["key"]: r["std"] for r in saved(tmp_path, "k-labeler")[0]["rows"]}
+    store = tmp_path / "runs" / "study" / "labeler" / "measurements.jsonl"
+    lines = store.read_text().splitlines()
+    lines[1] = json.dumps({**json.loads(lines[1]), "iterations": "x"})
+    lines[3] = lines[3][:20]                    # a write cut short: no newline either
+    store.write_text("\n".join(lines))
+    capsys.readouterr()
+    study("k-labeler", tmp_path, small_data, "--n", "150", "--grid", "10")
+    printed = capsys.readouterr().out
+    assert (f"warning: {store}: dropped damaged line(s) 2, 4, not a whole measurement; they are "
+            "measured again") in printed
+    assert f"k-labeler: 2 measured, 2 from {store}" in printed
+    records = [json.loads(line) for line in store.read_text().splitlines()]
+    assert len(records) == 4 and all(map(ablations.measurement_ok, records))
+    assert {r["key"]: r["std"] for r in saved(tmp_path, "k-labeler")[0]["rows"]} == before
+
+
 def test_labeler_study_rejects_k_above_n(small_data, tmp_path):
     with pytest.raises(SystemExit, match="k must lie in"):
         study("k-labeler", tmp_path, small_data, "--n", "100", "--grid", "200")
@@ -131,6 +152,64 @@ def test_k_study_and_resume(small_data, tmp_path, inline):
     assert inline == ["train_otl.py", "eval_knn.py"]    # train_otl.py finds the run finished
     assert os.path.getmtime(run_dir / "results.json") == stamp
     assert third["rows"] == saved_out["rows"]
+
+
+K8 = ("--grid", "8", "--seeds", "0", "--train-args", TINY_TRAIN.replace(" --k 16", ""))
+
+
+def test_a_stale_evaluation_of_a_study_run_is_made_again(small_data, tmp_path, inline, capsys):
+    """An evaluation JSON of other weights than the run's checkpoint (its hash, or without one
+    its epoch, says so) is deleted with a line naming both, and evaluated again."""
+    first = study("k", tmp_path, small_data, *K8)
+    run_dir = tmp_path / "runs" / "study" / "k" / "k8"
+    knn = run_dir / "knn.json"
+    js = json.loads(knn.read_text())
+    sha = js["checkpoint_sha256"]
+    knn.write_text(json.dumps({**js, "checkpoint_sha256": "0" * 64, "knn_top1": {"10": 99.0}}))
+    init = run_dir / "knn_init.json"
+    js = json.loads(init.read_text())
+    del js["checkpoint_sha256"]                 # as written before evaluations recorded it
+    init.write_text(json.dumps({**js, "epoch": 1}))
+    capsys.readouterr()
+    del inline[:]
+    again = study("k", tmp_path, small_data, *K8)
+    printed = capsys.readouterr().out
+    assert inline == ["train_otl.py", "eval_knn.py", "eval_knn.py"]
+    assert (f"{knn} is an evaluation of epoch 1 (sha256 000000000000), but the run's "
+            f"{run_dir / 'checkpoint.pth'} is of epoch 1 (sha256 {sha[:12]}): deleted, it is "
+            "evaluated again") in printed
+    assert (f"{init} is an evaluation of epoch 1, but the run's {run_dir / 'checkpoint0000.pth'} "
+            "is of epoch 0: deleted, it is evaluated again") in printed
+    assert json.loads(knn.read_text())["checkpoint_sha256"] == sha
+    assert json.loads(init.read_text())["epoch"] == 0
+    assert again["ran"] == ["k8"] and again["rows"] == first["rows"]
+
+
+def test_damaged_files_of_a_study_run_are_named(small_data, tmp_path, inline, capsys):
+    """A damaged or wrongly typed evaluation JSON, results.json or study results JSON stops the
+    study with one line naming it and what to do; a damaged log line is skipped with a warning."""
+    first = study("k", tmp_path, small_data, *K8)["rows"]
+    run_dir = tmp_path / "runs" / "study" / "k" / "k8"
+    for path, text, expect in (
+            (run_dir / "linear.json", '{"linear_top1": 5', r"linear\.json is damaged \(.*\); delete "
+             r"it and run the same ablations\.py command again: it evaluates .*checkpoint\.pth again$"),
+            (run_dir / "knn.json", '{"knn_top1": {"10": -5}, "epoch": 1}',
+             r'knn\.json: "knn_top1" is \{"10": -5\}, not \{k: top-1 accuracy in \[0, 100\]\}'),
+            (run_dir / "results.json", '{"epochs": "x"}', r'results\.json: "epochs" is "x", not a '
+             r"whole number >= 0; delete it and run the run's train_otl\.py command"),
+            (tmp_path / "out" / "k.json", '{"rows": [{"knn10": "x"}]}', r'k\.json: "rows" is .*; '
+             r"restore it \(git checkout\), or delete it")):
+        kept = path.read_text()
+        path.write_text(text)
+        with pytest.raises(SystemExit, match=expect) as e:
+            study("k", tmp_path, small_data, *K8)
+        assert "\n" not in str(e.value.code)
+        path.write_text(kept)
+    log = run_dir / "log.jsonl"
+    log.write_text(log.read_text() + '{"epoch": 2, "lo\n')
+    capsys.readouterr()
+    assert study("k", tmp_path, small_data, *K8)["rows"] == first
+    assert f"warning: {log}: skipped damaged line(s) 2, not a JSON record" in capsys.readouterr().out
 
 
 def test_k_study_with_seeds(small_data, tmp_path, inline):
