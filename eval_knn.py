@@ -49,13 +49,14 @@ def faiss_search(train, test, K: int, use_gpu="auto"):
 
 
 def get_args_parser():
+    num, count = utils.finite_float, utils.positive_int     # nan, inf, 0 and -1 refused by name
     p = argparse.ArgumentParser("eval_knn", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ks", type=int, nargs="+", default=[10, 50, 100, 200],
+    p.add_argument("--ks", type=count, nargs="+", default=[10, 50, 100, 200],
                    help="numbers of neighbours, all answered from one search; 20 to 200 is the "
                         "usual range (DINO reports 20, InstDisc 200); ks above the training-set "
                         "size are clipped")
-    p.add_argument("--temperature", type=float, default=0.1,
+    p.add_argument("--temperature", type=num, default=0.1,
                    help="T in the vote weight exp(sim / T); 0.07 to 0.1 works well for "
                         "L2-normalised features, larger values approach plain majority voting")
     utils.add_checkpoint_args(p, "knn", "feature extraction and the FAISS index")

@@ -117,17 +117,18 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
 # ----------------------------------------------------------------------------------------------
 
 def get_args_parser():
+    num, count = utils.finite_float, utils.positive_int     # nan, inf, 0 and -1 refused by name
     p = argparse.ArgumentParser("eval_linear", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--val-frac", type=float, default=0.1,
+    p.add_argument("--val-frac", type=num, default=0.1,
                    help="fraction of the TRAIN split held out (stratified) to choose the weight "
                         "decay; 0.1 leaves a few hundred images per class on EuroSAT-sized data")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
-    p.add_argument("--wd-grid", type=float, nargs="+", default=list(DEFAULT_WD_GRID),
+    p.add_argument("--wd-grid", type=num, nargs="+", default=list(DEFAULT_WD_GRID),
                    help="L2 weight decays tried (loss = mean CE + wd / 2 ||W||^2 on standardised "
                         "features); decades from 1e-5 to 1e-1 cover weak to strong "
                         "regularisation; if the choice lands on an end, extend the grid that way")
-    p.add_argument("--max-iter", type=int, default=500,
+    p.add_argument("--max-iter", type=count, default=500,
                    help="most L-BFGS iterations per fit; 500 is ample: fits usually stop on "
                         "their tolerance well before (under 100 for 21,600 x 512 features)")
     utils.add_checkpoint_args(p, "linear", "feature extraction and the probe (the whole probe, "

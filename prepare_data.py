@@ -135,14 +135,8 @@ DATASETS = {
 }
 
 
-def positive_int(v):
-    n = int(v)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {v}")
-    return n
-
-
 def get_args_parser():
+    num, count = utils.finite_float, utils.positive_int     # nan, inf, 0 and -1 refused by name
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="folder", choices=list(DATASETS),
                    help="which data set the source holds: its classes and counts are checked, and "
@@ -158,17 +152,17 @@ def get_args_parser():
                      "cifar100, svhn")
     p.add_argument("--download-dir", default="data/downloads", help="where --download puts the archive")
     p.add_argument("--out", required=True, help="output folder for cache.pt, split.json, manifest.json")
-    p.add_argument("--size", type=positive_int, default=None, help="side of the cached images in "
+    p.add_argument("--size", type=count, default=None, help="side of the cached images in "
                    "pixels (default: the data set's, no larger than 256: 64 for EuroSAT, 256 for "
                    "UC Merced, 32 for CIFAR; 'folder': its first image's side, at most 256)")
     p.add_argument("--split", choices=["auto", "official", "random"], default="auto",
                    help="official: the source's own train / test (or val) folders or files; "
                    "random: the seeded, stratified split of --test-frac; auto: official when the "
                    "source has one, else random")
-    p.add_argument("--test-frac", type=float, default=0.2, help="fraction of each class held out "
+    p.add_argument("--test-frac", type=num, default=0.2, help="fraction of each class held out "
                    "for testing with a random split; 0.2 is the paper's 80/20 protocol")
     p.add_argument("--seed", type=int, default=0, help="seed of the random split")
-    p.add_argument("--per-class", type=positive_int, default=None, help="keep only the first N images of each "
+    p.add_argument("--per-class", type=count, default=None, help="keep only the first N images of each "
                    "class (sorted by name; of each split part): for tests and quick trials, not for "
                    "reported results")
     p.add_argument("--drop-duplicates", action="store_true", help="keep one copy of images that "
@@ -176,12 +170,12 @@ def get_args_parser():
                    "of an image found in two classes; they are counted in the manifest either way")
     p.add_argument("--skip-bad", action="store_true", help="skip corrupt or unreadable images and list "
                    "them in the manifest (default: stop at the first one, naming it)")
-    p.add_argument("--max-pixels", type=positive_int, default=MAX_PIXELS, help="images with more "
+    p.add_argument("--max-pixels", type=count, default=MAX_PIXELS, help="images with more "
                    "pixels (width x height) are refused before they are decoded, naming the file "
                    "(--skip-bad leaves them out): each costs about 3 bytes a pixel in memory per "
                    "worker; the default, 50 million (about 7000 x 7000), is far above any data "
                    "set listed here; raise it only for sources of large scenes")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+    p.add_argument("--workers", type=count, default=min(4, os.cpu_count() or 1),
                    help="processes that decode images")
     p.add_argument("--force", action="store_true", help="rebuild even if a valid cache exists")
     return p
@@ -242,6 +236,13 @@ def shown(name):
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def _unsafe_member(name):
+    """Whether an archive member's path is absolute or climbs out ('..'): 'a/../b', '/etc/x',
+    'C:\\x', '\\x'."""
+    q = name.replace("\\", "/")
+    return q.startswith("/") or re.match(r"^[A-Za-z]:", q) is not None or ".." in q.split("/")
+
+
 def list_source(source):
     """([(class name, member path, split part or None)] sorted, a fingerprint of the source,
     [(file, why)] of image files that cannot be read as such (a name that is not UTF-8, a
@@ -278,6 +279,12 @@ def list_source(source):
     if zipfile.is_zipfile(source):
         with zipfile.ZipFile(source) as z:
             every = [n for n in z.namelist() if not n.startswith("__MACOSX/")]
+        unsafe = [n for n in every if _unsafe_member(n)]
+        if unsafe:      # their folders would name wrong classes ('..', '', merged ones)
+            raise ValueError(f"{source} holds {len(unsafe)} member(s) whose path leaves the "
+                             f"archive (first: {shown(unsafe[0])!r}: an absolute path or a '..' "
+                             "part); such archives are refused: repack it with paths relative to "
+                             "its top folder")
         names = [n for n in every if n.lower().endswith(IMG_EXT) and not n.endswith("/")]
         dirs = set()            # every folder of the archive, listed or implied by its members
         for n in every:
@@ -288,6 +295,13 @@ def list_source(source):
         return items, "sha256:" + utils.sha256_file(source), [], empty
     if tarfile.is_tarfile(source):
         return [], "sha256:" + utils.sha256_file(source), [], []     # CIFAR's pickles: load_arrays
+    with open(source, "rb") as fh:
+        head = fh.read(4)
+    if head in (b"PK\x03\x04", b"PK\x05\x06") or head[:2] == b"\x1f\x8b":
+        kind = "zip" if head[:2] == b"PK" else "gzip"
+        raise ValueError(f"--source {source} starts as a {kind} archive but cannot be read as one: "
+                         "it is cut short or damaged (a download that stopped early?); download "
+                         "or copy it again")
     raise ValueError(f"--source {source} is neither a folder nor a zip or tar archive; pass the "
                      "official archive (e.g. ../shared/data/EuroSAT.zip) or a folder of class "
                      "subfolders")
@@ -363,14 +377,41 @@ def load_arrays(source):
 def _to_rgb(im):
     """A PIL image as 8-bit RGB.  16-bit and 32-bit single-band images (remote sensing's usual
     GeoTIFF and PNG bands) are scaled from their own min..max to 0..255: PIL's convert would clip
-    them to 255, an all-white picture.  (image, True when it was scaled)."""
+    them to 255, an all-white picture.  The range is that of the finite pixels; nan and -inf
+    pixels become its low end, +inf its high end.  (image, True when it was scaled)."""
     from PIL import Image
     if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
         a = np.asarray(im, dtype=np.float64)
-        lo, hi = float(a.min()), float(a.max())
+        finite = np.isfinite(a)     # a float band's nan or inf (no-data) must not set the range
+        if not finite.any():
+            raise ValueError("no pixel of it is a finite number (all nan or inf)")
+        lo, hi = float(a[finite].min()), float(a[finite].max())
+        a = np.nan_to_num(a, nan=lo, posinf=hi, neginf=lo)   # no-data as the darkest / brightest
         a = (a - lo) / (hi - lo) * 255 if hi > lo else np.zeros_like(a)
         return Image.fromarray(np.round(a).astype(np.uint8)).convert("RGB"), True
     return im.convert("RGB"), False
+
+
+def max_file_bytes(max_pixels):
+    """The largest image file read: 8 bytes a pixel of an image of max_pixels pixels (twice what
+    the widest mode PIL decodes here takes uncompressed, RGBA or 32-bit) and 1 MiB of headers.
+    A larger file is no image of this size; a zip member that claims more (a zip bomb) is refused
+    from its listed size, before a byte of it is inflated."""
+    return 8 * max_pixels + (1 << 20)
+
+
+def read_image_file(source, z, name, max_pixels):
+    """The bytes of image `name` of a folder or of the open zip `z`, its size checked first."""
+    size = z.getinfo(name).file_size if z else os.path.getsize(os.path.join(source, name))
+    if size > max_file_bytes(max_pixels):
+        raise ValueError(f"{size:,} bytes, more than an image of --max-pixels {max_pixels:,} "
+                         f"pixels takes ({max_file_bytes(max_pixels):,}): not an image of this "
+                         "data set (a zip bomb, or a whole scene); remove it, or raise "
+                         "--max-pixels")
+    if z:
+        return z.read(name)
+    with open(os.path.join(source, name), "rb") as fh:
+        return fh.read()
 
 
 def _decode(job):
@@ -388,7 +429,7 @@ def _decode(job):
     try:
         for name in names:
             try:
-                raw = z.read(name) if z else open(os.path.join(source, name), "rb").read()
+                raw = read_image_file(source, z, name, max_pixels)
                 with Image.open(io.BytesIO(raw)) as im:
                     w, h = im.size
                     if w * h > max_pixels:
@@ -416,6 +457,30 @@ def _decode(job):
     return out, bad, scaled, hashes
 
 
+def _die_with_parent():
+    """In a decode worker: end when the process that started it ends, however it ends (kill -9
+    gives it no chance to stop its pool, whose workers would otherwise wait for work for good,
+    holding their memory).  Linux delivers SIGKILL at the parent's death; elsewhere a thread
+    watches for the worker to be handed to another parent."""
+    import ctypes
+    import signal
+    import threading
+    parent = os.getppid()
+    try:
+        if ctypes.CDLL(None).prctl(1, signal.SIGKILL) == 0:     # PR_SET_PDEATHSIG
+            if os.getppid() != parent:      # the parent died before the call
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _pixel_hash(a):
     """(H, W, 3) or (3, H, W) uint8 -> sha256 of its shape and pixels."""
     return hashlib.sha256(str(a.shape).encode() + np.ascontiguousarray(a).tobytes()).hexdigest()
@@ -428,7 +493,7 @@ def decode_all(source, names, size, workers, progress=True, max_pixels=MAX_PIXEL
     results = []
     bar = tqdm(total=len(names), desc="decoding", unit="img", disable=not progress, dynamic_ncols=True)
     if workers > 1:
-        with ProcessPoolExecutor(workers) as ex:
+        with ProcessPoolExecutor(workers, initializer=_die_with_parent) as ex:
             for r in ex.map(_decode, jobs):
                 results.append(r)
                 bar.update(len(r[0]))
@@ -547,19 +612,18 @@ def download(dataset, dest):
     return os.path.join(dest, info["archive"])
 
 
-def _first_side(source, name):
+def _first_side(source, name, max_pixels=MAX_PIXELS):
     """The shorter side of one image of the source, at most 256: the 'folder' default size."""
     from PIL import Image
-    if os.path.isdir(source):
-        with open(os.path.join(source, name), "rb") as fh:
-            raw = fh.read()
-    else:
-        with zipfile.ZipFile(source) as z:
-            raw = z.read(name)
     try:
+        if os.path.isdir(source):
+            raw = read_image_file(source, None, name, max_pixels)
+        else:
+            with zipfile.ZipFile(source) as z:
+                raw = read_image_file(source, z, name, max_pixels)
         with Image.open(io.BytesIO(raw)) as im:
             return min(256, *im.size)
-    except Exception:   # a bad first image is reported by the decoder, by name
+    except Exception:   # a bad first image (a failed CRC too) is reported by the decoder, by name
         return 64
 
 
@@ -588,12 +652,35 @@ def _first_per_class(n, classes_of, parts, per_class):
 
 
 def main(args):
+    """prepare() in the --out folder, which this run holds (a second prepare_data.py on it stops at
+    once, naming this one): two runs writing one folder would leave one's manifest beside the
+    other's cache.  A folder made here and left empty (the source was wrong) is removed again."""
     t0 = time.time()
     utils.print_run_header(args)
     if not 0 < args.test_frac < 1:
         raise SystemExit(f"--test-frac must be between 0 and 1, got {args.test_frac}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise SystemExit(f"--out {args.out} is a file; pass a folder (it is created if missing)")
+    made = not os.path.exists(args.out)
+    utils.make_folder(args.out, "--out")
+    release = utils.lock_run_folder(args.out, "--out", "prepare_data.py run")
+    try:
+        utils.remove_dead_temporaries(args.out)      # of a run killed mid-write
+        return prepare(args, t0)
+    except utils.CannotWrite as e:
+        if os.path.isfile(os.path.join(args.out, "manifest.json")):
+            raise
+        raise SystemExit(f"cannot write {e.path}: {e.reason}; {args.out} is incomplete: without "
+                         "its manifest.json (written last, and removed first by a rebuild) no "
+                         f"stage takes it for prepared data; {e.fix}") from None
+    finally:
+        release()
+        if made and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)
+
+
+def prepare(args, t0):
+    """The source listed, decoded and split into args.out (main holds the folder)."""
     spec = DATASETS[args.dataset]
     source = download(args.dataset, args.download_dir) if args.download else args.source
     if not os.path.exists(source):
@@ -635,7 +722,8 @@ def main(args):
     if split == "official" and not has_parts:
         raise SystemExit(f"--split official: {source} has no train / test parts (train/ and test/ "
                          "or val/ folders, or the official files); use --split random")
-    size = args.size or spec["size"] or (32 if arrays is not None else _first_side(source, names[0]))
+    size = args.size or spec["size"] or (32 if arrays is not None else
+                                         _first_side(source, names[0], args.max_pixels))
     key = {"dataset": args.dataset, "source": os.path.abspath(source), "fingerprint": fingerprint,
            "size": size, "test_frac": args.test_frac, "seed": args.seed, "per_class": args.per_class,
            "skip_bad": args.skip_bad, "split": split, "drop_duplicates": args.drop_duplicates}
@@ -648,7 +736,6 @@ def main(args):
             print(f"cache in {args.out} is up to date ({old['n_images']} images); reusing it")
             return old
         print(f"cache in {args.out} is {why}; rebuilding")
-    os.makedirs(args.out, exist_ok=True)
     if os.path.isfile(man_path):   # from here until the new manifest, the folder is incomplete
         os.remove(man_path)
 

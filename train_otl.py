@@ -35,6 +35,7 @@ import utils
 
 
 def get_args_parser():
+    num, count = utils.finite_float, utils.positive_int     # nan, inf, 0 and -1 refused by name
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
     p.add_argument("--output", required=True, help="run folder: checkpoints, log.jsonl, results.json; "
@@ -73,15 +74,15 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)
     g.add_argument("--batch-size", type=int, help="images per step (each gives --views views)")
-    g.add_argument("--lr", type=float, help="SGD learning rate: the paper's 0.03 for ResNet-18 "
+    g.add_argument("--lr", type=num, help="SGD learning rate: the paper's 0.03 for ResNet-18 "
                    "(remote sensing), 0.05 for AlexNet at batch 128, 0.01 for ResNet-50")
     g.add_argument("--schedule", choices=["step", "cosine"], help="step: set lr to --lr-values at "
                    "epochs --lr-drops (the paper's); cosine: decay to 0, better for short runs")
     g.add_argument("--lr-drops", type=int, nargs="*", help="epochs at which the lr changes (step)")
-    g.add_argument("--lr-values", type=float, nargs="*", help="the lr from each of --lr-drops on")
-    g.add_argument("--warmup-epochs", type=float, help="linear lr warm-up")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0.9 in the paper)")
-    g.add_argument("--wd", type=float, default=5e-4, help="weight decay (5e-4: ours, as in SeLa's CIFAR script; "
+    g.add_argument("--lr-values", type=num, nargs="*", help="the lr from each of --lr-drops on")
+    g.add_argument("--warmup-epochs", type=num, help="linear lr warm-up")
+    g.add_argument("--momentum", type=num, default=0.9, help="SGD momentum (0.9 in the paper)")
+    g.add_argument("--wd", type=num, default=5e-4, help="weight decay (5e-4: ours, as in SeLa's CIFAR script; "
                    "the paper does not give one)")
     g = p.add_argument_group("OTL")
     g.add_argument("--views", type=int, help="augmented views of each image per step")
@@ -97,7 +98,7 @@ def get_args_parser():
                    "paper, SCAN's strategy: Augment = 10 on remote sensing, 8 on AlexNet)")
     g.add_argument("--flip", type=utils.str2bool, help="random flips (false for digits: the paper "
                    "drops horizontal flips on SVHN)")
-    g.add_argument("--crop", type=float, help="side of the window a view is cropped from, as a "
+    g.add_argument("--crop", type=num, help="side of the window a view is cropped from, as a "
                    "fraction of the image: 0.875 resizes to 256 and crops 224 as the paper does "
                    "(training: random crops within it; test: the centre)")
     g.add_argument("--rot90", type=utils.str2bool, help="random 90-degree rotations in the "
@@ -113,7 +114,7 @@ def get_args_parser():
     g.add_argument("--label-bn", default="batch", choices=["batch", "eval"], help="BatchNorm in the "
                    "label pass: batch statistics (default, ours; running statistics are left "
                    "untouched) or running statistics; docs/label_bn.md has the measurement")
-    g.add_argument("--beta", type=float, default=1.5, help="decay rate of the translation step "
+    g.add_argument("--beta", type=num, default=1.5, help="decay rate of the translation step "
                    "(--labeler published); the paper finds any value from 1.5 to 50 works")
     g.add_argument("--labeler", choices=("exact", "published", "sinkhorn"), default="exact",
                    help="exact (default: otl.translate's problem, by otl_scale's tuned labeler): "
@@ -142,7 +143,7 @@ def get_args_parser():
                    "pass that fix the exact labeler's start translation (with torchrun: of the "
                    "first process's shard); the labels of N processes equal one process's when "
                    "every shard holds at least this many rows")
-    g.add_argument("--target-x", type=float, default=0.0, help="uneven target n_i ~ i^x "
+    g.add_argument("--target-x", type=num, default=0.0, help="uneven target n_i ~ i^x "
                    "(0 = even, the method's default)")
     g.add_argument("--init", metavar="CHECKPOINT", help="start from the backbone of another run "
                    "(OTL or supervised, any data set), with a fresh head for this run's k: the "
@@ -166,7 +167,7 @@ def get_args_parser():
                    "epochs (0: only the random-init snapshot and the final one)")
     g.add_argument("--knn-monitor", type=int, default=0, help="every N epochs, log kNN@10/50 of the "
                    "test split (uses labels, for monitoring only; 0 = off)")
-    g.add_argument("--max-minutes", type=float, default=0, help="stop cleanly (checkpoint saved) "
+    g.add_argument("--max-minutes", type=num, default=0, help="stop cleanly (checkpoint saved) "
                    "after this many minutes; rerun to continue")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars (for logs)")
     return p
@@ -190,8 +191,18 @@ def resolve_args(args, device):
         raise SystemExit(f"--lr-drops {args.lr_drops} and --lr-values {args.lr_values} must have "
                          "the same length")
     for name in ("k", "epochs", "batch_size", "views", "label_every", "label_views", "img_size"):
-        if getattr(args, name) < (2 if name == "k" else 1) and not (name == "epochs" and args.epochs == 0):
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        least = 2 if name == "k" else 0 if name == "epochs" else 1     # k: one cluster is no split
+        if getattr(args, name) < least:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least {least}, got "
+                             f"{getattr(args, name)}")
+    for name in ("lr", "wd", "warmup_epochs", "max_minutes"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if any(v < 0 for v in args.lr_values or ()):
+        raise SystemExit(f"--lr-values must be >= 0, got {args.lr_values}")
+    if not 0 <= args.momentum < 1 or args.beta <= 1:
+        raise SystemExit(f"--momentum must be in [0, 1) and --beta > 1 (it shrinks the step), got "
+                         f"{args.momentum}, {args.beta}")
     if args.arch == "alexnet" and args.img_size < 63:
         raise SystemExit(f"--arch alexnet needs --img-size >= 63 (its three max-pools), got "
                          f"{args.img_size}; the paper upsamples CIFAR and SVHN to 224")
@@ -387,7 +398,7 @@ def main(args):
               flush=True)
         utils.print_run_header(args)
     # ---- one training per run folder: the first process holds its lock until the run ends
-    os.makedirs(args.output, exist_ok=True)
+    utils.make_folder(args.output, "--output")
     release, busy = None, None
     if ranks.main:
         try:
@@ -414,8 +425,8 @@ def run(args, ranks, device):
     # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
     # process holds its contiguous shard of it
     d, manifest = utils.open_prepared(args.data, size=args.img_size)   # resized once if large
-    data_identity = utils.data_identity(args.data)   # checked when the checkpoint is evaluated
-    images_sha256 = utils.images_identity(args.data)["sha256"]   # evaluation notes a rebuild
+    # what the data are: checked on resume and when the checkpoint is evaluated
+    data_record = utils.data_record(args.data)
     n_total = len(d["train_idx"])
     lo, hi = ranks.shard(n_total)
     images = d["images"][d["train_idx"][lo:hi]]             # (n, 3, H, W) uint8
@@ -448,7 +459,8 @@ def run(args, ranks, device):
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
     extras = {"labeler_starts": None}    # the exact labeler's last translations (per head)
     start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
-                                                        utils.model_state(cfg), args, ranks, extras)
+                                                        utils.model_state(cfg), args, ranks, extras,
+                                                        data=data_record)
     starts = extras["labeler_starts"]
     if labels is not None:
         labels = labels[:, lo:hi]                           # this process's rows
@@ -477,8 +489,7 @@ def run(args, ranks, device):
                 "pseudo_labels": torch.cat([p[1] for p in parts], 1) if labels is not None else None,
                 "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
                 "labeler_starts": starts,
-                "git_commit": commit, "data_identity": data_identity,
-                "images_sha256": images_sha256}
+                "git_commit": commit, **data_record}
 
     if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
         args.init_from = utils.init_backbone(model, args.init)

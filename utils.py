@@ -9,8 +9,11 @@ import argparse
 import errno
 import glob
 import hashlib
+import io
 import json
+import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -254,6 +257,9 @@ def pick_device(name: str = "auto") -> torch.device:
     except RuntimeError:
         raise SystemExit(f"--device {name}: not a device name; use auto, cpu, cuda or "
                          "cuda:<index>") from None
+    if dev.type not in ("cpu", "cuda"):     # mps, xla, meta ...: the stages run on these two only
+        raise SystemExit(f"--device {name}: this project runs on the CPU or on CUDA GPUs; use "
+                         "auto, cpu, cuda or cuda:<index>")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {name} asked for, but CUDA is not available on this machine; "
                          "use --device cpu (or auto)")
@@ -363,6 +369,28 @@ def print_run_header(args) -> None:
     print("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())), flush=True)
 
 
+def finite_float(v):
+    """argparse type: a finite number (nan and inf are refused: every range check passes nan)."""
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {v!r}")
+    return x
+
+
+def positive_int(v):
+    """argparse type: a whole number >= 1."""
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {v!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {v}")
+    return n
+
+
 def str2bool(v):
     if v.lower() in ("1", "true", "yes", "on"):
         return True
@@ -375,6 +403,17 @@ def str2bool(v):
 # Files: JSON and checkpoints, written atomically
 # ----------------------------------------------------------------------------------------------
 
+class CannotWrite(SystemExit):
+    """A file a stage must write cannot be written (a full disk, a read-only folder, a path under
+    a file): one line naming it, what became of the file, and what to do.  A SystemExit, so a
+    stage script ends with that line and no traceback; its parts (path, reason, kept, fix) let a
+    caller say more (prepare_data.py) or go on without the file (a feature cache)."""
+
+    def __init__(self, path: str, reason: str, fix: str, kept: str = ""):
+        super().__init__(f"cannot write {path}: {reason}; {kept + '; ' if kept else ''}{fix}")
+        self.path, self.reason, self.kept, self.fix = path, reason, kept, fix
+
+
 def _disk_full(e: BaseException) -> bool:
     """Whether a failed write ran out of space: ENOSPC or EDQUOT from Python's own writes, or the
     short write torch reports when it writes a file by name ("unexpected pos")."""
@@ -384,8 +423,8 @@ def _disk_full(e: BaseException) -> bool:
         "unexpected pos", "No space left", "file write failed"))
 
 
-def disk_full_message(path: str, appended: bool = False) -> str:
-    """One line for a write that ran out of space, naming the file and what to do."""
+def _full(path: str, appended: bool = False) -> CannotWrite:
+    """CannotWrite for a write that ran out of space, naming the file and what to do."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         free = f"{shutil.disk_usage(folder).free / 2 ** 20:.0f} MiB free there now"
@@ -393,15 +432,60 @@ def disk_full_message(path: str, appended: bool = False) -> str:
         free = "its free space unknown"
     kept = ("its lines before this one are intact" if appended else "the unfinished file removed, "
             f"the previous {os.path.basename(path)}, if there was one, intact")
-    return (f"cannot write {path}: the disk is full (or over its quota; {free}; {kept}); free "
-            "some space and run the same command again")
+    return CannotWrite(path, f"the disk is full (or over its quota; {free})",
+                       "free some space and run the same command again", kept)
+
+
+def _unwritable(path: str, e: OSError) -> CannotWrite:
+    """CannotWrite for an OSError that is the user's to fix: no permission, a read-only file
+    system, a path whose folder is a file."""
+    why = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+           errno.EROFS: "the file system is read-only",
+           errno.ENOTDIR: "a part of its path is a file, not a folder",
+           errno.EEXIST: "a part of its path is a file, not a folder"}.get(e.errno)
+    if why is None:
+        raise e
+    return CannotWrite(path, why, "pass an output path in a folder you can write to")
+
+
+def make_folder(folder: str, flag: str = "") -> None:
+    """os.makedirs(folder, exist_ok=True), with a path under a file or a folder without write
+    permission one line (CannotWrite) naming `flag` (the flag that gave it) and the folder."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(f"{flag} {folder}".strip(), e) from None
+
+
+def remove_dead_temporaries(path: str) -> None:
+    """Remove the temporary files that writers killed mid-write left (kill -9 leaves them no
+    chance to clean up): `path`.tmp<pid>, or every *.tmp<pid> in `path` when it is a folder,
+    whose process no longer runs on this machine.  A live writer's file stays."""
+    pattern = (os.path.join(glob.escape(path), "*") if os.path.isdir(path) else glob.escape(path))
+    for tmp in glob.glob(pattern + ".tmp[0-9]*"):
+        pid = tmp.rpartition(".tmp")[2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue                    # that writer still runs
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, OSError):
+            continue                    # another user's live process, or not a pid here
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def _atomic_write(path: str, write) -> None:
     """write(file object) into a temporary file beside `path`, then rename it over `path`: a crash
     mid-write leaves the previous file intact.  A failed write removes its temporary file (a full
-    disk is not left fuller), and a full disk stops the program with one line saying so."""
+    disk is not left fuller), and temporaries of killed writers go on the next write; a full disk
+    or a folder that cannot be written stops the program with one line saying so (CannotWrite)."""
     tmp = f"{path}.tmp{os.getpid()}"
+    remove_dead_temporaries(path)
     try:
         with open(tmp, "wb") as fh:
             write(fh)
@@ -412,13 +496,15 @@ def _atomic_write(path: str, write) -> None:
         except OSError:
             pass
         if _disk_full(e):
-            raise SystemExit(disk_full_message(path)) from None
+            raise _full(path) from None
+        if isinstance(e, OSError):
+            raise _unwritable(path, e) from None
         raise
 
 
 def write_json(obj: dict, path: str) -> None:
     """Write atomically: a crash mid-write never leaves a half-written results file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    make_folder(os.path.dirname(os.path.abspath(path)))
     text = json.dumps(obj, indent=2) + "\n"      # before the file opens: bad data leave no file
     _atomic_write(path, lambda fh: fh.write(text.encode()))
 
@@ -438,26 +524,37 @@ def append_line(path: str, line: str) -> None:
             fh.write(line + "\n")
     except OSError as e:
         if _disk_full(e):
-            raise SystemExit(disk_full_message(path, appended=True)) from None
-        raise
+            raise _full(path, appended=True) from None
+        raise _unwritable(path, e) from None
 
 
 class DamagedFile(ValueError):
     """A file cut short or corrupted (a write killed half-way)."""
 
 
-def load_file(path: str):
+def load_file(path: str, with_sha256: bool = False):
     """What save_checkpoint wrote (checkpoints, caches), on the CPU: tensors and plain data only.
-    Anything else is refused, never unpickled: a crafted file could run code."""
+    Anything else is refused, never unpickled: a crafted file could run code.  with_sha256:
+    (object, sha256 of the bytes it was loaded from): the file is read once, so a file replaced
+    meanwhile (a training overwriting checkpoint.pth) cannot pair one file's contents with the
+    other's hash."""
     import pickle
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror or e})") from None
+    try:
+        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        built = re.search(r"GLOBAL ([\w.]+)", str(e))
         raise ValueError(f"refusing to load {path}: it holds objects other than tensors and plain "
-                         f"data, which loading would run as code ({str(e).splitlines()[0][:200]}); "
-                         "recreate it with this project's scripts") from None
-    except (RuntimeError, EOFError) as e:
-        raise DamagedFile(f"{path} is damaged or incomplete ({str(e).splitlines()[0][:200]})") from None
+                         f"data{f' ({built.group(1)})' if built else ''}, which loading would run "
+                         "as code; recreate it with this project's scripts") from None
+    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, KeyError) as e:
+        raise DamagedFile(f"{path} is damaged or incomplete ({type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:200]})") from None
+    return (obj, hashlib.sha256(raw).hexdigest()) if with_sha256 else obj
 
 
 def model_state(cfg: otl.ModelConfig) -> dict:
@@ -465,15 +562,42 @@ def model_state(cfg: otl.ModelConfig) -> dict:
     return asdict(cfg)
 
 
-def load_checkpoint(path: str, device="cpu"):
-    """(model, checkpoint dict): the model rebuilt from the ModelConfig saved in the checkpoint."""
+CHECKPOINT_KEYS = {"model": dict, "model_cfg": dict}
+
+
+def checkpoint_problem(ckpt) -> str | None:
+    """Why a loaded object is not a checkpoint of train_otl.py (None when it is one): a dict with
+    the model's weights and its ModelConfig."""
+    if not isinstance(ckpt, dict):
+        return f"it holds a {type(ckpt).__name__}, not a training checkpoint"
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not isinstance(ckpt.get(key), kind):
+            return f"it has no {key!r} entry, so it is not a checkpoint of train_otl.py"
+    return None
+
+
+def load_checkpoint(path: str, device="cpu", with_sha256: bool = False):
+    """(model, checkpoint dict): the model rebuilt from the ModelConfig saved in the checkpoint;
+    with_sha256, (model, checkpoint, sha256 of the file read).  ValueError, one line naming the
+    file, for a file that is crafted, damaged, not a training checkpoint, or whose weights do not
+    fit its config."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; train one with train_otl.py (its run "
                                 "folder's checkpoint0000.pth is the untrained network, the baseline)")
-    ckpt = load_file(path)
-    model = otl.build_model(otl.ModelConfig(**ckpt["model_cfg"]))
-    model.load_state_dict(ckpt["model"])
-    return model.to(device), ckpt
+    ckpt, sha = load_file(path, with_sha256=True)
+    why = checkpoint_problem(ckpt)
+    try:
+        if why is None:
+            model = otl.build_model(otl.ModelConfig(**ckpt["model_cfg"]))
+            model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        why = (f"its weights do not fit the model its config describes "
+               f"({(str(e).splitlines() or [''])[0][:200]})")
+    if why:
+        raise ValueError(f"{path}: {why}; pass a checkpoint.pth (or checkpointNNNN.pth) that "
+                         "train_otl.py wrote")
+    model = model.to(device)
+    return (model, ckpt, sha) if with_sha256 else (model, ckpt)
 
 
 def init_backbone(model, path: str) -> dict:
@@ -482,26 +606,31 @@ def init_backbone(model, path: str) -> dict:
     what the run records of its start: the checkpoint, its sha256, epoch and data set."""
     if not os.path.isfile(path):
         raise SystemExit(f"--init {path}: no such checkpoint (a run folder's checkpoint.pth)")
-    src, ck = load_checkpoint(path)
+    try:
+        src, ck = load_checkpoint(path)
+    except ValueError as e:          # crafted, damaged, or not a training checkpoint
+        raise SystemExit(f"--init {path}: {e}") from None
     diff = {k: (ck["model_cfg"].get(k), getattr(model.cfg, k)) for k in ("arch", "width", "small_stem")
             if ck["model_cfg"].get(k) != getattr(model.cfg, k)}
     if diff:
         raise SystemExit(f"--init {path} holds another backbone (its, this run's): {diff}; pass "
                          "this run the same --arch, --width and --small-stem")
     model.backbone.load_state_dict(src.backbone.state_dict())
-    src_args = ck.get("args") or {}
+    src_args = ck.get("args") if isinstance(ck.get("args"), dict) else {}
     return {"checkpoint": rel_path(path), "sha256": sha256_file(path), "epoch": ck.get("epoch"),
             "data": src_args.get("data"), "supervised": src_args.get("supervised")}
 
 
-def lock_run_folder(folder: str, flag: str = "--output"):
+def lock_run_folder(folder: str, flag: str = "--output", what: str = "training"):
     """Hold `folder`/.lock for this process, so that a second training on the same run folder
     stops at once (SystemExit naming the folder and the process that holds it) instead of both
-    writing the same log and checkpoints.  Returns a function that releases the lock (and removes
-    the file).  The lock is an flock on the file, which the kernel drops when the process ends
-    however it ends (kill -9 too), so a lock file left behind by a dead process is taken over
-    without a word; the file's text (pid, host, start, command) is there to name the holder.
-    Where the file system cannot lock, a warning says so and the run goes on unlocked."""
+    writing the same log and checkpoints (`what`: the kind of process, for that message; a
+    prepare_data.py run holds its --out the same way).  Returns a function that releases the
+    lock (and removes the file).  The lock is an flock on the file, which the kernel drops when
+    the process ends however it ends (kill -9 too), so a lock file left behind by a dead process
+    is taken over without a word; the file's text (pid, host, start, command) is there to name
+    the holder.  Where the file system cannot lock, a warning says so and the run goes on
+    unlocked."""
     try:
         import fcntl
     except ImportError:                         # not a POSIX system
@@ -528,7 +657,7 @@ def lock_run_folder(folder: str, flag: str = "--output"):
             who = (f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
                    f"{holder.get('started', '?')}: {holder.get('command', '?')}" if holder
                    else "another process, starting now")
-            raise SystemExit(f"{flag} {folder} is in use by another training ({who}); wait for "
+            raise SystemExit(f"{flag} {folder} is in use by another {what} ({who}); wait for "
                              f"it to end, or pass another {flag}") from None
         except OSError as e:                    # e.g. ENOLCK on some network file systems
             os.close(fd)
@@ -583,7 +712,7 @@ def _copy_into(src: str, fh) -> None:
 
 
 def restart_from_checkpoint(path: str, model, optimizer, generator, device, model_cfg: dict, args,
-                            ranks=None, extras=None):
+                            ranks=None, extras=None, data: dict | None = None):
     """Resume a run from `path` if it exists: the weights, the optimizer, the random states and
     the pseudo-labels.  Returns (epoch reached, pseudo-labels or None); (0, None) with no
     checkpoint.  extras: a dict whose keys get the checkpoint's values of the same names (None
@@ -591,26 +720,29 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     numbered snapshots, gives way to the newest intact snapshot, which the first process then
     copies over `path` (so a finished run's checkpoint.pth is whole again); half-written
     temporary files are removed (by the first process only: the run folder is its, under
-    lock_run_folder).  A checkpoint of another model is refused; other changed flags are warned
-    about."""
+    lock_run_folder).  A checkpoint of another model is refused, and so is one trained on other
+    data than `data` (data_record(--data) of this run: the pseudo-labels follow the image order
+    and split they were made on); other changed flags are warned about.  A crafted or foreign
+    file stops the run with one line naming it."""
     folder = os.path.dirname(os.path.abspath(path))
     rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
-    if rank == 0:
-        for f in glob.glob(os.path.join(folder, "*.tmp[0-9]*")):   # save_checkpoint's, cut short
-            try:
-                os.remove(f)
-            except FileNotFoundError:
-                pass
+    if rank == 0:       # save_checkpoint's, cut short (an evaluation's, still writing, stay)
+        remove_dead_temporaries(folder)
     src, why = path, None
-    if os.path.isfile(path):
-        try:
-            ck = load_file(path)
-        except DamagedFile as e:
-            why = str(e)
-    else:
-        why = f"{path} is missing"
+    fix = f"delete it (or pass another {'--output'}) to start a new run"
+    try:
+        if os.path.isfile(path):
+            try:
+                ck = load_file(path)
+            except DamagedFile as e:
+                why = str(e)
+        else:
+            why = f"{path} is missing"
+        if why is not None:
+            ck, src = _newest_intact_snapshot(folder)
+    except ValueError as e:                                 # crafted: refused, never unpickled
+        raise SystemExit(f"{e}; or {fix}") from None
     if why is not None:
-        ck, src = _newest_intact_snapshot(folder)
         if ck is None and os.path.isfile(path):
             raise SystemExit(f"{why}, and no intact snapshot is beside it; delete it to start over")
         if ck is None or (not os.path.isfile(path) and ck["epoch"] == 0):
@@ -619,17 +751,34 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
             _atomic_write(path, lambda fh: _copy_into(src, fh))
             print(f"warning: {why}; resuming from the newest intact snapshot, {src} (epoch "
                   f"{ck['epoch']}), copied over {os.path.basename(path)}", flush=True)
+    resumable = (("optimizer", dict), ("args", dict), ("epoch", int))
+    problem = checkpoint_problem(ck) or next(
+        (f"it has no {key!r} entry, so it is not a checkpoint of train_otl.py"
+         for key, kind in resumable if not isinstance(ck.get(key), kind)), None)
+    if problem:
+        raise SystemExit(f"{src}: {problem}; {fix}")
     if ck["model_cfg"] != model_cfg:
         diff = {k: (v, model_cfg.get(k)) for k, v in ck["model_cfg"].items() if model_cfg.get(k) != v}
         raise SystemExit(f"{src} holds a different model (checkpoint vs now: {diff}); use another "
                          "--output, or the flags of that run to resume it")
+    if data is not None:
+        stale = data_change(ck, data)
+        if stale:
+            raise SystemExit(f"{src} was trained on other data than {args.data} holds now: "
+                             f"{stale}. Its pseudo-labels and split are of those images, so it cannot go on "
+                             "here: prepare the data as it was for that run, or pass another "
+                             "--output to train afresh")
     changed = {k: (v, getattr(args, k)) for k, v in ck["args"].items()
                if k not in RESUMABLE_FLAGS and getattr(args, k, v) != v}
     if changed:
         print(f"warning: resuming with flags that differ from the checkpoint's (checkpoint, now): "
               f"{changed}", flush=True)
-    model.load_state_dict(ck["model"])
-    optimizer.load_state_dict(ck["optimizer"])
+    try:
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{src}: its weights or optimizer state do not fit the model its config "
+                         f"describes ({(str(e).splitlines() or [''])[0][:200]}); {fix}") from None
     if ck["args"].get("init_from"):     # where the run's weights came from stays in its record
         args.init_from = ck["args"]["init_from"]
     saved_world = ck.get("world_size", 1)
@@ -848,6 +997,34 @@ def data_identity(data_dir: str) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+def data_record(data_dir: str) -> dict:
+    """What a checkpoint records of the prepared data it was trained on: data_identity, the
+    sha256 of its cache.pt (images_identity) and a readable summary of both (data_change names
+    them when the data have changed since)."""
+    man = load_manifest(data_dir)
+    split = (f"split seed {man.get('split_seed')}, test fraction {man.get('test_frac')}"
+             if man.get("split") == "random" else f"{man.get('split')} split")
+    summary = (f"{man.get('n_images')} images of {man.get('image_size')} px in "
+               f"{len(man.get('classes') or [])} classes, {split}, {man.get('n_train')} train / "
+               f"{man.get('n_test')} test")
+    return {"data_identity": data_identity(data_dir),
+            "images_sha256": images_identity(data_dir)["sha256"], "data_summary": summary}
+
+
+def data_change(ckpt: dict, now: dict) -> str | None:
+    """How the data a checkpoint was trained on (its data_record entries) differ from `now`
+    (data_record of the data at hand), naming both sides; None when they are the same or the
+    checkpoint does not record them."""
+    for key, what in (("data_identity", "classes, counts, image size or split"),
+                      ("images_sha256", "the images (cache.pt)")):
+        then = ckpt.get(key)
+        if then and now.get(key) and then != now[key]:
+            before = ckpt.get("data_summary") or f"{key} {str(then)[:12]}"
+            return (f"{what} differ: then {before}; now {now['data_summary']} ({key} "
+                    f"{str(then)[:12]} then, {str(now[key])[:12]} now)")
+    return None
+
+
 def images_identity(data_dir: str) -> dict:
     """Which preparation of the images `data_dir` holds: the sha256 of cache.pt that its
     manifest records (prepare_data.py writes it) and the file's size and modification time
@@ -910,8 +1087,8 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     "auto" is the embedding when the model has one, else "pool".  Returns {"train": (Ntr, D),
     "test": (Nte, D), "train_labels", "test_labels", "classes", "data_dir", "img_size",
     "checkpoint", "epoch", "layer" (the layer taken)}."""
-    model, ckpt = load_checkpoint(ckpt_path, device)
-    args = ckpt.get("args", {})
+    model, ckpt, ckpt_sha256 = load_checkpoint(ckpt_path, device, with_sha256=True)
+    args = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
     given, data_dir = data_dir, data_dir or args.get("data")
     if not data_dir:
         raise ValueError(f"{ckpt_path} does not say which data set it was trained on: pass --data")
@@ -923,9 +1100,10 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     why = prepared_problem(data_dir, "--data" if given else "")
     if why:
         raise FileNotFoundError(why)
-    if ckpt.get("data_identity") and ckpt["data_identity"] != data_identity(data_dir):
-        raise ValueError(f"{data_dir} is not the data set {ckpt_path} was trained on (other "
-                         f"classes, counts, image size or split: {load_manifest(data_dir).get('classes')}); "
+    stale = data_change({k: v for k, v in ckpt.items() if k != "images_sha256"},
+                        data_record(data_dir))
+    if stale:   # (images prepared again with the same split: a note below, the features are new)
+        raise ValueError(f"{data_dir} is not the data set {ckpt_path} was trained on ({stale}); "
                          "pass --data with the folder it was trained on")
     size, crop = int(args.get("img_size", 64)), float(args.get("crop", 1.0))
     if layer == "auto":                     # the embedding when the model has one
@@ -935,8 +1113,10 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
         stem += f"_{layer}"
     cache = os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"features_{stem}.pt")
     # keyed on content: a checkpoint or split replaced in place (same size, same mtime) is seen,
-    # and so are images prepared again (prepare_data.py rebuilding cache.pt from a changed source)
-    key = {"checkpoint_sha256": sha256_file(ckpt_path), "data": os.path.abspath(data_dir),
+    # and so are images prepared again (prepare_data.py rebuilding cache.pt from a changed source);
+    # the checkpoint's hash is of the bytes the model was loaded from, not of the file as it is
+    # now (a training may have replaced it since)
+    key = {"checkpoint_sha256": ckpt_sha256, "data": os.path.abspath(data_dir),
            "split_sha256": sha256_file(os.path.join(data_dir, "split.json")), "img_size": size,
            "images": images_identity(data_dir)}
     if crop != 1:
@@ -947,8 +1127,12 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     if layer != "pool":
         key["layer"] = layer
     if os.path.isfile(cache):
-        saved = load_file(cache)
-        if saved.get("key") == key:
+        try:
+            saved = load_file(cache)
+        except DamagedFile as e:        # a cache: extracted again (a crafted one is refused)
+            print(f"note: {e}; extracting the features again", flush=True)
+            saved = None
+        if isinstance(saved, dict) and saved.get("key") == key:
             return {**saved, "layer": layer}
     trained_on, now = ckpt.get("images_sha256"), key["images"]["sha256"]
     if trained_on and now and trained_on != now:
@@ -962,7 +1146,11 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
            "train_labels": d["labels"][d["train_idx"]], "test_labels": d["labels"][d["test_idx"]],
            "classes": list(d["classes"]), "data_dir": data_dir, "img_size": size,
            "checkpoint": os.path.abspath(ckpt_path), "epoch": ckpt.get("epoch"), "key": key}
-    save_checkpoint(out, cache)
+    try:
+        save_checkpoint(out, cache)
+    except CannotWrite as e:      # a cache: the evaluation goes on without it
+        print(f"note: the features are not cached ({e}); the next evaluation extracts them again",
+              flush=True)
     return {**out, "layer": layer}
 
 
@@ -980,7 +1168,7 @@ def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
                         "set has moved since training, otherwise the checkpoint's is used")
     p.add_argument("--device", default="auto",
                    help=f"device for {device_use}: auto (CUDA when present), cpu or cuda[:i]")
-    p.add_argument("--batch-size", type=int, default=256,
+    p.add_argument("--batch-size", type=positive_int, default=256,
                    help="images per batch for feature extraction; lower it if memory runs out "
                         "(it does not change the features: the model is in eval mode)")
     p.add_argument("--feature", default="pool", help="the layer evaluated: pool (the backbone's "
@@ -1022,6 +1210,7 @@ def eval_features(args):
 def eval_record(args, feats: dict, seconds: float) -> dict:
     """What every evaluation's results JSON records besides its scores."""
     return {"checkpoint": rel_path(args.checkpoint), "epoch": feats["epoch"],
+            "checkpoint_sha256": feats["key"]["checkpoint_sha256"],
             "data_dir": rel_path(feats["data_dir"]), "n_train": feats["train"].shape[0],
             "n_test": feats["test"].shape[0], "feat_dim": feats["train"].shape[1],
             "command": command_line(), "args": vars(args), "git_commit": git_commit(),

@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 import zlib
 
 import pytest
@@ -447,3 +448,382 @@ def test_an_image_above_the_pixel_limit_is_refused_before_decoding(tmp_path):
     # the limit is a flag: a small one refuses the 16 x 16 images too
     with pytest.raises(SystemExit, match="16 x 16 = 256 pixels, more than --max-pixels 100"):
         prep(src, tmp_path / "out2", "--size", "16", "--max-pixels", "100")
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. the second pass: concurrent and stale files
+# ------------------------------------------------------------------------------------------------
+
+def test_a_second_prepare_on_a_folder_in_use_is_refused(tmp_path):
+    src, out = _colour_folder(tmp_path / "src", n=4), tmp_path / "data"
+    first = prep(src, out)
+    cache = (out / "cache.pt").read_bytes()
+    release = utils.lock_run_folder(str(out), "--out", "prepare_data.py run")   # as a run would
+    try:
+        with pytest.raises(SystemExit) as e:
+            prep(src, out, "--seed", "2", "--per-class", "3")
+        msg = str(e.value.code)
+        assert f"--out {out} is in use by another prepare_data.py run (process {os.getpid()}" in msg
+        assert "\n" not in msg
+    finally:
+        release()
+    assert (out / "cache.pt").read_bytes() == cache         # the folder is as the first run left it
+    assert prep(src, out) == first and not (out / ".lock").exists()
+
+
+def test_resuming_on_data_prepared_with_another_split_is_refused(tmp_path):
+    src, data, run = _colour_folder(tmp_path / "src"), tmp_path / "data", tmp_path / "run"
+    prep(src, data)
+    _train(data, run, "--epochs", "1")
+    prep(src, data, "--seed", "1")                          # the same images, another split
+    with pytest.raises(SystemExit) as e:
+        _train(data, run, "--epochs", "2")
+    msg = str(e.value.code)
+    assert f"{run / 'checkpoint.pth'} was trained on other data than {data} holds now" in msg
+    assert "then 24 images of 16 px in 3 classes, split seed 0" in msg
+    assert "now 24 images of 16 px in 3 classes, split seed 1" in msg and "\n" not in msg
+    assert utils.load_file(run / "checkpoint.pth")["epoch"] == 1       # nothing was trained
+    prep(src, data, "--seed", "0")                          # prepared as it was: it goes on
+    assert _train(data, run, "--epochs", "2")["epochs"] == 2
+
+
+def test_features_are_keyed_on_the_checkpoint_they_were_extracted_from(colour_data, tmp_path,
+                                                                         monkeypatch):
+    """An evaluation that loads checkpoint.pth while a training replaces it: the features of the
+    file it loaded must not be cached under the newer file's hash."""
+    import otl
+    run = tmp_path / "run"
+    _train(colour_data, run, "--epochs", "2", "--snapshot-every", "1")
+    ckpt = run / "checkpoint.pth"
+    shutil.copy(run / "checkpoint0001.pth", ckpt)           # the training is at epoch 1 ...
+    build = otl.build_model
+
+    def build_then_replace(cfg):                            # ... and writes epoch 2 meanwhile
+        shutil.copy(run / "checkpoint0002.pth", ckpt)
+        return build(cfg)
+    monkeypatch.setattr(otl, "build_model", build_then_replace)
+    first = _eval(eval_knn, ckpt, "--ks", "3")
+    monkeypatch.setattr(otl, "build_model", build)
+    assert first["epoch"] == 1                              # what it loaded, and says so
+    assert first["checkpoint_sha256"] == utils.sha256_file(run / "checkpoint0001.pth")
+    again = _eval(eval_knn, ckpt, "--ks", "3")              # the file now holds epoch 2
+    assert again["epoch"] == 2
+    assert again["checkpoint_sha256"] == utils.sha256_file(run / "checkpoint0002.pth")
+
+
+def _dead_pid():
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True)
+    return int(p.stdout)
+
+
+def test_temporaries_of_killed_writers_are_removed(colour_data, tmp_path):
+    """kill -9 mid-write leaves <file>.tmp<pid>: the next write of that file (or the next prepare
+    of that folder) removes it; a live writer's temporary stays."""
+    src, out = _colour_folder(tmp_path / "src", n=4), tmp_path / "data"
+    prep(src, out)
+    dead, alive = f".tmp{_dead_pid()}", f".tmp{os.getppid()}"
+    for f in ("cache.pt", "split.json", "manifest.json"):
+        (out / (f + dead)).write_bytes(b"cut short")
+    (out / ("cache.pt" + alive)).write_bytes(b"still being written")
+    prep(src, out)                                         # up to date: nothing rewritten, yet
+    assert sorted(os.listdir(out)) == ["cache.pt", "cache.pt" + alive, "manifest.json",
+                                       "split.json"]
+    run = tmp_path / "run"
+    _train(colour_data, run, "--epochs", "1")
+    (run / ("features_checkpoint.pt" + dead)).write_bytes(b"cut short")
+    _eval(eval_knn, run / "checkpoint.pth", "--ks", "3")
+    assert not [f for f in os.listdir(run) if ".tmp" in f]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_prepare_ends_its_decode_workers(eurosat_zip, tmp_path):
+    p = subprocess.Popen([sys.executable, "prepare_data.py", "--source", eurosat_zip, "--out",
+                          str(tmp_path / "data"), "--workers", "2", "--per-class", "1000"],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children():
+        try:
+            with open(f"/proc/{p.pid}/task/{p.pid}/children") as fh:
+                return [int(c) for c in fh.read().split()]
+        except OSError:
+            return []
+    try:
+        for _ in range(600):                                # the pool starts after the listing
+            if len(children()) >= 2 or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        workers = children()
+        assert len(workers) >= 2 and p.poll() is None, "the decode pool never started"
+    finally:
+        p.kill()                                            # kill -9
+        p.wait(timeout=30)
+    for _ in range(100):
+        if not any(os.path.exists(f"/proc/{w}") and _alive(w) for w in workers):
+            break
+        time.sleep(0.1)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _alive(w)]
+
+
+def _alive(pid):
+    """Running, not a zombie waiting for its (dead) parent to be reaped by init."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. the second pass: numbers that must not be silent
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script,argv,flag", [
+    ("eval_knn", ["--temperature", "nan"], "--temperature"),
+    ("eval_knn", ["--temperature", "inf"], "--temperature"),
+    ("eval_knn", ["--batch-size", "0"], "--batch-size"),
+    ("eval_linear", ["--wd-grid", "1e-3", "nan"], "--wd-grid"),
+    ("eval_linear", ["--max-iter", "0"], "--max-iter"),
+    ("train_otl", ["--lr", "nan"], "--lr"),
+    ("train_otl", ["--wd", "nan"], "--wd")])
+def test_nan_and_out_of_range_flags_are_refused_before_any_work(script, argv, flag, capsys):
+    module = {"eval_knn": eval_knn, "eval_linear": eval_linear, "train_otl": train_otl}[script]
+    base = (["--data", "d", "--output", "o"] if script == "train_otl" else ["--checkpoint", "c"])
+    with pytest.raises(SystemExit) as e:
+        module.get_args_parser().parse_args(base + argv)
+    assert e.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--lr", "-0.1"], "--lr must be >= 0, got -0.1"),
+    (["--k", "1"], "--k must be at least 2, got 1"),
+    (["--momentum", "1.5"], "--momentum must be in [0, 1)")])
+def test_training_flags_out_of_range_are_one_line(colour_data, tmp_path, argv, says):
+    with pytest.raises(SystemExit) as e:
+        _train(colour_data, tmp_path / "run", "--epochs", "1", *argv)
+    assert says in str(e.value.code) and "\n" not in str(e.value.code)
+    assert not (tmp_path / "run").exists()
+
+
+def _float_tiff(path, a):
+    from PIL import Image
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.fromarray(a.astype("float32"), mode="F").save(path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nan_or_inf_pixel_does_not_blacken_a_float_image(tmp_path, bad):
+    import numpy as np
+    ramp = np.tile(np.linspace(0, 1000, 16, dtype="float32"), (16, 1))
+    holed = ramp.copy()
+    holed[3, 5] = bad
+    for c in ("a", "b"):
+        for i in range(2):
+            _float_tiff(str(tmp_path / "src" / c / f"{i}.tif"), holed if i == 0 else ramp)
+    prep(tmp_path / "src", tmp_path / "data")
+    d = utils.load_prepared(str(tmp_path / "data"))
+    files = list(d["files"])
+    img, ref = d["images"][files.index("a/0.tif")], d["images"][files.index("a/1.tif")]
+    assert img.max() == 255 and img.min() == 0              # scaled over its finite range
+    keep = torch.ones(16, 16, dtype=torch.bool)
+    keep[3, 5] = False
+    assert torch.equal(img[:, keep], ref[:, keep])          # every finite pixel as without the hole
+    assert int(img[0, 3, 5]) == (255 if bad == float("inf") else 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# 12. the second pass: archives that are hostile or broken
+# ------------------------------------------------------------------------------------------------
+
+def _zip(path, members):
+    import zipfile
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return path
+
+
+def _png_bytes(rgb, size=16):
+    import io
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _colour_members(n=3):
+    return {f"set/{c}/{i}.png": _png_bytes(tuple(v + i for v in rgb))
+            for c, rgb in COLOURS.items() for i in range(n)}
+
+
+def test_a_zip_bomb_is_refused_from_its_listed_size(tmp_path, monkeypatch):
+    import zipfile
+    members = _colour_members()
+    members["set/red/bomb.png"] = bytes(3 << 20)           # 3 MiB of zeros: a few KB zipped
+    src = _zip(tmp_path / "bomb.zip", members)
+    assert os.path.getsize(src) < 100_000
+    read = zipfile.ZipFile.read
+
+    def watched(self, name, *a, **k):
+        assert not name.endswith("bomb.png"), "the bomb was inflated"
+        return read(self, name, *a, **k)
+    monkeypatch.setattr(zipfile.ZipFile, "read", watched)
+    with pytest.raises(SystemExit, match=r"set/red/bomb.png .*3,145,728 bytes, more than an "
+                                         r"image of --max-pixels 1,000 pixels takes"):
+        prep(src, tmp_path / "data", "--max-pixels", "1000")
+    man = prep(src, tmp_path / "data", "--max-pixels", "1000", "--skip-bad")
+    assert man["n_images"] == 9 and man["skipped"][0]["file"] == "set/red/bomb.png"
+
+
+@pytest.mark.parametrize("evil", ["../escape/x.png", "set/../../x.png", "/abs/red/x.png"])
+def test_a_zip_whose_entries_leave_it_is_refused(tmp_path, evil):
+    members = _colour_members()
+    members[evil] = _png_bytes((1, 2, 3))
+    src = _zip(tmp_path / "evil.zip", members)
+    with pytest.raises(SystemExit) as e:
+        prep(src, tmp_path / "data")
+    msg = str(e.value.code)
+    assert f"whose path leaves the archive (first: {evil!r}" in msg and "\n" not in msg
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_first_member_that_fails_its_crc_is_a_bad_image(tmp_path):
+    members = _colour_members()
+    src = tmp_path / "crc.zip"
+    import zipfile
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as z:   # stored: the bytes are the image's
+        for name, data in members.items():
+            z.writestr(name, data)
+    raw = bytearray(src.read_bytes())
+    first = sorted(members)[0]
+    at = raw.index(members[first]) + 40                     # inside the first image's data
+    raw[at] ^= 0xFF
+    src.write_bytes(bytes(raw))
+    with pytest.raises(SystemExit) as e:
+        prep(src, tmp_path / "data")
+    assert f"cannot read {first}" in str(e.value.code) and "CRC" in str(e.value.code)
+    man = prep(src, tmp_path / "data", "--skip-bad")
+    assert man["n_images"] == 8 and man["skipped"][0]["file"] == first
+
+
+def test_a_truncated_zip_is_called_cut_short(eurosat_zip, tmp_path):
+    cut = tmp_path / "EuroSAT.zip"
+    with open(eurosat_zip, "rb") as fh:
+        cut.write_bytes(fh.read(200_000))
+    with pytest.raises(SystemExit) as e:
+        prep(cut, tmp_path / "data")
+    msg = str(e.value.code)
+    assert "starts as a zip archive but cannot be read as one: it is cut short" in msg
+    assert "neither a folder nor a zip" not in msg
+
+
+def test_force_on_a_full_disk_says_the_folder_is_incomplete(tmp_path, monkeypatch):
+    src, out = _colour_folder(tmp_path / "src", n=4), tmp_path / "data"
+    prep(src, out)
+    monkeypatch.setattr(torch, "save", _fill_the_disk())
+    with pytest.raises(SystemExit) as e:
+        prep(src, out, "--force")
+    msg = str(e.value.code)
+    assert f"cannot write {out / 'cache.pt'}: the disk is full" in msg
+    assert f"{out} is incomplete" in msg and "intact" not in msg and "\n" not in msg
+    assert not (out / "manifest.json").exists()             # as the message says
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. the second pass: user mistakes that were tracebacks
+# ------------------------------------------------------------------------------------------------
+
+def _one_line(e, *parts):
+    msg = str(e.value.code)
+    assert "\n" not in msg, msg
+    for p in parts:
+        assert p in msg, msg
+    return msg
+
+
+def test_an_output_under_a_file_or_in_a_read_only_folder_is_one_line(colour_data, tmp_path,
+                                                                      monkeypatch, capsys):
+    run = tmp_path / "run"
+    _train(colour_data, run, "--epochs", "1")
+    ckpt = run / "checkpoint.pth"
+    (tmp_path / "afile").write_text("x")
+    under = tmp_path / "afile" / "knn.json"
+    with pytest.raises(SystemExit) as e:
+        _eval(eval_knn, ckpt, "--output", str(under))
+    _one_line(e, f"cannot write {tmp_path / 'afile'}", "a part of its path is a file")
+    with pytest.raises(SystemExit) as e:
+        _train(colour_data, tmp_path / "afile" / "run", "--epochs", "1")
+    _one_line(e, "--output", "a part of its path is a file")
+    # a run folder that cannot be written (root ignores modes: the refusal is simulated)
+    os.remove(run / "features_checkpoint.pt")               # (the first evaluation cached them)
+    real_open = open
+
+    def read_only(path, mode="r", *a, **k):
+        if "w" in mode and str(path).startswith(str(run)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, mode, *a, **k)
+    monkeypatch.setattr(utils, "open", read_only, raising=False)
+    with pytest.raises(SystemExit) as e:
+        _eval(eval_knn, ckpt, "--ks", "3")
+    _one_line(e, f"cannot write {run}", "permission denied")
+    # with --output elsewhere the evaluation runs: only its feature cache is not written
+    capsys.readouterr()
+    res = _eval(eval_knn, ckpt, "--ks", "3", "--output", str(tmp_path / "knn.json"))
+    assert 0 <= res["knn_top1"]["3"] <= 100 and (tmp_path / "knn.json").is_file()
+    assert "the features are not cached" in capsys.readouterr().out
+    assert not (run / "features_checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("device", ["mps", "xla", "meta"])
+def test_devices_other_than_cpu_and_cuda_are_one_line(device):
+    with pytest.raises(SystemExit) as e:
+        utils.pick_device(device)
+    _one_line(e, f"--device {device}", "use auto, cpu, cuda")
+
+
+def test_files_that_are_not_training_checkpoints_are_one_line(colour_data, tmp_path):
+    import dataclasses
+    import otl
+    run = tmp_path / "run"
+    _train(colour_data, run, "--epochs", "1")
+    good = utils.load_file(run / "checkpoint.pth")
+    other = tmp_path / "other.pth"
+    torch.save({"weights": torch.zeros(3)}, other)
+    with pytest.raises(SystemExit) as e:
+        _eval(eval_knn, other)
+    _one_line(e, str(other), "not a checkpoint of train_otl.py")
+    wrong = tmp_path / "wrong.pth"
+    torch.save({**good, "model_cfg": dataclasses.asdict(otl.ModelConfig(k=4, width=16))}, wrong)
+    with pytest.raises(SystemExit) as e:
+        _eval(eval_linear, wrong)
+    _one_line(e, str(wrong), "weights do not fit the model its config describes")
+    for bad in (other, wrong):                              # as --init
+        with pytest.raises(SystemExit) as e:
+            _train(colour_data, tmp_path / f"init_{bad.stem}", "--epochs", "1", "--init", str(bad))
+        _one_line(e, f"--init {bad}")
+
+
+def test_resume_or_init_from_a_crafted_or_damaged_file_is_one_line(colour_data, tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+    run = tmp_path / "run"
+    _train(colour_data, run, "--epochs", "1")
+    crafted = tmp_path / "crafted.pth"
+    torch.save({**utils.load_file(run / "checkpoint.pth"), "args": Payload()}, crafted)
+    damaged = tmp_path / "damaged.pth"
+    damaged.write_bytes((run / "checkpoint.pth").read_bytes()[:5000])
+    for bad, says in ((crafted, "refusing to load"), (damaged, "damaged or incomplete")):
+        with pytest.raises(SystemExit) as e:
+            _train(colour_data, tmp_path / f"init_{bad.stem}", "--epochs", "1", "--init", str(bad))
+        _one_line(e, f"--init {bad}", says)
+    shutil.copy(crafted, run / "checkpoint.pth")            # resume: a crafted checkpoint.pth
+    with pytest.raises(SystemExit) as e:
+        _train(colour_data, run, "--epochs", "2")
+    _one_line(e, str(run / "checkpoint.pth"), "refusing to load")
+    torch.save({"epoch": 1}, run / "checkpoint.pth")        # resume: not a training checkpoint
+    with pytest.raises(SystemExit) as e:
+        _train(colour_data, run, "--epochs", "2")
+    _one_line(e, str(run / "checkpoint.pth"), "not a checkpoint of train_otl.py")
+    assert not (tmp_path / "ran").exists()
