@@ -1,46 +1,83 @@
-# OTL: every stage, per data set.  `make eurosat` runs prepare -> train -> kNN -> linear -> report.
-#   make eurosat                    self-supervised OTL + random-init baseline + report
-#   make eurosat-supervised         the same network and schedule on the true labels
-#   make test                       the test suite (what CI runs)
-#   make labeler-bench              ours vs the published labeler vs Sinkhorn-Knopp: time, balance, memory
-#   make labeler-bench-gpu          the same on a CUDA GPU
-#   make labeler-profile-gpu        where the exact labeler's time goes on a GPU (1.28M x 3000)
-#   make labeler-compare REV=HEAD   a labeler change: the same labels and T as REV's, and the time
-#   make labeler-matrix             the matrix: ours vs the published rules on real outputs, k = 10..3000
-#   make train-bench-gpu            training and label-pass images/s against a plain supervised loop
-#   make hmhr                       HMHR by the transfer protocol: OTL from EuroSAT's OTL backbone, beside scratch and supervised
-#   make ucmerced|siri_whu SRC=..   the same three runs (transfer protocol; INIT=<checkpoint>: another backbone)
-#   make cifar10                    CIFAR-10 with AlexNet (the CPU twin here), from ../shared/data; likewise
-#     make aid|patternnet|nwpu_resisc45|cifar100|svhn SRC=<archive or folder>   (from scratch)
-#   make data DATASET=.. SRC=..     prepare any registered data set (hmhr-data, cifar10-data: ../shared/data)
-#   make ablations                  every study of the paper (ablations.py); one at a time:
-#     make ablation-beta|k-labeler|sinkhorn    labeler studies (minutes)
-#     make ablation-k|uneven|imbalanced|splits|labeler-in-training|lct   training studies (EuroSAT,
-#       3 seeds, <= 4 h each on 2 CPU cores; ABL_PRESET=paper: CIFAR-10 at the paper's scale, a GPU)
-#   make ablation-label-bn          the label pass's BatchNorm mode (eval or batch statistics)
-# Variables: PRESET=auto|paper|fast|cpu|... (auto: the data set's protocol on CUDA, its CPU twin
-#   otherwise; docs/presets.md), DEVICE=auto|cpu|cuda,
-#   EUROSAT_SRC=<zip or folder>|download, RUNS=runs, TRAIN_ARGS="--epochs 4 ..." (extra flags),
-#   INIT=<checkpoint> and TRANSFER_PRESET=transfer|transfer-cpu (ucmerced, siri_whu; HMHR_*: hmhr),
-#   PREP_ARGS="--size 150" (extra prepare_data.py flags: AID from a 150-px copy).
+# OTL, every stage chained per data set: prepare -> train -> kNN and linear probe -> report.
+# `make help` lists the targets; `make eurosat` is the main job, on the GPU it finds or the CPU.
+#
+## Main job and tests
+##   eurosat                  OTL on EuroSAT and its random-init floor, then results/eurosat.md
+##   eurosat-supervised       the same network and schedule on the true labels (the paper's column)
+##   test                     the test suite (what CI runs)
+##   setup                    the virtual environment from requirements.txt
+## The paper's tables on one GPU (data from ../shared/data, SRC or the official download)
+##   eurosat-gpu              table eur: the fast preset, OTL and its supervised twin
+##   hmhr-gpu                 table hrs: the transfer protocol from eurosat-gpu's backbone
+##   siri_whu-gpu SRC=..      table whu: the same (docs/datasets.md says where SIRI-WHU is)
+##   ucmerced-gpu SRC=..      table uc: the same
+##   cifar10-gpu              table ev-knn: CIFAR-10 with the cifar-fast preset
+## Other data sets (PRESET=auto: the data set's protocol on CUDA, its CPU twin otherwise)
+##   hmhr                     transfer protocol: OTL from make eurosat's backbone (INIT), OTL from
+##                            random init, supervised from INIT; then results/hmhr_transfer.md
+##   siri_whu SRC=..          the same three runs on SIRI-WHU
+##   ucmerced SRC=..          the same three runs on UC Merced
+##   cifar10                  from scratch, then results/cifar10.md and results/tables.md
+##   cifar100 svhn            the same (downloaded)
+##   aid patternnet nwpu_resisc45 SRC=..   the same from a local copy
+##   eurosat-data             prepare EuroSAT into data/eurosat (EUROSAT_SRC, else ../shared/data)
+##   data DATASET=.. SRC=..   prepare any registered data set into data/<DATASET>
+##   eval-run RUN=..          kNN and linear probe of RUN's final and random-init checkpoints
+##   tables                   results/tables.md: every table of the paper beside ours
+## The paper's studies (ablations.py; docs/ablations.md); each resumes where it stopped
+##   ablations                every study below, one at a time
+##   ablation-beta ablation-k-labeler ablation-sinkhorn        labeler studies (minutes)
+##   ablation-k ablation-uneven ablation-imbalanced ablation-labeler-in-training ablation-lct
+##                            training studies (EuroSAT, 3 seeds a point; ABL_PRESET=paper: the
+##                            paper's CIFAR-10 scale, for a GPU)
+##   ablation-splits          five divisions of SIRI-WHU from INIT's backbone
+##   ablation-label-bn        the label pass's BatchNorm mode
+## Benchmarks
+##   labeler-bench            the labelers on the same outputs: time, balance, memory
+##   labeler-bench-gpu        the same on a CUDA GPU
+##   labeler-matrix           ours against the published rules on trained networks' outputs
+##   labeler-compare REV=..   this labeler against REV's: the same labels and T, and the time
+##   train-bench-gpu          training and label-pass images/s against a plain supervised loop
+## Housekeeping
+##   help                     this list
+##   clean-runs               delete RUNS (checkpoints, logs, evaluations)
+##
+## Variables: PRESET DEVICE=auto|cpu|cuda RUNS=runs DATA=data OUT=results TRAIN_ARGS="--epochs 4"
+##   PREP_ARGS="--drop-duplicates" SRC=<archive or folder> EUROSAT_SRC=<EuroSAT's> INIT=<checkpoint>
+##   RUN_NAME=<another run folder and report name> TRANSFER_PRESET REPORT GPU=cuda
 
-PY        ?= .venv/bin/python
-TRANSFER_SETS = ucmerced siri_whu
-SCRATCH_SETS  = aid patternnet nwpu_resisc45 cifar10 cifar100 svhn
-SETS       = $(TRANSFER_SETS) $(SCRATCH_SETS)
-PRESET    ?= auto
-DEVICE    ?= auto
-RUNS      ?= runs
+PY         ?= .venv/bin/python
+PRESET     ?= auto
+DEVICE     ?= auto
+RUNS       ?= runs
+DATA       ?= data
+OUT        ?= results
 TRAIN_ARGS ?=
-EUROSAT_SRC ?= $(if $(wildcard ../shared/data/EuroSAT.zip),../shared/data/EuroSAT.zip,download)
-SRC_FLAG   = $(if $(filter download,$(EUROSAT_SRC)),--download,--source $(EUROSAT_SRC))
-STAMP      = .venv/.installed
+PREP_ARGS  ?=
+SRC        ?=
+EUROSAT_SRC ?=
+INIT       ?= $(RUNS)/eurosat/checkpoint.pth
+RUN_NAME   ?=
+GPU        ?= cuda
+# the transfer sets' preset: auto takes `transfer` on CUDA and `transfer-cpu` on the CPU; it must
+# match INIT's backbone (a `fast` or `paper` backbone: transfer)
+TRANSFER_PRESET ?= auto
+STAMP       = .venv/.installed
 
-.PHONY: eurosat eurosat-supervised eurosat-data data hmhr hmhr-data cifar10-data $(SETS) eval-run labeler-bench labeler-matrix labeler-bench-gpu labeler-profile-gpu labeler-compare train-bench-gpu ablations $(addprefix ablation-,$(ABLATIONS)) ablation-label-bn test setup clean-runs help
+TRANSFER_SETS = hmhr siri_whu ucmerced
+SCRATCH_SETS  = cifar10 cifar100 svhn aid patternnet nwpu_resisc45
+LABELER_STUDIES = beta k-labeler sinkhorn
+TRAINING_STUDIES = k uneven imbalanced labeler-in-training lct
+STUDIES = $(LABELER_STUDIES) $(TRAINING_STUDIES) splits label-bn
+GPU_TABLES = eurosat-gpu $(addsuffix -gpu,$(TRANSFER_SETS)) cifar10-gpu
+
+.PHONY: help setup test eurosat eurosat-supervised eurosat-data data eval-run tables \
+        $(TRANSFER_SETS) $(SCRATCH_SETS) $(GPU_TABLES) ablations $(addprefix ablation-,$(STUDIES)) \
+        labeler-bench labeler-bench-gpu labeler-matrix labeler-compare train-bench-gpu clean-runs
 .DELETE_ON_ERROR:
 
 help:
-	@sed -n '1,25p' Makefile
+	@sed -n 's/^## \{0,1\}//p' Makefile
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -51,27 +88,32 @@ $(STAMP): requirements.txt
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Where a data set comes from: $2 when given, else its copy in ../shared/data, else the official
+# download (checksummed; prepare_data.py says which sets have one)
+SHARED_eurosat = EuroSAT.zip
+SHARED_cifar10 = cifar10_jpg.zip
+SHARED_hmhr    = HMHR.zip
+source = $(if $2,--source $2,$(if $(and $(SHARED_$1),$(wildcard ../shared/data/$(SHARED_$1))),--source ../shared/data/$(SHARED_$1),--download))
+# a run folder and report name: RUN_NAME, else $1
+name = $(or $(RUN_NAME),$1)
+
 # ---------------------------------------------------------------------------- EuroSAT
 eurosat-data: $(STAMP)
-	$(PY) prepare_data.py --dataset eurosat $(SRC_FLAG) --out data/eurosat
+	$(PY) prepare_data.py --dataset eurosat $(call source,eurosat,$(EUROSAT_SRC)) --out $(DATA)/eurosat $(PREP_ARGS)
 
-# One chain per run folder: train (resumes if interrupted), evaluate the final checkpoint and
-# the random-init snapshot (checkpoint0000.pth), then the report.
 eurosat: eurosat-data
-	@$(PY) -c "import utils; d = utils.pick_device('$(DEVICE)'); p = utils.preset_for('$(PRESET)', d); \
-	  print('=' * 72 + f'\n  make eurosat: PRESET={p} on {d}' + (' (the CPU preset: docs/presets.md says what it gives up)' if p == 'cpu' else '') + '\n' + '=' * 72)"
-	$(PY) train_otl.py --data data/eurosat --output $(RUNS)/eurosat --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/eurosat
-	$(PY) report.py --dataset eurosat --runs $(RUNS) --out results
+	$(PY) train_otl.py --data $(DATA)/eurosat --output $(RUNS)/$(call name,eurosat) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(call name,eurosat)
+	$(PY) report.py --dataset eurosat --runs $(RUNS) --otl-run $(call name,eurosat) --name $(call name,eurosat) --out $(OUT)
 
 eurosat-supervised: eurosat-data
-	$(PY) train_otl.py --data data/eurosat --output $(RUNS)/eurosat_supervised --supervised --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/eurosat_supervised
-	$(PY) report.py --dataset eurosat --runs $(RUNS) --out results
+	$(PY) train_otl.py --data $(DATA)/eurosat --output $(RUNS)/$(call name,eurosat)_supervised --supervised --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(call name,eurosat)_supervised
+	$(PY) report.py --dataset eurosat --runs $(RUNS) --otl-run $(call name,eurosat) --name $(call name,eurosat) --out $(OUT)
 
-# evaluate the last checkpoint of RUN and its random-init snapshot (FEATURE: eval_knn.py --feature)
-# (LINEAR_FEATURE: the linear probe's, FEATURE's by default)
-FEATURE ?= pool
+# kNN and linear probe of RUN's last checkpoint and of its random-init snapshot (checkpoint0000.pth);
+# FEATURE: the layer (eval_knn.py --feature), LINEAR_FEATURE: the linear probe's
+FEATURE        ?= pool
 LINEAR_FEATURE ?= $(FEATURE)
 eval-run:
 	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE) --feature $(FEATURE)
@@ -80,114 +122,97 @@ eval-run:
 	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(LINEAR_FEATURE)
 
 # ---------------------------------------------------------------------------- other data sets
-# Any data set of prepare_data.py's registry (eurosat ucmerced siri_whu aid patternnet
-# nwpu_resisc45 hmhr cifar10 cifar100 svhn imagenet folder) from a local archive or folder:
-#   make data DATASET=ucmerced SRC=path/to/UCMerced_LandUse.zip
 data: $(STAMP)
-	$(PY) prepare_data.py --dataset $(DATASET) --source $(SRC) --out data/$(DATASET) $(PREP_ARGS)
+	$(PY) prepare_data.py --dataset $(DATASET) $(call source,$(DATASET),$(SRC)) --out $(DATA)/$(DATASET) $(PREP_ARGS)
 
-HMHR_DATA   ?= data/hmhr
-HMHR_PREP   ?=
-hmhr-data: $(STAMP)
-	$(PY) prepare_data.py --dataset hmhr --source $(or $(SRC),../shared/data/HMHR.zip) --out $(HMHR_DATA) $(HMHR_PREP)
-
-# HMHR, the paper's transfer protocol: OTL from a backbone pretrained by OTL on EuroSAT (HMHR_INIT,
-# by default this folder's make eurosat run, made first if missing), OTL from random init, and
-# supervised from the same backbone; each evaluated, then results/hmhr_transfer.md.
-# HMHR_PRESET: TRANSFER_PRESET by default (transfer on CUDA, where make eurosat trains a
-# paper-preset backbone; transfer-cpu for a cpu-preset one).
-# HMHR keeps its duplicates as found (10 of the 106 test images have a copy in the training
-# split); HMHR_PREP=--drop-duplicates HMHR_DATA=data/hmhr_dedup HMHR_REPORT=hmhr_transfer_dedup
-# RUNS=runs/dedup runs the same without them.
-HMHR_INIT   ?= $(RUNS)/eurosat/checkpoint.pth
-HMHR_PRESET ?= $(TRANSFER_PRESET)
-HMHR_REPORT ?= hmhr_transfer
-hmhr: hmhr-data
-hmhr: T_DATA = $(HMHR_DATA)
-hmhr: T_PREFIX = hmhr
-hmhr: T_PRESET = $(HMHR_PRESET)
-hmhr: T_INIT = $(HMHR_INIT)
-hmhr: T_REPORT = $(HMHR_REPORT)
-
-# The transfer protocol's three runs, one recipe for hmhr and the small sets (ucmerced, siri_whu:
-# their T_* below), each target saying what by its T_* variables: T_PREP (prepare the data, if
-# the recipe does it), then on T_DATA with T_PRESET: T_PREFIX_from_eurosat (OTL from T_INIT's
-# backbone, make eurosat first if it is missing), T_PREFIX_scratch (OTL from random init) and
-# T_PREFIX_supervised_from_eurosat (supervised from T_INIT); eval-run each, then
-# results/T_REPORT.md (report.py --rows).
-hmhr $(TRANSFER_SETS):
-	$(T_PREP)
-	test -f $(T_INIT) || $(MAKE) --no-print-directory eurosat
-	$(PY) train_otl.py --data $(T_DATA) --output $(RUNS)/$(T_PREFIX)_from_eurosat --preset $(T_PRESET) --init $(T_INIT) --device $(DEVICE) $(TRAIN_ARGS)
-	$(PY) train_otl.py --data $(T_DATA) --output $(RUNS)/$(T_PREFIX)_scratch --preset $(T_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(PY) train_otl.py --data $(T_DATA) --output $(RUNS)/$(T_PREFIX)_supervised_from_eurosat --supervised --preset $(T_PRESET) --init $(T_INIT) --device $(DEVICE) $(TRAIN_ARGS)
-	for r in $(T_PREFIX)_from_eurosat $(T_PREFIX)_scratch $(T_PREFIX)_supervised_from_eurosat; do $(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$$r || exit 1; done
-	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --name $(T_REPORT) --rows "OTL from EuroSAT OTL=$(T_PREFIX)_from_eurosat" "OTL from random init=$(T_PREFIX)_scratch" "supervised from EuroSAT OTL=$(T_PREFIX)_supervised_from_eurosat"
-
-cifar10-data: $(STAMP)
-	$(PY) prepare_data.py --dataset cifar10 $(if $(SRC),--source $(SRC),$(if $(wildcard ../shared/data/cifar10_jpg.zip),--source ../shared/data/cifar10_jpg.zip,--download)) --out data/cifar10
-
-# make <set> [SRC=<archive or folder>] for the paper's other data sets: prepare (from SRC, else
-# from ../shared/data where it is there, else --download where the set has a checksummed
-# source), then
-# - ucmerced, siri_whu (TRANSFER_SETS): the paper's transfer protocol, as make hmhr: OTL from the
-#   backbone INIT (default this folder's make eurosat run, made first if missing), OTL from random
-#   init and supervised from INIT, each with TRANSFER_PRESET (transfer on CUDA, transfer-cpu
-#   otherwise: it must match INIT's backbone, the cpu or the paper preset's) and evaluated, then
-#   results/<set>_transfer.md;
-# - the rest (SCRATCH_SETS): OTL from scratch with PRESET (auto: the data set's protocol, paper or
-#   alexnet-cifar on CUDA and their CPU twins otherwise: docs/presets.md), kNN and linear probe of
-#   the final and the random-init network (kNN on the 128-d embedding when the model has one;
-#   natural images: the linear probe on conv5, as the paper), then results/<set>.md and the
-#   overview results/tables.md.
-#   make cifar10                           AlexNet on CUDA (its CPU twin cifar-cpu: ResNet-18), from ../shared/data
-#   make ucmerced SRC=UCMerced_LandUse.zip ResNet-18 from make eurosat's backbone, three runs
-#   make ucmerced SRC=... INIT=runs/x/checkpoint.pth TRANSFER_PRESET=transfer    another backbone
-#   make cifar10 PRESET=resnet50-cifar RUN_NAME=cifar10_resnet50    the ResNet-50 table's run
-# RUN_NAME names the run folder (the transfer sets: the prefix of their three, and of the report).
-# ImageNet has no preset of its own: make data DATASET=imagenet SRC=..., then train_otl.py.
-SHARED_cifar10 = cifar10_jpg.zip
-RUN_NAME ?=
-INIT     ?= $(RUNS)/eurosat/checkpoint.pth
-# DEVICE=auto asks torch (utils.pick_device, as make eurosat's banner), once, only when used
-TRANSFER_DEVICE = $(eval TRANSFER_DEVICE := $(if $(filter auto,$(DEVICE)),$$(shell $(PY) -c "import utils; print(utils.pick_device('auto').type)" 2>/dev/null),$(DEVICE)))$(TRANSFER_DEVICE)
-TRANSFER_PRESET ?= $(if $(filter cuda%,$(TRANSFER_DEVICE)),transfer,transfer-cpu)
-PREPARE_SET = $(PY) prepare_data.py --dataset $@ $(if $(SRC),--source $(SRC),$(if $(and $(SHARED_$@),$(wildcard ../shared/data/$(SHARED_$@))),--source ../shared/data/$(SHARED_$@),--download)) --out data/$@ $(PREP_ARGS)
-$(SETS): NAME = $(or $(RUN_NAME),$@)
-# the paper's natural-image tables: kNN on the embedding (auto), the linear probe on conv5 (a
-# ResNet's conv5 is its last stage: the pooled features)
-$(SCRATCH_SETS): LIN_FEATURE = $(if $(filter cifar10 cifar100 svhn,$@),conv5,auto)
+# The paper's transfer protocol for a small set: OTL from INIT's backbone (make eurosat's run,
+# made first if missing), OTL from random init, and supervised from INIT, each evaluated, then
+# results/<set>_transfer.md.  HMHR without its duplicates:
+#   make hmhr PREP_ARGS=--drop-duplicates RUN_NAME=hmhr_dedup REPORT=hmhr_transfer_dedup
 $(TRANSFER_SETS): $(STAMP)
-$(TRANSFER_SETS): T_PREP = $(PREPARE_SET)
-$(TRANSFER_SETS): T_DATA = data/$@
-$(TRANSFER_SETS): T_PREFIX = $(NAME)
-$(TRANSFER_SETS): T_PRESET = $(TRANSFER_PRESET)
-$(TRANSFER_SETS): T_INIT = $(INIT)
-$(TRANSFER_SETS): T_REPORT = $(NAME)_transfer
+	$(PY) prepare_data.py --dataset $@ $(call source,$@,$(SRC)) --out $(DATA)/$(call name,$@) $(PREP_ARGS)
+	test -f $(INIT) || $(MAKE) --no-print-directory eurosat RUN_NAME= PREP_ARGS=
+	$(PY) train_otl.py --data $(DATA)/$(call name,$@) --output $(RUNS)/$(call name,$@)_from_eurosat --init $(INIT) --preset $(TRANSFER_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data $(DATA)/$(call name,$@) --output $(RUNS)/$(call name,$@)_scratch --preset $(TRANSFER_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(PY) train_otl.py --data $(DATA)/$(call name,$@) --output $(RUNS)/$(call name,$@)_supervised_from_eurosat --supervised --init $(INIT) --preset $(TRANSFER_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(call name,$@)_from_eurosat
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(call name,$@)_scratch
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(call name,$@)_supervised_from_eurosat
+	$(PY) report.py --dataset $@ --runs $(RUNS) --out $(OUT) --name $(or $(REPORT),$(call name,$@)_transfer) \
+	  --rows "OTL from EuroSAT OTL=$(call name,$@)_from_eurosat" "OTL from random init=$(call name,$@)_scratch" \
+	  "supervised from EuroSAT OTL=$(call name,$@)_supervised_from_eurosat"
 
+# From scratch, then the report and the overview.  The natural-image tables evaluate kNN on the
+# 128-d embedding where the model has one (auto) and the linear probe on conv5 (a ResNet's last
+# stage: the pooled features), as the paper does.
+#   make cifar10 PRESET=resnet50-cifar RUN_NAME=cifar10_resnet50    the ResNet-50 table's run
 $(SCRATCH_SETS): $(STAMP)
-	$(PREPARE_SET)
-	$(PY) train_otl.py --data data/$@ --output $(RUNS)/$(NAME) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
-	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(NAME) FEATURE=auto LINEAR_FEATURE=$(LIN_FEATURE)
-	$(PY) report.py --dataset $@ --runs $(RUNS) --out results --otl-run $(NAME) --name $(NAME) --feature auto --linear-feature $(LIN_FEATURE)
-	$(PY) report.py --overview --out results
+	$(PY) prepare_data.py --dataset $@ $(call source,$@,$(SRC)) --out $(DATA)/$@ $(PREP_ARGS)
+	$(PY) train_otl.py --data $(DATA)/$@ --output $(RUNS)/$(call name,$@) --preset $(PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(call name,$@) FEATURE=auto LINEAR_FEATURE=$(if $(filter cifar10 cifar100 svhn,$@),conv5,auto)
+	$(PY) report.py --dataset $@ --runs $(RUNS) --out $(OUT) --otl-run $(call name,$@) --name $(call name,$@) --feature auto --linear-feature $(if $(filter cifar10 cifar100 svhn,$@),conv5,auto)
+	$(PY) report.py --overview --out $(OUT)
 
-# ------------------------------------------------------------------------- benchmarks
-# The labelers on the same outputs (gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh and
-# of the trained network when data/eurosat and runs/eurosat exist; 1.28M x 3000 streamed in chunks).
+tables:
+	$(PY) report.py --overview --out $(OUT)
+
+# ---------------------------------------------------------------------------- on one GPU
+# Each of the paper's tables that one GPU reruns, in one command (GPU=cuda:1: another device)
+eurosat-gpu:
+	$(MAKE) --no-print-directory eurosat eurosat-supervised PRESET=fast DEVICE=$(GPU) RUN_NAME=eurosat_fast
+
+$(addsuffix -gpu,$(TRANSFER_SETS)): %-gpu:
+	test -f $(RUNS)/eurosat_fast/checkpoint.pth || $(MAKE) --no-print-directory eurosat-gpu RUN_NAME= PREP_ARGS=
+	$(MAKE) --no-print-directory $* INIT=$(RUNS)/eurosat_fast/checkpoint.pth TRANSFER_PRESET=transfer DEVICE=$(GPU) RUN_NAME=$(or $(RUN_NAME),$*_gpu)
+
+cifar10-gpu:
+	$(MAKE) --no-print-directory cifar10 PRESET=cifar-fast DEVICE=$(GPU) RUN_NAME=cifar10_fast
+
+# ---------------------------------------------------------------------------- studies
+# Each writes $(OUT)/ablations/<study>.json, .md and .png.  ABL_ARGS: more ablations.py flags.
+ABL_PRESET ?= study
+ABL_ARGS   ?=
+ablations: $(addprefix ablation-,$(STUDIES))
+
+# the labeler studies take CIFAR-10's training split; the training studies train on EuroSAT at the
+# study scale and on CIFAR-10 at the paper's (ablations.py --help)
+$(addprefix ablation-,$(LABELER_STUDIES)): ablation-%:
+	$(MAKE) --no-print-directory data DATASET=cifar10
+	$(PY) ablations.py $* --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
+
+$(addprefix ablation-,$(TRAINING_STUDIES)): ablation-%:
+	$(MAKE) --no-print-directory $(if $(filter paper,$(ABL_PRESET)),data DATASET=cifar10,eurosat-data)
+	$(PY) ablations.py $* --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
+
+# five divisions of SIRI-WHU (make data DATASET=siri_whu SRC=.. first), OTL and supervised from INIT
+ablation-splits: $(STAMP)
+	@test -f $(DATA)/siri_whu/manifest.json || { echo "$(DATA)/siri_whu is not prepared: make data DATASET=siri_whu SRC=<the SIRI-WHU folder> first (docs/datasets.md says where it is)"; exit 1; }
+	test -f $(INIT) || $(MAKE) --no-print-directory eurosat RUN_NAME= PREP_ARGS=
+	$(PY) ablations.py splits --init $(INIT) --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
+
+ablation-label-bn: eurosat-data
+	$(PY) ablations.py label-bn --data $(DATA)/eurosat --output $(RUNS)/label_bn --device $(DEVICE)
+
+# ---------------------------------------------------------------------------- benchmarks
+# The labelers on the same outputs (Gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh
+# and of the trained network where data/eurosat and runs/eurosat exist; 1.28M x 3000 streamed).
 labeler-bench: eurosat-data
-	$(PY) bench/bench_labeler.py --out results/labeler_bench.json --plot results/labeler_bench.png
+	$(PY) bench/bench_labeler.py --out $(OUT)/labeler_bench.json --plot $(OUT)/labeler_bench.png
 
-# the matrix (results/labeler_matrix_v34.md): ours against the published rules on random and
-# trained networks' outputs, EuroSAT and CIFAR-10, all images and the training split, k = 10 .. 3000;
-# six runs, then the table over them (about an hour on 2 cores).  Needs the trained networks of
-# `make eurosat` and `make cifar10`; MATRIX_V names the files.
+labeler-bench-gpu: $(STAMP)
+	PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $(PY) bench/bench_labeler.py --device cuda --skip-real \
+	  --ref-n 640000 --repeat 3 --out $(OUT)/labeler_bench_gpu.json --plot $(OUT)/labeler_bench_gpu.png
+
+# ours against the published rules on random and trained networks' outputs, EuroSAT and CIFAR-10,
+# all images and the training split, k = 10 .. 3000 (about an hour on 2 cores); it needs the
+# trained networks of `make eurosat` and `make cifar10`; MATRIX_V names the files
 MATRIX_V ?= new
 MATRIX_RUN = $(PY) bench/bench_labeler.py --skip-large --ks 10 --methods exact,published
-MATRIX_E = --data data/eurosat --net cpu --checkpoint $(RUNS)/eurosat/checkpoint.pth
-MATRIX_C = --data data/cifar10 --net alexnet-cifar-cpu --checkpoint $(RUNS)/cifar10/checkpoint.pth --real-split train
-MATRIX_OUT = $(foreach s,eurosat_small_k eurosat_train_small_k cifar10_small_k eurosat_large_k eurosat_train_large_k cifar10_large_k,results/labeler_bench_$(MATRIX_V)_$(s).json)
-labeler-matrix: eurosat-data cifar10-data
+MATRIX_E = --data $(DATA)/eurosat --net cpu --checkpoint $(RUNS)/eurosat/checkpoint.pth
+MATRIX_C = --data $(DATA)/cifar10 --net alexnet-cifar-cpu --checkpoint $(RUNS)/cifar10/checkpoint.pth --real-split train
+MATRIX_OUT = $(foreach s,eurosat_small_k eurosat_train_small_k cifar10_small_k eurosat_large_k eurosat_train_large_k cifar10_large_k,$(OUT)/labeler_bench_$(MATRIX_V)_$(s).json)
+labeler-matrix: eurosat-data
+	$(MAKE) --no-print-directory data DATASET=cifar10
 	@for f in $(RUNS)/eurosat/checkpoint.pth $(RUNS)/cifar10/checkpoint.pth; do test -f $$f || \
 	  { echo "$$f is missing: the matrix needs the trained networks of make eurosat and make cifar10"; exit 1; }; done
 	$(MATRIX_RUN) $(MATRIX_E) --real-ks 10,50,100,128 --trained-ks 10,50,100 --fresh 5 --out $(word 1,$(MATRIX_OUT))
@@ -196,59 +221,17 @@ labeler-matrix: eurosat-data cifar10-data
 	$(MATRIX_RUN) $(MATRIX_E) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 4,$(MATRIX_OUT))
 	$(MATRIX_RUN) $(MATRIX_E) --real-split train --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 5,$(MATRIX_OUT))
 	$(MATRIX_RUN) $(MATRIX_C) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 6,$(MATRIX_OUT))
-	$(PY) bench/bench_labeler.py --summary $(MATRIX_OUT) --matrix-plot results/labeler_matrix_$(MATRIX_V).png \
-	  > results/labeler_matrix_$(MATRIX_V).md
-	@tail -n 1 results/labeler_matrix_$(MATRIX_V).md
+	$(PY) bench/bench_labeler.py --summary $(MATRIX_OUT) --matrix-plot $(OUT)/labeler_matrix_$(MATRIX_V).png \
+	  > $(OUT)/labeler_matrix_$(MATRIX_V).md
 
-# the same on a GPU (Gaussian inputs; the published labeler on 640,000 rows, which its float64
-# copies fit in 80 GB)
-labeler-bench-gpu: $(STAMP)
-	PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $(PY) bench/bench_labeler.py --device cuda --skip-real \
-	  --ref-n 640000 --repeat 3 --out results/labeler_bench_gpu.json --plot results/labeler_bench_gpu.png
-
-labeler-profile-gpu: $(STAMP)
-	$(PY) bench/profile_labeler.py --device cuda --out results/labeler_profile_gpu.txt
-
-# otl_scale.py's tuned labeler against REV's (a commit, or a path to another otl_scale.py): bit-for-bit
-# labels and T on Gaussian, collapsed and grouped inputs at k = 2 - 3000 and the time of each,
-# 320,000 x 3000 included (about 3 minutes on 2 cores); fails if any case differs
+# otl_scale.py's labeler against REV's (a commit, or a path to another otl_scale.py): the same
+# labels and T on Gaussian, collapsed and grouped inputs at k = 2 - 3000, and the time of each
 REV ?= HEAD
 labeler-compare: $(STAMP)
 	$(PY) bench/compare_labelers.py $(REV) otl_scale.py --inputs small,stream,large --expect-same
 
-# images/s of the OTL step, the label pass and augmentation at 224, 112 and 64 px, and of a plain
-# supervised ResNet-18 loop (the ceiling); torch.compile timed at 112 px
 train-bench-gpu: $(STAMP)
-	$(PY) bench/bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out results/train_throughput_gpu.json
-
-# ------------------------------------------------------------------------- experiments
-# The paper's studies (ablations.py --help; docs/ablations.md): each resumes where it stopped and
-# writes results/ablations/<study>.json, .md, .png.  ABL_ARGS: extra ablations.py flags.
-ABL_PRESET ?= study
-ABL_ARGS   ?=
-ABL_LABELER = beta k-labeler sinkhorn
-ABL_TRAIN   = k uneven imbalanced labeler-in-training lct
-ABLATIONS   = $(ABL_LABELER) $(ABL_TRAIN) splits
-ablations: $(addprefix ablation-,$(ABLATIONS))
-
-# the labeler studies take CIFAR-10's training split as input; the training studies train on
-# EuroSAT at study scale and on CIFAR-10 at the paper's (ablations.py's SCALES)
-$(addprefix ablation-,$(ABL_LABELER)): ablation-%: cifar10-data
-	$(PY) ablations.py $* --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
-
-$(addprefix ablation-,$(ABL_TRAIN)): ablation-%: $(if $(filter paper,$(ABL_PRESET)),cifar10-data,eurosat-data)
-	$(PY) ablations.py $* --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
-
-# splits: five divisions of SIRI-WHU (prepared by make siri_whu SRC=.. or make data
-# DATASET=siri_whu SRC=..), OTL and supervised from INIT (make eurosat's run, made if missing)
-ablation-splits: $(STAMP)
-	@test -f data/siri_whu/manifest.json || { echo "data/siri_whu is not prepared: make data DATASET=siri_whu SRC=<the SIRI-WHU folder> first (docs/datasets.md says where it is)"; exit 1; }
-	test -f $(INIT) || $(MAKE) --no-print-directory eurosat
-	$(PY) ablations.py splits --init $(INIT) --preset $(ABL_PRESET) --device $(DEVICE) $(ABL_ARGS)
-
-# The label pass's BatchNorm mode on a fresh cpu-preset network (docs/label_bn.md)
-ablation-label-bn: eurosat-data
-	$(PY) ablations.py label-bn --data data/eurosat --output $(RUNS)/label_bn --device $(DEVICE)
+	$(PY) bench/bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out $(OUT)/train_throughput_gpu.json
 
 clean-runs:
 	rm -rf $(RUNS)

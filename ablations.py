@@ -51,6 +51,7 @@ import time
 import torch
 
 import otl
+import presets
 import report
 import utils
 
@@ -204,7 +205,7 @@ def get_args_parser():
     s.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
     s.add_argument("--output", required=True, help="folder for label_bn.json; a checkpoint.pth "
                    "there (a train_otl.py run) is the network measured, else a fresh one")
-    s.add_argument("--preset", default="cpu", choices=["auto", *utils.PRESETS],
+    s.add_argument("--preset", default="cpu", choices=["auto", *presets.PRESETS],
                    help="the network's settings when --k, --width or --img-size are not given; "
                    "'cpu' is the preset whose label pass was measured")
     s.add_argument("--k", type=int, help="clusters (the preset's: 128)")
@@ -1095,7 +1096,7 @@ def label_bn(args):
     """Counts' std before translating, after the published labeler as the authors run it and
     after ours, for eval-mode and batch-statistics BatchNorm in the label pass."""
     device = utils.pick_device(args.device)
-    preset = utils.PRESETS[utils.preset_for(args.preset, device)]
+    preset = presets.PRESETS[presets.preset_for(args.preset, device.type == "cuda")]
     for key in ("k", "width", "img_size"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])

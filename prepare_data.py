@@ -680,17 +680,96 @@ def main(args):
 
 
 def prepare(args, t0):
-    """The source listed, decoded and split into args.out (main holds the folder)."""
+    """The source listed, decoded and split into args.out (main holds the folder): the manifest
+    of the folder, reused when it is up to date."""
     spec = DATASETS[args.dataset]
     source = download(args.dataset, args.download_dir) if args.download else args.source
     if not os.path.exists(source):
         raise SystemExit(f"--source {source} does not exist; pass the official archive "
-                         "(e.g. ../shared/data/EuroSAT.zip), a folder of class subfolders, or --download")
+                         "(e.g. ../shared/data/EuroSAT.zip), a folder of class subfolders, or "
+                         "--download")
+    src = read_source(source, args.skip_bad)
+    picked = list(range(len(src.names)))
+    if args.per_class:
+        picked = _first_per_class(len(src.names), src.classes_of, src.parts, args.per_class)
+    has_parts = src.parts[0] is not None
+    split = args.split if args.split != "auto" else ("official" if has_parts else "random")
+    if split == "official" and not has_parts:
+        raise SystemExit(f"--split official: {source} has no train / test parts (train/ and test/ "
+                         "or val/ folders, or the official files); use --split random")
+    size = args.size or spec["size"] or (32 if src.arrays is not None else
+                                         _first_side(source, src.names[0], args.max_pixels))
+    key = {"dataset": args.dataset, "source": os.path.abspath(source),
+           "fingerprint": src.fingerprint, "size": size, "test_frac": args.test_frac,
+           "seed": args.seed, "per_class": args.per_class, "skip_bad": args.skip_bad,
+           "split": split, "drop_duplicates": args.drop_duplicates, "max_pixels": args.max_pixels}
+    man_path = os.path.join(args.out, "manifest.json")
+    if not args.force and os.path.isfile(man_path):
+        old, why = _check_folder(args.out, key)
+        if why is None:
+            print(f"cache in {args.out} is up to date ({old['n_images']} images); reusing it")
+            return old
+        print(f"cache in {args.out} is {why}; rebuilding")
+    if os.path.isfile(man_path):   # from here until the new manifest, the folder is incomplete
+        os.remove(man_path)
 
-    # ---- what the source holds: image files (class, name, split part) or arrays
+    names, classes_of, parts = ([x[i] for i in picked] for x in (src.names, src.classes_of, src.parts))
+    classes = sorted(set(classes_of)) if src.arrays is None else list(src.arrays["classes"])
+    print(f"{args.dataset}: {len(names)} images in {len(set(classes_of))} classes from {source}, "
+          f"at {size} px, {split} split")
+    images, bad, scaled, hashes = decode(args, source, src, names, picked, size)
+    keep = [i for i, a in enumerate(images) if a is not None]
+    if not keep:
+        raise SystemExit(f"none of the {len(names)} images in {source} could be read (first: "
+                         f"{bad[0][0]}: {bad[0][1]})")
+    notes, warnings = findings(args, source, src, classes, classes_of, parts, keep)
+    keep, dups = duplicates(args, names, classes_of, keep, hashes)
+
+    labels = torch.tensor([classes.index(classes_of[i]) for i in keep], dtype=torch.long)
+    imgs = torch.from_numpy(np.stack([images[i] for i in keep]))  # (N, 3, size, size) uint8
+    files = [names[i] for i in keep]
+    if split == "official":
+        train = [j for j, i in enumerate(keep) if parts[i] == "train"]
+        test = [j for j, i in enumerate(keep) if parts[i] == "test"]
+    else:
+        train, test = (t.tolist() for t in utils.stratified_split(labels, args.test_frac, args.seed))
+    if not train or not test:
+        raise SystemExit(f"the {len(files)} images split into {len(train)} for training and "
+                         f"{len(test)} for testing: every class needs at least 2 images "
+                         f"(per class: {torch.bincount(labels).tolist()}); raise --per-class or "
+                         "add images")
+    if scaled:
+        print(f"{scaled} images of 16 or 32 bits per pixel were scaled from their own range to "
+              "8 bits", file=sys.stderr)
+    manifest = {"key": key, "dataset": args.dataset, "about": spec.get("paper"),
+                "source": utils.rel_path(source), "checksum": src.fingerprint, "image_size": size,
+                "native_size": spec["native"] or None, "n_images": len(files),
+                "classes": classes, "split": split, "n_train": len(train), "n_test": len(test),
+                "test_frac": args.test_frac if split == "random" else None,
+                "split_seed": args.seed if split == "random" else None,
+                "duplicates": dups, "registry_notes": notes, "empty_class_folders": src.empty_dirs,
+                "warnings": warnings, "skipped": [{"file": n, "error": w} for n, w in bad],
+                "scaled_to_8_bit": scaled}
+    write_folder(args.out, imgs, labels, files, train, test, manifest, t0)
+    return manifest
+
+
+class Source:
+    """What a source holds: image files or arrays (CIFAR's, SVHN's), each with its class and split
+    part (None without an official split), the source's fingerprint, image files that cannot be
+    read as such (unlisted) and folders beside the class folders that hold no image."""
+
+    def __init__(self, names, classes_of, parts, arrays, fingerprint, unlisted, empty_dirs):
+        self.names, self.classes_of, self.parts, self.arrays = names, classes_of, parts, arrays
+        self.fingerprint, self.unlisted, self.empty_dirs = fingerprint, unlisted, empty_dirs
+
+
+def read_source(source, skip_bad):
+    """A Source of `source` (a folder, a zip, CIFAR's tar or SVHN's folder); every problem one
+    line (SystemExit) naming the file."""
     try:
         items, fingerprint, unlisted, empty_dirs = list_source(source)
-        if unlisted and not args.skip_bad:
+        if unlisted and not skip_bad:
             name, why = unlisted[0]
             raise SystemExit(f"cannot read {name} in {source} ({why}); {len(unlisted)} such "
                              "file(s) in all: fix them, or pass --skip-bad to leave them out "
@@ -707,48 +786,25 @@ def prepare(args, t0):
                          f"found in {source}" + (" (a tar archive is read for CIFAR's pickles "
                                                   "only: unpack other archives to a folder)"
                                                   if tar else ""))
-    if arrays is not None:
-        if fingerprint.startswith("folder"):
-            fingerprint = "arrays-" + fingerprint
-        names, parts = arrays["files"], arrays["parts"]
-        classes_of = [arrays["classes"][y] for y in arrays["labels"]]
-    else:
-        classes_of, names, parts = (list(t) for t in zip(*items))
-    picked = list(range(len(names)))
-    if args.per_class:
-        picked = _first_per_class(len(names), classes_of, parts, args.per_class)
-    has_parts = parts[0] is not None
-    split = args.split if args.split != "auto" else ("official" if has_parts else "random")
-    if split == "official" and not has_parts:
-        raise SystemExit(f"--split official: {source} has no train / test parts (train/ and test/ "
-                         "or val/ folders, or the official files); use --split random")
-    size = args.size or spec["size"] or (32 if arrays is not None else
-                                         _first_side(source, names[0], args.max_pixels))
-    key = {"dataset": args.dataset, "source": os.path.abspath(source), "fingerprint": fingerprint,
-           "size": size, "test_frac": args.test_frac, "seed": args.seed, "per_class": args.per_class,
-           "skip_bad": args.skip_bad, "split": split, "drop_duplicates": args.drop_duplicates}
-    if args.max_pixels != MAX_PIXELS:   # (only then: caches made before the flag stay valid)
-        key["max_pixels"] = args.max_pixels
-    man_path = os.path.join(args.out, "manifest.json")
-    if not args.force and os.path.isfile(man_path):
-        old, why = _check_folder(args.out, key)
-        if why is None:
-            print(f"cache in {args.out} is up to date ({old['n_images']} images); reusing it")
-            return old
-        print(f"cache in {args.out} is {why}; rebuilding")
-    if os.path.isfile(man_path):   # from here until the new manifest, the folder is incomplete
-        os.remove(man_path)
-
-    # ---- decode (files) or take (arrays), at the cached size
-    names, classes_of, parts = ([x[i] for i in picked] for x in (names, classes_of, parts))
-    classes = sorted(set(classes_of)) if arrays is None else list(arrays["classes"])
-    print(f"{args.dataset}: {len(names)} images in {len(set(classes_of))} classes from {source}, "
-          f"at {size} px, {split} split")
     if arrays is None:
+        classes_of, names, parts = (list(t) for t in zip(*items))
+        return Source(names, classes_of, parts, None, fingerprint, unlisted, empty_dirs)
+    if fingerprint.startswith("folder"):
+        fingerprint = "arrays-" + fingerprint
+    return Source(arrays["files"], [arrays["classes"][y] for y in arrays["labels"]],
+                  arrays["parts"], arrays, fingerprint, unlisted, empty_dirs)
+
+
+def decode(args, source, src, names, picked, size):
+    """(images: uint8 (3, size, size) arrays or None where bad, [(name, why)] of the bad and the
+    unlisted, images scaled from 16 or 32 bits, [(file hash, pixel hash)]): the picked images,
+    decoded (files) or taken (arrays) at the cached size.  A bad image stops the run, naming it,
+    unless --skip-bad."""
+    if src.arrays is None:
         images, bad, scaled, hashes = decode_all(source, names, size, args.workers,
                                                  max_pixels=args.max_pixels)
     else:
-        raw = arrays["images"][picked]
+        raw = src.arrays["images"][picked]
         hashes = [(None, _pixel_hash(a)) for a in raw]
         images, bad, scaled = list(_resize_arrays(raw, size)), [], 0
     if bad and not args.skip_bad:
@@ -756,31 +812,35 @@ def prepare(args, t0):
         raise SystemExit(f"cannot read {name} in {source} ({why}); {len(bad)} bad image(s) in all. "
                          "Replace the file, or pass --skip-bad to leave such images out (they are "
                          "listed in manifest.json)")
-    bad = unlisted + bad                       # (listed first: they were found first)
+    bad = src.unlisted + bad                       # (listed first: they were found first)
     for name, why in bad:
         print(f"skipped {name}: {why}", file=sys.stderr)
-    keep = [i for i, a in enumerate(images) if a is not None]
-    if not keep:
-        raise SystemExit(f"none of the {len(names)} images in {source} could be read (first: "
-                         f"{bad[0][0]}: {bad[0][1]})")
+    return images, bad, scaled, hashes
 
-    # ---- what differs from the registry, on the images as found (before any are dropped)
+
+def findings(args, source, src, classes, classes_of, parts, keep):
+    """(notes, warnings), each printed: what differs from the registry, on the images as found
+    (before any are dropped), and what the tree says of its classes (empty folders, one class)."""
     found = {}
     for i in keep:
-        if not has_parts or parts[i] == "train":
+        if parts[i] in (None, "train"):
             found[classes_of[i]] = found.get(classes_of[i], 0) + 1
-    notes = [] if args.per_class else check_against_registry(args.dataset, classes, found, has_parts)
-    # what the tree itself says about its classes: folders with no image, a lone class
+    notes = ([] if args.per_class else
+             check_against_registry(args.dataset, classes, found, parts[0] is not None))
     warnings = [f"{source}/{d} holds no image ({', '.join(IMG_EXT)}): it is not a class of this "
-                "data set; put its images in it or remove the folder" for d in empty_dirs]
+                "data set; put its images in it or remove the folder" for d in src.empty_dirs]
     if len({classes_of[i] for i in keep}) == 1:
         warnings.append(f"{source} holds one class ({classes_of[keep[0]]}): training works, but "
                         "kNN and linear evaluation need two or more classes (with one, every "
                         "classifier scores 100 %); is --source the folder of the class folders?")
     for line in notes + warnings:
         print(f"note: {line}", file=sys.stderr)
+    return notes, warnings
 
-    # ---- exact duplicates: counted always, dropped on request
+
+def duplicates(args, names, classes_of, keep, hashes):
+    """(keep, the manifest's duplicates entry): exact duplicates counted always, dropped with
+    --drop-duplicates (one copy kept within a class; every copy of an image in two classes)."""
     dups = find_duplicates([names[i] for i in keep], [classes_of[i] for i in keep],
                            [hashes[i] for i in keep])
     dropped = []
@@ -796,53 +856,29 @@ def prepare(args, t0):
         print(f"{dups['files'] - dups['distinct']} duplicate image(s) in {len(dups['groups'])} "
               f"group(s), {len(dups['cross_class'])} of them across classes"
               + (f"; dropped {len(dropped)}" if dropped else "; --drop-duplicates drops them"))
+    return keep, {**dups, "dropped": dropped}
 
-    # ---- labels and the split
-    cls_idx = {c: i for i, c in enumerate(classes)}
-    labels = torch.tensor([cls_idx[classes_of[i]] for i in keep], dtype=torch.long)
-    imgs = torch.from_numpy(np.stack([images[i] for i in keep]))  # (N, 3, size, size) uint8
-    files = [names[i] for i in keep]
-    if split == "official":
-        train = [j for j, i in enumerate(keep) if parts[i] == "train"]
-        test = [j for j, i in enumerate(keep) if parts[i] == "test"]
-    else:
-        train, test = (t.tolist() for t in utils.stratified_split(labels, args.test_frac, args.seed))
-    if not train or not test:
-        raise SystemExit(f"the {len(files)} images split into {len(train)} for training and "
-                         f"{len(test)} for testing: every class needs at least 2 images "
-                         f"(per class: {torch.bincount(labels).tolist()}); raise --per-class or "
-                         "add images")
-    counts = torch.bincount(labels, minlength=len(classes)).tolist()
 
-    # ---- the folder: cache, split, and last the manifest that vouches for both
+def write_folder(out, imgs, labels, files, train, test, manifest, t0):
+    """cache.pt, split.json, and last manifest.json (completed with the counts, the channels'
+    mean and std and the two files' sha256), which vouches for both."""
+    classes = manifest["classes"]
     utils.save_checkpoint({"images": imgs, "labels": labels, "classes": classes, "files": files},
-                          os.path.join(args.out, "cache.pt"))
-    utils.write_json({"seed": args.seed, "test_frac": args.test_frac, "train": train, "test": test}
-                     if split == "random" else   # (as before official splits: the same file)
+                          os.path.join(out, "cache.pt"))
+    # a random split records how it was drawn; an official one is the source's
+    utils.write_json({"seed": manifest["split_seed"], "test_frac": manifest["test_frac"],
+                      "train": train, "test": test} if manifest["split"] == "random" else
                      {"split": "official", "train": train, "test": test},
-                     os.path.join(args.out, "split.json"))
-    if scaled:
-        print(f"{scaled} images of 16 or 32 bits per pixel were scaled from their own range to "
-              "8 bits", file=sys.stderr)
-    mean = (imgs.float() / 255).mean((0, 2, 3)).tolist()
-    std = (imgs.float() / 255).std((0, 2, 3)).tolist()
-    manifest = {"key": key, "dataset": args.dataset, "about": spec.get("paper"),
-                "source": utils.rel_path(source), "checksum": fingerprint, "image_size": size,
-                "native_size": spec["native"] or None, "n_images": len(files),
-                "classes": classes, "per_class_counts": dict(zip(classes, counts)),
-                "split": split, "n_train": len(train), "n_test": len(test),
-                "test_frac": args.test_frac if split == "random" else None,
-                "split_seed": args.seed if split == "random" else None,
-                "channel_mean": mean, "channel_std": std,
-                "duplicates": {**dups, "dropped": dropped}, "registry_notes": notes,
-                "empty_class_folders": empty_dirs, "warnings": warnings,
-                "skipped": [{"file": n, "error": w} for n, w in bad], "scaled_to_8_bit": scaled,
-                "files_sha256": {f: utils.sha256_file(os.path.join(args.out, f)) for f in FILES},
-                "seconds": round(time.time() - t0, 1)}
-    utils.write_json(manifest, man_path)  # written last: its presence marks a complete cache
-    print(f"wrote {args.out}: {len(files)} images, train {len(train)} / test {len(test)}, "
-          f"{len(bad)} skipped, {time.time() - t0:.0f} s")
-    return manifest
+                     os.path.join(out, "split.json"))
+    counts = torch.bincount(labels, minlength=len(classes)).tolist()
+    manifest.update(per_class_counts=dict(zip(classes, counts)),
+                    channel_mean=(imgs.float() / 255).mean((0, 2, 3)).tolist(),
+                    channel_std=(imgs.float() / 255).std((0, 2, 3)).tolist(),
+                    files_sha256={f: utils.sha256_file(os.path.join(out, f)) for f in FILES},
+                    seconds=round(time.time() - t0, 1))
+    utils.write_json(manifest, os.path.join(out, "manifest.json"))  # last: marks a complete cache
+    print(f"wrote {out}: {len(files)} images, train {len(train)} / test {len(test)}, "
+          f"{len(manifest['skipped'])} skipped, {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

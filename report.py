@@ -2,8 +2,9 @@
 
     python report.py --dataset eurosat --runs runs --out results
 
-Reads <runs>/<dataset>/ (OTL) and <runs>/<dataset>_supervised/ when present: knn_*.json and
-linear_*.json for the final checkpoint and the random-init snapshot, log.jsonl and results.json.
+Reads <runs>/<dataset>/ (OTL; --otl-run names another) and its supervised twin <run>_supervised/
+when present: knn_*.json and linear_*.json for the final checkpoint and the random-init snapshot,
+log.jsonl and results.json.
 Each evaluation must be of the run's checkpoint as it is now (the same sha256, or without one the
 same epoch as results.json's): a stale one stops the report with the command that redoes it.
 --otl-run and --name report another run folder under another name, e.g. a run with other flags:
@@ -355,15 +356,15 @@ def _note(run):
 # Our rows of each table: the report JSONs under --results whose runs are rows of it (report.py's
 # per-data-set reports, ablations.py's studies); a table without one says what would make it.
 OURS = {
-    "ev-knn": ["cifar10.json", "cifar100.json", "svhn.json", "gpu/cifar10/cifar10_fast_gpu.json"],
+    "ev-knn": ["cifar10.json", "cifar100.json", "svhn.json", "cifar10_fast.json"],
     "ev-res": ["cifar10_resnet50.json", "cifar100_resnet50.json", "svhn_resnet50.json"],
     "img-eval": ["imagenet.json"], "dis-com": ["ablations/uneven.json"],
     "imb-data": ["ablations/imbalanced.json"],
-    "hrs": ["hmhr_transfer.json", "hmhr_transfer_dedup.json", "gpu/transfer/hmhr_transfer_gpu.json",
-            "gpu/transfer/hmhr_transfer_dedup_gpu.json"],
-    "eur": ["eurosat.json", "gpu/fast208/eurosat_fast_h100.json"],
-    "whu": ["siri_whu_transfer.json", "gpu/transfer/siri_whu_transfer_gpu.json"],
-    "uc": ["ucmerced_transfer.json"], "aid": ["aid.json"],
+    "hrs": ["hmhr_transfer.json", "hmhr_transfer_dedup.json", "hmhr_gpu_transfer.json",
+            "hmhr_gpu_transfer_dedup.json"],
+    "eur": ["eurosat.json", "gpu/fast208/eurosat_fast_h100.json", "eurosat_fast.json"],
+    "whu": ["siri_whu_transfer.json", "siri_whu_gpu_transfer.json"],
+    "uc": ["ucmerced_transfer.json", "ucmerced_gpu_transfer.json"], "aid": ["aid.json"],
     "pat": ["patternnet.json"], "npu": ["nwpu_resisc45.json"], "5whu": ["ablations/splits.json"],
     "diff-k-10": ["ablations/k.json"], "diff-k-100": ["ablations/k_cifar100.json"],
 }
@@ -376,11 +377,8 @@ SHORT = {
     "alexnet-cifar-cpu": "compute: AlexNet at half width on 64 px, 8 epochs instead of 1600 at 224",
     "cifar-cpu": "compute: ResNet-18 at half width on 32 px instead of AlexNet at 224, 16 epochs "
                  "instead of 1600",
-    "resnet50-cifar-cpu": "compute: 2 epochs instead of 300",
     "cifar-fast": "compute: ResNet-18 (small stem) on 32 px instead of AlexNet at 224, 64 epochs "
                   "instead of 1600",
-    "study-cpu": "compute: ResNet-18 at half width on 32 px, 10 epochs (the paper's studies: "
-                 "AlexNet, fewer epochs than its 1600)",
 }
 MISSING = {   # how a table's data set would be run, where no report exists
     "cifar10": "`make cifar10` (from ../shared/data)", "eurosat": "`make eurosat`",
@@ -690,7 +688,8 @@ def main(args):
     else:
         otl_run = run_summary(os.path.join(args.runs, args.otl_run or args.dataset), args.feature,
                               args.linear_feature)
-        sup_run = run_summary(os.path.join(args.runs, f"{args.dataset}_supervised"), args.feature,
+        name = args.otl_run or args.dataset
+        sup_run = run_summary(os.path.join(args.runs, f"{name}_supervised"), args.feature,
                               args.linear_feature)
         runs = [("OTL (ours)", otl_run), ("supervised (ours)", sup_run)]
     split = next((r["test_split"] for _, r in runs if r and r.get("test_split")), "the test split")

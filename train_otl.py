@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import otl
 import otl_scale
+import presets
 import utils
 
 
@@ -40,19 +41,18 @@ def get_args_parser():
     p.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
     p.add_argument("--output", required=True, help="run folder: checkpoints, log.jsonl, results.json; "
                    "an existing checkpoint there is resumed")
-    p.add_argument("--preset", default="auto", choices=["auto", *utils.PRESETS],
-                   help="defaults for every flag below that you do not give: 'paper' (the paper's "
-                   "remote-sensing protocol from scratch, for a GPU), 'fast' (the paper's network at 112 px for 208 epochs: "
-                   "minutes on one GPU), 'cpu' (fits make eurosat into 30 min on 2 cores), 'transfer' / "
+    p.add_argument("--preset", default="auto", choices=["auto", *presets.PRESETS],
+                   help="defaults for every flag below that you do not give (presets.py says "
+                   "which values are the paper's): 'paper' (the paper's remote-sensing protocol "
+                   "from scratch, for a GPU), 'fast' (its network at 112 px for 208 epochs: "
+                   "minutes on one GPU), 'cpu' (make eurosat in 30 min on 2 cores), 'transfer' / "
                    "'transfer-cpu' (a small set from another run's backbone, with --init), "
                    "'alexnet-cifar' / 'alexnet-cifar100' / 'alexnet-svhn' / 'alexnet-imagenet' and "
                    "'resnet50-cifar' / 'resnet50-svhn' (the paper's natural-image protocols), "
-                   "'cifar-cpu' (ResNet-18 at 32 px: make cifar10's CPU twin), 'cifar-fast' "
-                   "(CIFAR-10 on one GPU: ResNet-18, small stem, 32 px, 64 epochs), "
-                   "'alexnet-cifar-cpu' / 'resnet50-cifar-cpu' (smaller CPU versions), 'study-cpu' "
-                   "(a CIFAR-10 study scale on 2 cores); 'auto': the data set's protocol "
-                   "(paper, or the data set's alexnet-*) on CUDA and its CPU twin otherwise. "
-                   "docs/presets.md says what each is and which values are the paper's")
+                   "'cifar-cpu' (make cifar10's CPU twin), 'cifar-fast' (CIFAR-10 on one GPU), "
+                   "'alexnet-cifar-cpu' (the labeler studies' network); 'auto': the data set's "
+                   "protocol on CUDA and its CPU twin otherwise (the transfer presets for HMHR, "
+                   "SIRI-WHU and UC Merced). docs/presets.md says what each gives up")
     g = p.add_argument_group("model (preset values when not given)")
     g.add_argument("--arch", choices=["resnet18", "resnet50", "alexnet"])
     g.add_argument("--k", type=int, help="clusters = outputs of the head; the paper uses 128 (remote "
@@ -179,8 +179,8 @@ def resolve_args(args, device):
         dataset = utils.load_manifest(args.data).get("dataset")
     except (OSError, ValueError):
         dataset = None                  # no prepared data there: load_prepared says so later
-    args.preset_used = utils.preset_for(args.preset, device, dataset)
-    for key, val in utils.PRESETS[args.preset_used].items():
+    args.preset_used = presets.preset_for(args.preset, device.type == "cuda", dataset)
+    for key, val in presets.PRESETS[args.preset_used].items():
         if getattr(args, key, None) is None:
             setattr(args, key, val)
     if args.amp is None:

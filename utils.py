@@ -1,6 +1,5 @@
 """Run plumbing shared by the stage scripts (prepare_data, train_otl, eval_knn, eval_linear,
-ablations, the benchmarks): the training presets, devices, the commit and run headers, JSON and
-checkpoint files, resuming a run, the prepared-data format and its loader, cached features, the
+ablations, the benchmarks): devices, the commit and run headers, JSON and checkpoint files, resuming a run, the prepared-data format and its loader, cached features, the
 one stratified split, and the flags every evaluation takes.  The method itself is in otl.py.
 """
 from __future__ import annotations
@@ -24,227 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import otl
+from presets import PRESETS
 
-
-# The paper's natural-image protocols on CIFAR (their comment is at their place in PRESETS): the
-# other data sets' presets are these with the paper's changes.
-_ALEXNET_CIFAR = dict(arch="alexnet", k=128, heads=10, embed=128, width=96, small_stem=False,
-                      img_size=224, epochs=1600, batch_size=128, lr=0.05, schedule="step",
-                      lr_drops=[960, 1280], lr_values=[0.005, 0.0005], views=2, lct=True,
-                      aug="strong", cutout=16, label_every=2, label_views=2, warmup_epochs=0,
-                      rot90=False, n_ops=8, flip=True, crop=224 / 256)
-_RESNET50_CIFAR = dict(arch="resnet50", k=128, heads=10, embed=0, width=64, small_stem=True,
-                       img_size=32, epochs=300, batch_size=128, lr=0.01, schedule="step",
-                       lr_drops=[160, 240], lr_values=[0.001, 0.0005], views=2, lct=True,
-                       aug="strong", cutout=16, label_every=2, label_views=2, warmup_epochs=0,
-                       rot90=False, n_ops=8, flip=True, crop=1.0)
 # ----------------------------------------------------------------------------------------------
-# Training presets
+# Devices and processes
 # ----------------------------------------------------------------------------------------------
-# A preset fills every training flag the user did not give.  "paper" is the paper's remote-sensing
-# protocol; "cpu" is sized so that `make eurosat` (prepare, train, evaluate) ends within 30 minutes
-# on 2 CPU cores: it gives up image size (32 px instead of 224 px: 49x less compute), half of
-# ResNet-18's width (about 3x faster again) and epochs (20 instead of 300), and uses a cosine
-# schedule, which suits a short run better than the paper's steps.  It keeps the paper's
-# k = 128, label-consistent training, strong augmentation with a 16-px Cutout and SGD, and our
-# two views; 2 strong ops (the paper's 10 cost 11 kNN points at 32 px) and no 256 / 224 crop.
-# docs/presets.md has the runs that chose it.
-PRESETS = {
-    "paper": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
-                  img_size=224, epochs=300, batch_size=256, lr=0.03, schedule="step",
-                  lr_drops=[160, 240], lr_values=[0.003, 0.0006], views=2, lct=True, aug="strong",
-                  cutout=16, label_every=1, label_views=2, warmup_epochs=0, rot90=True,
-                  n_ops=10, flip=True, crop=224 / 256),
-    "cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False, img_size=32,
-                epochs=20, batch_size=256, lr=0.05, schedule="cosine", lr_drops=[], lr_values=[],
-                views=2, lct=True, aug="strong", cutout=16, label_every=1, label_views=2,
-                warmup_epochs=0, rot90=True, n_ops=2, flip=True, crop=1.0),
-    # "fast": the paper's network (full-width ResNet-18, ImageNet stem) on one GPU in minutes:
-    # EuroSAT's 64 px upsampled to 112 instead of 224 (4x less compute; the last stage still sees
-    # 4 x 4), batch 512 with the learning rate scaled up, a short warm-up and a cosine schedule,
-    # Cutout scaled with the image; k, views, LCT, strong augmentation and the per-epoch label
-    # pass are the paper's.  208 epochs: the run that met the paper's EuroSAT figures (100 fell
-    # short).  What it gave on a GPU: docs/presets.md.
-    "fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
-                 img_size=112, epochs=208, batch_size=512, lr=0.1, schedule="cosine", lr_drops=[],
-                 lr_values=[], views=2, lct=True, aug="strong", cutout=8, label_every=1,
-                 label_views=2, warmup_epochs=2, rot90=True, n_ops=2, flip=True, crop=1.0),
-    # "transfer": the paper's protocol for a small remote-sensing set started from a network
-    # pretrained by OTL on another set (train_otl.py --init): 64 epochs, lr 0.03 -> 0.003 at 32
-    # -> 0.0006 at 48, the rest as "paper".  "transfer-cpu" is its CPU twin for a backbone from
-    # the "cpu" preset (half width, 32 px): it gives up image size and width, as "cpu" does.
-    "transfer": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=False,
-                     img_size=224, epochs=64, batch_size=256, lr=0.03, schedule="step",
-                     lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
-                     aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0,
-                     rot90=True, n_ops=10, flip=True, crop=224 / 256),
-    "transfer-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
-                         img_size=32, epochs=64, batch_size=256, lr=0.03, schedule="step",
-                         lr_drops=[32, 48], lr_values=[0.003, 0.0006], views=2, lct=True,
-                         aug="strong", cutout=16, label_every=1, label_views=2, warmup_epochs=0,
-                         rot90=True, n_ops=2, flip=True, crop=1.0),
-    # The paper's natural-image runs, from its Appendix D (paper_tables.json, "protocols"):
-    # AlexNet at 224 px, batch 128, lr 0.05 dropped x 0.1 twice, strong augmentation of SCAN's
-    # strategy with a 16-px Cutout; CIFAR-10/100 1600 epochs, labels every two, drops at 960 and
-    # 1280 (k = 128 and 512); SVHN 400 epochs, labels every epoch, drops at 240 and 320.  Ours
-    # where the paper is silent (PRESET_SOURCES says which): 10 heads, taken with weight decay
-    # 5e-4 from SeLa's public CIFAR script (github.com/yukimasano/self-label), two views, and no
-    # 90-degree rotations on natural images.  ResNet-50 at the images' own 32 px, 300 epochs,
-    # lr 0.01 -> 0.001 at 160 -> 0.0005 at 240, the rest as on AlexNet; its small stem (3x3, no
-    # max-pool) is ours.  kNN runs on the 128-d embedding (eval_knn.py --feature embed).
-    "alexnet-cifar": _ALEXNET_CIFAR,
-    "alexnet-cifar100": dict(_ALEXNET_CIFAR, k=512),
-    # SVHN: no flips (digits).
-    "alexnet-svhn": dict(_ALEXNET_CIFAR, epochs=400, lr_drops=[240, 320], label_every=1,
-                         flip=False),
-    # ImageNet: "a larger AlexNet" (its width is not given: ours is AlexNet's 96), 3000 clusters
-    # x 1 head, 450 epochs, drops at 160, 300 and 380, labels every epoch, no strong augmentation
-    # and no LCT; one view (ours).
-    "alexnet-imagenet": dict(_ALEXNET_CIFAR, k=3000, heads=1, epochs=450,
-                             lr_drops=[160, 300, 380], lr_values=[0.005, 0.0005, 0.00005],
-                             views=1, lct=False, aug="simple", cutout=0, label_every=1,
-                             label_views=1),
-    "resnet50-cifar": _RESNET50_CIFAR,
-    "resnet50-svhn": dict(_RESNET50_CIFAR, label_every=1, flip=False),
-    # Their CPU twins, sized for 2 cores (docs/presets.md has the measurements).
-    # "alexnet-cifar-cpu" (about 30 minutes): AlexNet at half width on 64 px images, one head,
-    # one view without LCT, 8 epochs on a cosine schedule.  "resnet50-cifar-cpu": ResNet-50 with
-    # the ImageNet stem at 32 px (its last stage sees 1 x 1), one head, one view, 2 epochs: at
-    # the 92 images/s measured that is what 30 minutes holds, a check that the path runs end to
-    # end rather than a representation.
-    "alexnet-cifar-cpu": dict(arch="alexnet", k=128, heads=1, embed=128, width=48,
-                              small_stem=False, img_size=64, epochs=8, batch_size=256, lr=0.05,
-                              schedule="cosine", lr_drops=[], lr_values=[], views=1, lct=False,
-                              aug="strong", cutout=5, label_every=1, label_views=1,
-                              warmup_epochs=0, rot90=False, n_ops=2, flip=True, crop=1.0),
-    "resnet50-cifar-cpu": dict(arch="resnet50", k=128, heads=1, embed=0, width=64,
-                               small_stem=False, img_size=32, epochs=2, batch_size=256, lr=0.05,
-                               schedule="cosine", lr_drops=[], lr_values=[], views=1, lct=False,
-                               aug="strong", cutout=8, label_every=1, label_views=1,
-                               warmup_epochs=0, rot90=False, n_ops=2, flip=True, crop=1.0),
-    # "cifar-cpu" (make cifar10 on 2 CPU cores): AlexNet's 224-px protocol does not fit them, so
-    # the twin takes the cpu preset's network (ResNet-18 at half width) at CIFAR's own 32 px, 16
-    # epochs instead of 1600 on a cosine schedule, one head, 2 strong ops (the paper: 8) and no
-    # 256 / 224 crop; no 90-degree rotations on natural images.  alexnet-cifar-cpu ended below its
-    # random initialisation (docs/presets.md).
-    "cifar-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
-                      img_size=32, epochs=16, batch_size=256, lr=0.05, schedule="cosine",
-                      lr_drops=[], lr_values=[], views=2, lct=True, aug="strong", cutout=16,
-                      label_every=1, label_views=2, warmup_epochs=0, rot90=False, n_ops=2,
-                      flip=True, crop=1.0),
-    # "cifar-fast": CIFAR-10 in one short GPU run, as "fast" is EuroSAT's: ResNet-18 at full
-    # width with the small stem (3x3, no max-pool) at CIFAR's own 32 px instead of AlexNet at
-    # 224, 64 epochs instead of 1600, batch 512 at lr 0.1 with a 2-epoch warm-up and a cosine
-    # schedule; strong augmentation with 2 ops and a 16-px Cutout, two views, LCT, k = 128 and
-    # a label pass every epoch.  Its epochs are sized from "fast"'s measured throughput
-    # (docs/presets.md).
-    "cifar-fast": dict(arch="resnet18", k=128, heads=1, embed=0, width=64, small_stem=True,
-                       img_size=32, epochs=64, batch_size=512, lr=0.1, schedule="cosine",
-                       lr_drops=[], lr_values=[], views=2, lct=True, aug="strong", cutout=16,
-                       label_every=1, label_views=2, warmup_epochs=2, rot90=False, n_ops=2,
-                       flip=True, crop=1.0),
-    # "study-cpu": a CIFAR-10 study scale for 2 CPU cores: the cpu preset's network (ResNet-18 at
-    # half width, 32 px) with the paper's study settings (no LCT, simple augmentation; one view is
-    # ours) and 10 epochs.  It learns too little for the paper's effects to show, so ablations.py
-    # trains its studies on EuroSAT instead (docs/presets.md).
-    "study-cpu": dict(arch="resnet18", k=128, heads=1, embed=0, width=32, small_stem=False,
-                      img_size=32, epochs=10, batch_size=256, lr=0.05, schedule="cosine",
-                      lr_drops=[], lr_values=[], views=1, lct=False, aug="simple", cutout=0,
-                      label_every=1, label_views=1, warmup_epochs=0, rot90=False, n_ops=2,
-                      flip=True, crop=1.0),
-}
-
-
-def _sources(ours: str = "", **paper: str) -> dict:
-    """{key: "paper: <path in paper_tables.json's protocols> (<note>)" | "ours (<note>)"} for every
-    preset key: the keys given are the paper's, the rest ours."""
-    out = {k: "paper: " + v for k, v in paper.items()}
-    for k in PRESETS["paper"]:
-        out.setdefault(k, "ours" + (f" ({ours})" if ours else ""))
-    return out
-
-
-_RS = "resnet18_remote_sensing"
-_AX, _SV, _IN, _R50 = "alexnet_cifar", "alexnet_svhn", "alexnet_imagenet", "resnet50"
-_OTHER = " (resnet50.other_settings: as on AlexNet)"
-
-
-def _alexnet(p: str, k: str) -> dict:
-    return dict(arch=f"{p}.network", k=k, embed="all_experiments.embedding_size",
-                img_size=f"{p}.image_size", epochs=f"{p}.epochs", batch_size=f"{p}.batch_size",
-                lr=f"{p}.lr", schedule=f"{p}.lr_drop_epochs", lr_drops=f"{p}.lr_drop_epochs",
-                lr_values=f"{p}.lr_drop_factor", label_every=f"{p}.label_update_every_epochs",
-                crop=f"{p}.image_size")
-
-
-def _resnet50(p: str) -> dict:
-    return dict(arch=f"{_R50}.network", k=f"{_R50}.k_clusters", img_size=f"{_R50}.image_size",
-                epochs=f"{_R50}.epochs", lr=f"{_R50}.lr", schedule=f"{_R50}.lr_drop_epochs",
-                lr_drops=f"{_R50}.lr_drop_epochs", lr_values=f"{_R50}.lr_after_drops",
-                aug=f"{_R50}.augmentation", cutout=f"{p}.strong_augmentation" + _OTHER,
-                lct=f"{p}.strong_augmentation" + _OTHER, batch_size=f"{p}.batch_size" + _OTHER,
-                label_every=f"{p}.label_update_every_epochs" + _OTHER,
-                n_ops=f"{p}.strong_augmentation" + _OTHER, flip=f"{p}.augmentation" + _OTHER,
-                crop=f"{_R50}.image_size")
-
-
-_RS_COMMON = dict(arch=f"{_RS}.network", k=f"{_RS}.k_clusters", img_size=f"{_RS}.image_size",
-                  aug=f"{_RS}.strong_augmentation", cutout=f"{_RS}.strong_augmentation",
-                  n_ops=f"{_RS}.strong_augmentation", crop=f"{_RS}.image_size")
-_STRONG = dict(aug="strong_augmentation", cutout="strong_augmentation", lct="strong_augmentation",
-               n_ops="strong_augmentation", flip="augmentation")
-
-# Where each value of a preset that stands for a paper protocol comes from: "paper: <path>" names
-# the entry of paper_tables.json's "protocols" that gives it (tests/test_presets.py holds the
-# preset to it), "ours" a value the paper does not give.  The presets not named here (cpu, fast,
-# cifar-fast, the -cpu twins, study-cpu) are ours throughout; docs/presets.md says what they
-# give up.
-PRESET_SOURCES = {
-    "paper": _sources(
-        **_RS_COMMON, epochs=f"{_RS}.from_scratch.epochs", lr=f"{_RS}.from_scratch.lr",
-        schedule=f"{_RS}.from_scratch.lr_drop_epochs", lr_drops=f"{_RS}.from_scratch.lr_drop_epochs",
-        lr_values=f"{_RS}.from_scratch.lr_after_drops"),
-    "transfer": _sources(
-        **_RS_COMMON, epochs=f"{_RS}.pretrained_small_sets.epochs",
-        lr=f"{_RS}.pretrained_small_sets.lr",
-        schedule=f"{_RS}.pretrained_small_sets.lr_drop_epochs",
-        lr_drops=f"{_RS}.pretrained_small_sets.lr_drop_epochs",
-        lr_values=f"{_RS}.pretrained_small_sets.lr_after_drops"),
-    "alexnet-cifar": _sources(**_alexnet(_AX, f"{_AX}.k_clusters_cifar10"),
-                              **{k: f"{_AX}.{v}" for k, v in _STRONG.items()}),
-    "alexnet-cifar100": _sources(**_alexnet(_AX, f"{_AX}.k_clusters_cifar100"),
-                                 **{k: f"{_AX}.{v}" for k, v in _STRONG.items()}),
-    "alexnet-svhn": _sources(**_alexnet(_SV, f"{_SV}.k_clusters"),
-                             **{k: f"{_SV}.{v}" for k, v in _STRONG.items()}),
-    "alexnet-imagenet": _sources(**_alexnet(_IN, f"{_IN}.k_clusters"), heads=f"{_IN}.heads",
-                                 aug=f"{_IN}.augmentation", lct=f"{_IN}.augmentation"),
-    "resnet50-cifar": _sources(**_resnet50(_AX)),
-    "resnet50-svhn": _sources(**_resnet50(_SV)),
-}
-PAPER_PRESETS = tuple(PRESET_SOURCES)
-DATASET_PRESETS = {"cifar100": "alexnet-cifar100", "svhn": "alexnet-svhn",
-                   "imagenet": "alexnet-imagenet"}   # on CUDA; other natural sets: alexnet-cifar
-
-
-NATURAL = ("cifar10", "cifar100", "svhn")   # data sets the paper trains AlexNet on (its 32-px sets)
-
-
-def preset_for(name: str, device: torch.device, dataset: str | None = None) -> str:
-    """'auto' -> the paper's protocol for the data set on CUDA and its CPU twin otherwise:
-    'alexnet-cifar' for CIFAR-10, 'alexnet-cifar100', 'alexnet-svhn', 'alexnet-imagenet' (all
-    three natural 32-px sets: 'cifar-cpu' on the CPU), 'paper' / 'cpu' for the rest
-    (remote sensing; ImageNet on the CPU); other names as given."""
-    if name == "auto":
-        cuda = device.type == "cuda"
-        if cuda and dataset in DATASET_PRESETS:
-            return DATASET_PRESETS[dataset]
-        if dataset in NATURAL:
-            return "alexnet-cifar" if cuda else "cifar-cpu"
-        return "paper" if cuda else "cpu"
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from auto, {', '.join(PRESETS)}")
-    return name
-
 
 def pick_device(name: str = "auto") -> torch.device:
     """'auto' takes CUDA when present, else the CPU.  A device this machine lacks, or a name
@@ -783,8 +566,7 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
         args.init_from = ck["args"]["init_from"]
     saved_world = ck.get("world_size", 1)
     if saved_world == world:   # each rank's random streams, as they were
-        ranked = ck.get("rng_ranks") or [{"cpu": ck["rng_cpu"], "gen": ck["rng_gen"],
-                                          "cuda": ck.get("rng_cuda")}]
+        ranked = ck["rng_ranks"]
         torch.set_rng_state(ranked[rank]["cpu"])
         generator.set_state(ranked[rank]["gen"])
         if device.type == "cuda" and ranked[rank].get("cuda") is not None:

@@ -38,6 +38,16 @@ def test_end_to_end_train_evaluate_report(small_data, tmp_path):
     assert "random 20 % test split (40 images)" in md   # the split, from the data's manifest
     js = json.loads((out / "eurosat.json").read_text())
     assert js["otl"]["final"]["knn"] and js["otl"]["random_init"]["linear"] is not None
+    # another run name (make eurosat-gpu's eurosat_fast): its supervised twin is <name>_supervised
+    for run in ("eurosat", "eurosat_supervised"):
+        os.rename(runs / run, runs / run.replace("eurosat", "eurosat_fast"))
+    report.main(report.get_args_parser().parse_args(
+        ["--runs", str(runs), "--out", str(out), "--otl-run", "eurosat_fast", "--name", "fast"]))
+    fast = json.loads((out / "fast.json").read_text())
+    assert fast["otl"]["final"] == js["otl"]["final"]
+    assert fast["supervised"]["final"] == js["supervised"]["final"]
+    for run in ("eurosat", "eurosat_supervised"):
+        os.rename(runs / run.replace("eurosat", "eurosat_fast"), runs / run)
     # another run folder under another name: its own report, the same numbers
     report.main(report.get_args_parser().parse_args(
         ["--runs", str(runs), "--out", str(out), "--otl-run", "eurosat", "--name", "eurosat_again",
@@ -137,8 +147,8 @@ def test_overview_puts_a_scaled_imbalanced_grid_under_the_papers_columns(tmp_pat
 
 
 def test_overview_takes_the_gpu_transfer_reports_beside_the_cpu_ones(tmp_path):
-    """bench/gpu_session.sh transfer's reports, kept in results/gpu/transfer/, are rows of the
-    transfer tables, each saying where it ran; a table whose GPU report is missing keeps its
+    """make hmhr-gpu's and siri_whu-gpu's reports are rows of the transfer tables, each saying
+    where it ran; a table whose GPU report is missing keeps its
     CPU rows alone."""
     def rep(path, knn10, where=None):
         run = {"final": {"knn": {"10": knn10}, "linear": knn10 + 1},
@@ -147,7 +157,7 @@ def test_overview_takes_the_gpu_transfer_reports_beside_the_cpu_ones(tmp_path):
         path.write_text(json.dumps({"dataset": "hmhr", "runs": {"OTL from EuroSAT OTL (ours)": run},
                                     "machine": {"cpus": 2, "runs_ran_on": where}}))
     rep(tmp_path / "hmhr_transfer.json", 70.0)
-    rep(tmp_path / "gpu" / "transfer" / "hmhr_transfer_gpu.json", 81.5, "one NVIDIA H200")
+    rep(tmp_path / "hmhr_gpu_transfer.json", 81.5, "one NVIDIA H200")
     report.main(report.get_args_parser().parse_args(
         ["--overview", "--out", str(tmp_path), "--results", str(tmp_path)]))
     md = (tmp_path / "tables.md").read_text()
@@ -155,6 +165,6 @@ def test_overview_takes_the_gpu_transfer_reports_beside_the_cpu_ones(tmp_path):
     ours = [ln for ln in hrs.splitlines() if ln.startswith("| ours: OTL from EuroSAT OTL |")]
     assert len(ours) == 2 and "| 70.0 |" in ours[0] and "on 2 CPU cores" in ours[0]
     assert "| 81.5 |" in ours[1] and "on one NVIDIA H200" in ours[1]
-    assert "`results/gpu/transfer/hmhr_transfer_gpu.json`" in ours[1]
+    assert "`results/hmhr_gpu_transfer.json`" in ours[1]
     whu = md.split("## `whu`")[1].split("\n## ")[0]
     assert "| ours:" not in whu and "no run of siri_whu here" in whu

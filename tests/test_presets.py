@@ -1,6 +1,6 @@
-"""The presets that stand for a paper protocol against paper_tables.json's "protocols": every value
-utils.PRESET_SOURCES attributes to the paper equals the protocol entry it names, every protocol
-setting a preset key can hold is taken, and every other key is marked as ours."""
+"""presets.py against paper_tables.json's "protocols": every value a preset attributes to the paper
+equals the protocol entry it names, every setting of the protocol a preset carries is taken, every
+other key is marked as ours; and how `--preset auto` picks."""
 import json
 import math
 import os
@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-import utils
+import otl
+import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NATURAL_PX = 32     # CIFAR-10/100's and SVHN's own size (prepare_data.py), ResNet-50's protocol
@@ -74,11 +75,15 @@ def same(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("name", utils.PAPER_PRESETS)
-def test_paper_preset_values_are_the_papers(name, protocols):
+# the presets that stand for a protocol of the paper; the others are its CPU and one-GPU twins
+PROTOCOLS = [name for name in presets.PRESETS if not name.endswith(("cpu", "fast"))]
+
+
+@pytest.mark.parametrize("name", list(presets.PRESETS))
+def test_preset_values_are_the_papers_or_ours(name, protocols):
     """Each key is the paper's (and equals the entry it names) or ours; no key is left out."""
-    preset, sources = utils.PRESETS[name], utils.PRESET_SOURCES[name]
-    assert set(sources) == set(preset), name
+    preset, sources = presets.PRESETS[name], presets.SOURCES[name]
+    assert set(sources) == set(preset) == set(presets.PRESETS["paper"]), name
     for key, src in sources.items():
         if src.startswith("paper: "):
             path = paper_path(src)
@@ -88,48 +93,78 @@ def test_paper_preset_values_are_the_papers(name, protocols):
             assert src == "ours" or src.startswith("ours ("), (name, key, src)
 
 
-# Every protocol setting that a preset key can hold, by the preset that carries the protocol.
-TAKEN = {
-    "paper": ["resnet18_remote_sensing." + p for p in (
-        "network", "k_clusters", "image_size", "strong_augmentation", "from_scratch.epochs",
-        "from_scratch.lr", "from_scratch.lr_drop_epochs", "from_scratch.lr_after_drops")],
-    "transfer": ["resnet18_remote_sensing." + p for p in (
-        "network", "k_clusters", "image_size", "strong_augmentation", "pretrained_small_sets.epochs",
-        "pretrained_small_sets.lr", "pretrained_small_sets.lr_drop_epochs",
-        "pretrained_small_sets.lr_after_drops")],
-    **{name: [f"{p}.{s}" for s in (
-        "network", k, "image_size", "batch_size", "lr", "epochs", "label_update_every_epochs",
-        "lr_drop_factor", "lr_drop_epochs", "strong_augmentation", "augmentation")]
-       + ["all_experiments.embedding_size"]
-       for name, p, k in (("alexnet-cifar", "alexnet_cifar", "k_clusters_cifar10"),
-                          ("alexnet-cifar100", "alexnet_cifar", "k_clusters_cifar100"),
-                          ("alexnet-svhn", "alexnet_svhn", "k_clusters"))},
-    "alexnet-imagenet": ["alexnet_imagenet." + s for s in (
-        "network", "k_clusters", "heads", "image_size", "augmentation", "batch_size", "lr",
-        "epochs", "label_update_every_epochs", "lr_drop_factor", "lr_drop_epochs")],
-    **{name: ["resnet50." + s for s in (
-        "network", "k_clusters", "image_size", "augmentation", "epochs", "lr", "lr_after_drops",
-        "lr_drop_epochs")] + [f"{p}.{s}" for s in ("batch_size", "label_update_every_epochs",
-                                                     "strong_augmentation", "augmentation")]
-       for name, p in (("resnet50-cifar", "alexnet_cifar"), ("resnet50-svhn", "alexnet_svhn"))},
-}
+# the protocol settings a preset key holds, by their names in paper_tables.json (k_clusters_*:
+# the number of clusters of one data set; a drop factor or the rates after the drops: lr_values)
+SETTINGS = {"network": "arch", "k_clusters": "k", "heads": "heads", "image_size": "img_size",
+            "batch_size": "batch_size", "lr": "lr", "epochs": "epochs",
+            "lr_after_drops": "lr_values", "lr_drop_factor": "lr_values",
+            "lr_drop_epochs": "lr_drops", "label_update_every_epochs": "label_every",
+            "strong_augmentation": "aug", "augmentation": "aug_basic",
+            "embedding_size": "embed"}
 
 
-def test_every_protocol_setting_is_taken(protocols):
-    assert set(TAKEN) == set(utils.PAPER_PRESETS)
-    for name, paths in TAKEN.items():
-        cited = {paper_path(s) for s in utils.PRESET_SOURCES[name].values() if s.startswith("paper")}
-        for path in paths:
-            entry(protocols, path)
-            assert path in cited, (name, path)
+def _settings(protocols, root):
+    """{path: setting} of every protocol entry under `root` that a preset key can hold."""
+    out = {}
+
+    def walk(node, path):
+        if "value" in node:
+            leaf = path.rsplit(".", 1)[1]
+            name = "k_clusters" if leaf.startswith("k_clusters") else leaf
+            if name in SETTINGS:
+                out[path] = SETTINGS[name]
+            return
+        for key, sub in node.items():
+            if isinstance(sub, dict):
+                walk(sub, f"{path}.{key}")
+    walk(protocols[root], root)
+    return out
 
 
-def test_auto_takes_the_data_sets_paper_preset():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for ds, name in (("cifar10", "alexnet-cifar"), ("cifar100", "alexnet-cifar100"),
-                     ("svhn", "alexnet-svhn"), ("imagenet", "alexnet-imagenet"),
-                     ("eurosat", "paper"), (None, "paper")):
-        assert utils.preset_for("auto", cuda, ds) == name
-    for ds in ("cifar10", "cifar100", "svhn"):
-        assert utils.preset_for("auto", cpu, ds) == "cifar-cpu"
-    assert utils.preset_for("auto", cpu, "imagenet") == "cpu"
+@pytest.mark.parametrize("name", PROTOCOLS)
+def test_every_setting_of_a_presets_protocol_is_taken(name, protocols):
+    """A preset whose network is a protocol's carries every setting of that protocol (of its own
+    branch, e.g. from_scratch or pretrained_small_sets; one k_clusters of a data set) and, from
+    a protocol it borrows from ("as on AlexNet"), the settings its own does not give."""
+    cited = {paper_path(s) for s in presets.SOURCES[name].values() if s.startswith("paper: ")}
+    own = paper_path(presets.SOURCES[name]["arch"]).split(".")[0]
+    mine = _settings(protocols, own)
+    for root in {p.split(".")[0] for p in cited}:
+        for path, setting in _settings(protocols, root).items():
+            parent = path.rsplit(".", 1)[0]
+            if root != own and setting in mine.values():
+                continue                        # the preset's own protocol gives it
+            if parent != root and not any(c.startswith(parent + ".") for c in cited):
+                continue                        # another preset's branch of the protocol
+            assert any(c.rsplit(".", 1)[0] == parent and _settings(protocols, root).get(c) ==
+                       setting for c in cited), (name, path)
+
+
+def test_auto_takes_the_data_sets_protocol():
+    for ds, gpu, cpu in (("cifar10", "alexnet-cifar", "cifar-cpu"),
+                         ("cifar100", "alexnet-cifar100", "cifar-cpu"),
+                         ("svhn", "alexnet-svhn", "cifar-cpu"), ("imagenet", "alexnet-imagenet", "cpu"),
+                         ("eurosat", "paper", "cpu"), ("aid", "paper", "cpu"), (None, "paper", "cpu"),
+                         ("folder", "paper", "cpu"), ("hmhr", "transfer", "transfer-cpu"),
+                         ("siri_whu", "transfer", "transfer-cpu"),
+                         ("ucmerced", "transfer", "transfer-cpu")):
+        assert presets.preset_for("auto", True, ds) == gpu
+        assert presets.preset_for("auto", False, ds) == cpu
+    assert presets.preset_for("fast", False) == "fast"
+    with pytest.raises(ValueError, match="unknown preset"):
+        presets.preset_for("quick", False)
+
+
+@pytest.mark.parametrize("name", list(presets.PRESETS))
+def test_every_preset_builds_and_runs_at_its_size(name):
+    p = presets.PRESETS[name]
+    natural = name.startswith(("alexnet", "resnet50", "cifar"))
+    assert p["rot90"] == (not natural), name
+    if p["schedule"] == "step":
+        assert len(p["lr_drops"]) == len(p["lr_values"]), name
+    cfg = otl.ModelConfig(arch=p["arch"], k=p["k"], heads=p["heads"], embed=p["embed"],
+                          width=p["width"], small_stem=p["small_stem"])
+    model = otl.build_model(cfg).eval()
+    with torch.no_grad():
+        out = model(torch.zeros(2, 3, p["img_size"], p["img_size"], dtype=torch.uint8))
+    assert out.shape == (2, p["heads"] * p["k"]), name
