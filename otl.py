@@ -28,7 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
-    "translate", "translate_published", "translate_exact", "TranslateResult", "even_target",
+    "translate", "translate_published", "translation_steps", "translate_exact", "TranslateResult",
+    "check_outputs", "check_finite", "check_target", "check_start", "count_bounds", "counts_std",
+    "worst_std", "even_target",
     "uneven_target", "lct_loss", "n_indistinguishable", "n_distinguishable", "sinkhorn_knopp",
     "ModelConfig", "OTLNet", "build_model", "augment", "resize_batch", "batch_stats_mode",
     "label_pass", "extract_features", "autocast", "knn_classify", "knn_vote", "top1",
@@ -55,23 +57,42 @@ class TranslateResult:
 
 
 def translate(outputs: torch.Tensor, target=None, method: str = "exact", start=None,
-              **published) -> TranslateResult:
+              **settings) -> TranslateResult:
     """One k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters
     as the target asks (even by default, or any counts summing to N).  T only translates O, so
     every difference O[s] - O[t], and every distance, is unchanged.  method="exact" (default):
     `translate_exact`, every count within 1 of its target, from `start` (e.g. an earlier T) if
     given; "published": `translate_published`, Algorithm 1 as the authors' code runs it, with
-    its settings (beta, alpha0, patience, max_iter, tie_eps, seed, init)."""
+    its settings (beta, alpha0, patience, max_iter, tie_eps, seed, init); "sinkhorn": SeLa's
+    labels (`sinkhorn_knopp`, settings lam, tol, max_iter) in the same result, T = 0 (it scales
+    instead of translating) and the even target (its marginals are uniform)."""
+    if method not in ("exact", "published", "sinkhorn"):
+        raise ValueError(f"method must be 'exact', 'published' or 'sinkhorn', got {method!r}")
+    if start is not None and method != "exact":
+        raise ValueError(f"start= is the exact labeler's; method={method!r} takes none (the "
+                         "published rules start at the column medians or at 0)")
     if method == "published":
-        if start is not None:
-            raise ValueError("start= is the exact labeler's; the published rules start at the "
-                             "column medians (init='median') or at 0 (init='zero')")
-        return translate_published(outputs, target=target, **published)
-    if method != "exact":
-        raise ValueError(f"method must be 'exact' or 'published', got {method!r}")
-    if published:
-        raise ValueError(f"{sorted(published)} are settings of method='published'")
+        return translate_published(outputs, target=target, **settings)
+    if method == "sinkhorn":
+        return _translate_sinkhorn(outputs, target, **settings)
+    if settings:
+        raise ValueError(f"{sorted(settings)} are settings of method='published' or 'sinkhorn'")
     return translate_exact(outputs, target=target, start=start)
+
+
+def _translate_sinkhorn(outputs, target, **settings) -> TranslateResult:
+    """sinkhorn_knopp's labels as a TranslateResult: T = 0, the even target."""
+    if target is not None:
+        raise ValueError("method='sinkhorn' aims at the even target only (its marginals are "
+                         "uniform); leave target=None")
+    t0 = time.perf_counter()
+    labels, _, iters = sinkhorn_knopp(outputs, **settings)
+    n, k = outputs.shape
+    counts, even = torch.bincount(labels, minlength=k).cpu(), even_target(n, k)
+    return TranslateResult(labels=labels, T=torch.zeros(k, dtype=torch.float64), counts=counts,
+                           target=even, iterations=iters, seconds=time.perf_counter() - t0,
+                           std=(counts.double() - even).pow(2).mean().sqrt().item(),
+                           std_max=n * (k - 1) ** 0.5 / k)
 
 
 def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5,
@@ -93,60 +114,85 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5,
     outputs (tie_eps=0: none), and T starts at the column medians (init="median"; the published
     code starts at 0, init="zero").  Holds about three N x k float64 arrays on O's device."""
     t0 = time.perf_counter()
-    _check_outputs(outputs)
+    check_outputs(outputs)
     n, k = outputs.shape
     if beta <= 1:
         raise ValueError(f"beta must be > 1 (it shrinks the step), got {beta}")
     if init not in ("median", "zero"):
         raise ValueError(f"init must be 'median' or 'zero', got {init!r}")
-    target = _check_target(target, n, k)
+    target = check_target(target, n, k)
     O = outputs.detach().to(torch.float64)                      # (N, k)
     spread = (O.amax(1) - O.amin(1)).median().item()            # a typical row's range
     if tie_eps > 0:
         u = torch.rand(n, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         O = O + u.to(O.device) * (tie_eps * (spread if spread > 0 else 1.0))
     col_max, col_min = O.max(0).values, O.min(0).values         # (k,): the range of O - T, cheaply
-    t = target.to(O.device)
-    std_max = _std_max(target, n)
+    std_max = worst_std(target, n)
 
     def assign(T):                                              # labels and counts at O - T
         labels = torch.argmax(O - T, dim=1)
         return labels, torch.bincount(labels, minlength=k)
 
+    def range_of(T):                                            # max - min of O - T
+        return ((col_max - T).max() - (col_min - T).min()).item()
+
     T = O.median(dim=0).values if init == "median" else torch.zeros(k, dtype=torch.float64,
                                                                        device=O.device)
     labels, counts = assign(T)
-    std = _std(counts, target)
-    history, f, still, it, reason = [std], 1.0, 0, 0, "max_iter"
-    while it < max_iter:
-        if std == 0:
-            reason = "balanced"
-            break
-        C = counts.to(torch.float64) - t                        # > 0: the cluster wins too often
-        C = C / C.max()
-        alpha = (std / std_max) * ((col_max - T).max() - (col_min - T).min()).item() / f
-        if alpha <= alpha0:
-            reason = "alpha0"
-            break
-        T_new = T + alpha * C
-        labels_new, counts_new = assign(T_new)
-        std_new = _std(counts_new, target)
-        it += 1
-        history.append(std_new)
-        if std_new > std:                                       # worse: undo, smaller steps
-            f *= beta
-            continue
-        still = still + 1 if std_new == std else 0
-        T, labels, counts, std = T_new, labels_new, counts_new, std_new
-        if still >= patience:
-            reason = "patience"
-            break
+    history = [counts_std(counts, target)]
+    T, labels, counts, std, it, reason = translation_steps(
+        assign, range_of, T, labels, counts, target, std_max, history, beta=beta, alpha0=alpha0,
+        patience=patience, max_iter=max_iter)
     return TranslateResult(labels=labels, T=T, counts=counts, target=target, iterations=it,
                            std_history=history, std=std, std_max=std_max,
                            seconds=time.perf_counter() - t0, stop_reason=reason)
 
 
-def _std(counts, target) -> float:
+def translation_steps(assign, range_of, T, labels, counts, target, std_max, history,
+                      beta=1.5, alpha0=1e-15, patience=10, max_iter=10000, stop_std=0.0,
+                      speed_up=False, stop=None):
+    """Algorithm 1's step loop with the published rule, for any way of labelling: T += alpha C,
+    C = (counts - target) / its largest entry, alpha = (std / std_max) x range_of(T) / f; a step
+    that makes the std worse is undone and f *= beta.  assign(T) -> (labels, counts) at O - T;
+    range_of(T) -> max - min of O - T (or a bound on it).  Stops at std <= stop_std, alpha <=
+    alpha0, `patience` accepted steps with the same std, max_iter steps, or stop() -> True.  The
+    std after each step tried is appended to `history`.  speed_up (otl_scale): after a step that
+    removed under 30 % of the std (ratio r), f *= max(1 - r, 0.5).  Returns (T, labels, counts,
+    std, steps tried, stop reason) at the last accepted step."""
+    target_d = target.to(T.device)
+    std, f, still, it, reason = counts_std(counts, target), 1.0, 0, 0, "max_iter"
+    while it < max_iter:
+        if std <= stop_std:
+            reason = "balanced"
+            break
+        C = counts.to(torch.float64) - target_d     # > 0: the cluster wins too often
+        C = C / C.max()
+        alpha = (std / std_max) * range_of(T) / f
+        if alpha <= alpha0:
+            reason = "alpha0"
+            break
+        T_new = T + alpha * C
+        labels_new, counts_new = assign(T_new)
+        std_new = counts_std(counts_new, target)
+        it += 1
+        history.append(std_new)
+        if stop is not None and stop():
+            reason = "stop"
+            break
+        if std_new > std:                           # worse: undo, and take smaller steps
+            f *= beta
+            continue
+        still = still + 1 if std_new == std else 0
+        if speed_up and 0.7 < std_new / std < 1:
+            f *= max(1 - std_new / std, 0.5)
+        T, labels, counts, std = T_new, labels_new, counts_new, std_new
+        if still >= patience:
+            reason = "patience"
+            break
+    return T, labels, counts, std, it, reason
+
+
+def counts_std(counts, target) -> float:
     """Population std of the deviations from the target (for an even target: the std of the
     counts), in Python floats up to k = 256, where that costs less than torch's steps."""
     c, t = counts.cpu(), target.cpu()
@@ -156,19 +202,19 @@ def _std(counts, target) -> float:
 
 
 def _std_of(counts, target) -> float:
-    """_std of two lists of numbers."""
+    """counts_std of two lists of numbers."""
     return math.sqrt(sum((a - b) ** 2 for a, b in zip(counts, target)) / len(counts))
 
 
-def _std_max(target: torch.Tensor, n: int, std_fn=None) -> float:
+def worst_std(target: torch.Tensor, n: int) -> float:
     """The std when all n rows fall in the cluster with the smallest target: the largest."""
     t = target.cpu().to(torch.float64)
     worst = torch.zeros_like(t)
     worst[int(torch.argmin(t))] = n
-    return max((std_fn or _std)(worst, t), 1e-12)
+    return max(counts_std(worst, t), 1e-12)
 
 
-def _check_outputs(outputs: torch.Tensor, finite: bool = True):
+def check_outputs(outputs: torch.Tensor, finite: bool = True):
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2:
         raise ValueError(f"outputs must be an (N, k) tensor, got {type(outputs).__name__} "
                          f"of shape {tuple(getattr(outputs, 'shape', ()))}")
@@ -180,10 +226,10 @@ def _check_outputs(outputs: torch.Tensor, finite: bool = True):
     if not outputs.is_floating_point():
         raise ValueError(f"outputs must be floating point (the network's logits), got {outputs.dtype}")
     if finite:
-        return _check_outputs_finite(outputs)    # (least, largest) value
+        return check_finite(outputs)    # (least, largest) value
 
 
-def _check_outputs_finite(X, row0: int = 0):
+def check_finite(X, row0: int = 0):
     if X.numel() == 0:
         return
     lo, hi = (v.item() for v in X.aminmax())   # one cheap pass; NaN and +-inf show in these
@@ -195,7 +241,7 @@ def _check_outputs_finite(X, row0: int = 0):
     return lo, hi
 
 
-def _check_start(start, k: int) -> torch.Tensor:
+def check_start(start, k: int) -> torch.Tensor:
     """A start translation for the exact labeler as a (k,) float64 CPU tensor, or ValueError."""
     T = torch.as_tensor(start).detach().to(torch.float64).flatten().cpu()
     if T.numel() != k or not bool(torch.isfinite(T).all()):
@@ -205,7 +251,7 @@ def _check_start(start, k: int) -> torch.Tensor:
     return T
 
 
-def _check_target(target, n: int, k: int) -> torch.Tensor:
+def check_target(target, n: int, k: int) -> torch.Tensor:
     if target is None:
         return even_target(n, k)
     try:
@@ -225,7 +271,7 @@ def _check_target(target, n: int, k: int) -> torch.Tensor:
 
 # ---- 2. Target distributions
 
-def _count_bounds(target: torch.Tensor):
+def count_bounds(target: torch.Tensor):
     """(lo, hi) int64: the counts the exact labeler accepts, floor and ceil of the target."""
     return (target + 1e-9).floor().long(), (target - 1e-9).ceil().long()
 
@@ -317,7 +363,7 @@ def sinkhorn_knopp(outputs: torch.Tensor, lam: float = 25.0, tol: float = 1e-3,
     log domain (lam = 25 overflows float32 otherwise).  Returns (labels (N,), log_P (N, k), iters);
     tol is the largest relative error of the row marginals (the columns are exact after each
     column update)."""
-    _check_outputs(outputs)
+    check_outputs(outputs)
     n, k = outputs.shape
     logP = lam * F.log_softmax(outputs.detach().to(torch.float64), dim=1)  # (N, k)
     log_r = torch.full((n,), -math.log(n), dtype=torch.float64, device=outputs.device)
@@ -820,15 +866,15 @@ def translate_exact(outputs: torch.Tensor, target=None, start=None,
     is counted in ties_left; every other row is strictly in its cluster.  Holds O in float64 on
     its device (8 N k bytes) and a few N x k temporaries."""
     t0 = time.perf_counter()
-    top = max(abs(v) for v in _check_outputs(outputs))          # the largest |O|
+    top = max(abs(v) for v in check_outputs(outputs))          # the largest |O|
     n, k = outputs.shape
-    target = _check_target(target, n, k)
+    target = check_target(target, n, k)
     X = outputs.detach().to(torch.float64 if top > 1e37 else torch.float32).contiguous()
     # (N, k): float64 beyond float32's range; contiguous: torch's median is wrong on expanded rows
     t = target.to(X.device)
     T = (X.median(dim=0).values.double() if start is None
-         else _check_start(start, k).to(X.device))
-    lo, hi = (b.to(X.device) for b in _count_bounds(target))
+         else check_start(start, k).to(X.device))
+    lo, hi = (b.to(X.device) for b in count_bounds(target))
     history = []
     T, steps = _newton_approach(X, T, t, lo, hi, newton_steps, history)
     O = outputs.detach().to(torch.float64)                      # (N, k): the finish's, exact
@@ -836,10 +882,10 @@ def translate_exact(outputs: torch.Tensor, target=None, start=None,
     labels, T, paths = _path_finish(O, T, lo, hi)
     T, ties, ties_left = _strict_ties(O, T, labels, top)
     counts = torch.bincount(labels, minlength=k)
-    history.append(_std(counts, target))
+    history.append(counts_std(counts, target))
     return TranslateResult(labels=labels, T=T, counts=counts, target=target,
                            iterations=steps + paths, std_history=history, std=history[-1],
-                           std_max=_std_max(target, n), seconds=time.perf_counter() - t0,
+                           std_max=worst_std(target, n), seconds=time.perf_counter() - t0,
                            stop_reason="balanced", ties=ties, ties_left=ties_left)
 
 
@@ -856,7 +902,7 @@ def _newton_approach(O, T, t, lo, hi, max_steps, history):
         top = S.topk(2, dim=1)
         lab = top.indices[:, 0]
         c = torch.bincount(lab, minlength=k)
-        history.append(_std(c, t))
+        history.append(counts_std(c, t))
         err = float((c - t).abs().sum())
         if err < err_best:
             if bool(((c >= lo) & (c <= hi)).all()):

@@ -373,7 +373,49 @@ def test_translate_bad_target_beta_and_method():
     with pytest.raises(ValueError, match="published"):
         otl.translate(O, beta=2.0)          # a setting of the published rules only
     with pytest.raises(ValueError, match="method"):
-        otl.translate(O, method="sinkhorn")
+        otl.translate(O, method="auction")
+
+
+def test_translate_sinkhorn_is_sinkhorn_knopp_in_the_same_result():
+    """method="sinkhorn": SeLa's labels in a TranslateResult like the other methods' (T = 0, the
+    even target, counts = bincount of the labels, the std of those counts), so a caller switches
+    labelers by name; a target or a start is refused, its own settings pass through."""
+    O = torch.randn(3000, 20, generator=gen(17)) + torch.linspace(0, 1, 20)
+    r = otl.translate(O, method="sinkhorn", lam=10.0)
+    labels, _, iters = otl.sinkhorn_knopp(O, lam=10.0)
+    assert torch.equal(r.labels, labels) and r.iterations == iters
+    assert torch.equal(r.T, torch.zeros(20, dtype=torch.float64))
+    assert torch.equal(r.counts, torch.bincount(labels, minlength=20))
+    assert torch.equal(r.target, otl.even_target(3000, 20))
+    assert r.std == pytest.approx(pop_std(r.counts, r.target), abs=1e-9)
+    assert r.std_max == pytest.approx(even_std_max(3000, 20), rel=1e-9)
+    with pytest.raises(ValueError, match="even target"):
+        otl.translate(O, method="sinkhorn", target=otl.uneven_target(3000, 20, 1.0))
+    with pytest.raises(ValueError, match="start"):
+        otl.translate(O, method="sinkhorn", start=torch.zeros(20))
+    with pytest.raises(TypeError):
+        otl.translate(O, method="sinkhorn", beta=2.0)
+
+
+def test_translation_steps_is_the_published_rules_loop():
+    """The step loop on its own (otl_scale runs it on candidate lists): with the published
+    rules' assign and range it gives translate_published's T, labels and history."""
+    O = torch.randn(2000, 8, generator=gen(18)).double() + torch.linspace(0, 2, 8).double()
+    ref = otl.translate_published(O, tie_eps=0, init="zero")
+    target = otl.even_target(2000, 8)
+
+    def assign(T):
+        lab = (O - T).argmax(1)
+        return lab, torch.bincount(lab, minlength=8)
+
+    T0 = torch.zeros(8, dtype=torch.float64)
+    lab, cnt = assign(T0)
+    history = [otl.counts_std(cnt, target)]
+    T, labels, counts, std, steps, reason = otl.translation_steps(
+        assign, lambda T: ((O.max(0).values - T).max() - (O.min(0).values - T).min()).item(),
+        T0, lab, cnt, target, otl.worst_std(target, 2000), history)
+    assert torch.equal(T, ref.T) and torch.equal(labels, ref.labels)
+    assert history == ref.std_history and steps == ref.iterations and reason == ref.stop_reason
 
 
 # ------------------------------------------------------------------------------------------------
