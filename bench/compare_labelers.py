@@ -6,6 +6,7 @@ change to the labeler: on real outputs alone a slowdown on other inputs can pass
     python bench/compare_labelers.py HEAD~5 otl_scale.py --inputs large   # at 320,000 x 3000
     python bench/compare_labelers.py HEAD otl_scale.py --pt 'saved/*.pt' --expect-same
     python bench/compare_labelers.py old/otl_scale.py otl_scale.py --device cuda --inputs large --large-n 1280000
+    python bench/compare_labelers.py f95442e otl_scale.py --inputs none --views runs/eurosat/checkpoint.pth
 
 A and B: a path to an otl_scale.py (or to an older otl.py, which held the tuned labeler), or a git
 revision, read with `git show` (its otl_scale.py and otl.py, or its otl.py alone).
@@ -14,8 +15,16 @@ Input sets (--inputs, comma-separated; default small,stream):
   stream  k = 200 - 3000 (the streaming path): Gaussian with and without a drift, identical rows,
           half of the rows one identical row, 10 tight groups, a few dominant columns
   large   Gaussian 320,000 x 3000 (--large-n x --large-k)
-  --pt    saved (N, k) outputs (torch.save), each whole and as four subsets (--whole-only: whole)
+  --pt    saved (N, k) outputs (torch.save), each whole and as four subsets (--whole-only: whole);
+          a saved (V, N, k) stack is one case of V views, labelled as --views labels them
+  --views a checkpoint: its network's label pass over --data's training split, two augmented
+          views as train_otl.py makes them (its augmentation, seed --seed), labelled as its
+          make_labels does with the default flags: the first view from the column medians, the
+          second from the first's T (what a training epoch's label call costs)
 Each case: one warm-up call of each version, then --reps calls alternating A, B (median time).
+Each result is checked: counts within 1 of the target and labels argmax(O - T) outside the
+tie-break's size (`valid`); labels and T are compared apart (where N / k is not whole, which
+clusters take the extra rows is not unique, so labels may differ while both are valid).
 Results: a line a case, a summary, and --out JSON (written after every case); with
 --expect-same the exit status is 1 when any case differs.
 """
@@ -109,10 +118,16 @@ def cases(which, args):
         g = torch.Generator().manual_seed(2)
         yield (f"gauss_{args.large_n}x{args.large_k}",
                torch.randn(args.large_n, args.large_k, generator=g))
+    if args.views:
+        yield f"views:{os.path.basename(os.path.dirname(os.path.abspath(args.views)))}", \
+            views_of(args.views, args.data, args.seed)
     for p in sorted(glob.glob(args.pt)) if args.pt else []:
         X = torch.load(p, weights_only=True)
+        if X.dim() == 3:
+            yield os.path.basename(p), X
+            continue
         if X.dim() != 2:
-            print(f"skipped {p}: not an (N, k) tensor", file=sys.stderr)
+            print(f"skipped {p}: not an (N, k) or (V, N, k) tensor", file=sys.stderr)
             continue
         n, name = X.shape[0], os.path.join(os.path.basename(os.path.dirname(os.path.abspath(p))),
                                            os.path.basename(p))     # (folder/file: names repeat)
@@ -125,14 +140,47 @@ def cases(which, args):
                 yield name + tag, sub
 
 
+def views_of(checkpoint, data, seed):
+    """(2, N, k) outputs of the checkpoint's network on the data's training split: two augmented
+    views, as train_otl.py's label pass makes them (BatchNorm on batch statistics)."""
+    import otl
+    import utils
+    model, ckpt = utils.load_checkpoint(checkpoint, "cpu")
+    a = ckpt["args"]
+    d = utils.load_prepared(data)
+    images = d["images"][d["train_idx"]]
+    torch.manual_seed(seed)
+    outs = otl.label_pass(model, images, int(a["img_size"]), batch_size=int(a["label_batch_size"]),
+                          device="cpu", bn=a["label_bn"], views=2, **utils.augment_options(a),
+                          generator=torch.Generator().manual_seed(seed), progress=False)
+    return outs.contiguous()
+
+
 def call(mod, X):
+    """(seconds, results): one call on (N, k) outputs; on a (V, N, k) stack, view 0 from the
+    medians and each other view from view 0's T, with make_labels' seeds and settings."""
     if X.is_cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
-    r = mod.translate(X, method="exact")
+    if X.dim() == 2:
+        res = [mod.translate(X, method="exact")]
+    else:
+        res = [mod.translate(X[0], method="exact", seed=1, n_init=8192)]
+        for v in range(1, X.shape[0]):
+            res.append(mod.translate(X[v], method="exact", seed=1 + v, start=res[0].T, n_init=8192))
     if X.is_cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - t, r
+    return time.perf_counter() - t, res
+
+
+def valid(X, r, tie_eps=2.0 ** -26):
+    """Counts within 1 of the target, and labels argmax(O - T) outside the tie-break's size."""
+    lo, hi = (r.target + 1e-9).floor(), (r.target - 1e-9).ceil()
+    c = r.counts.cpu().double()
+    S = X.double().cpu() - r.T.cpu()
+    own = S.gather(1, r.labels.cpu()[:, None])[:, 0]
+    eps = tie_eps * float(X[:8192].abs().max()) * 2
+    return bool(((c >= lo) & (c <= hi)).all()) and bool((S.max(1).values - own <= eps).all())
 
 
 def main(argv=None):
@@ -144,6 +192,10 @@ def main(argv=None):
     p.add_argument("--inputs", default="small,stream",
                    help="input sets, comma-separated: small, stream, large, none (default small,stream)")
     p.add_argument("--pt", help="a glob of saved (N, k) outputs to compare on as well")
+    p.add_argument("--views", metavar="CHECKPOINT", help="a trained network: its two augmented "
+                   "views of --data's training split, labelled as a training epoch labels them")
+    p.add_argument("--data", default="data/eurosat", help="prepared data for --views (data/eurosat)")
+    p.add_argument("--seed", type=int, default=0, help="seeds --views' augmentation (0)")
     p.add_argument("--whole-only", action="store_true",
                    help="the saved outputs whole only, not also as four subsets")
     p.add_argument("--reps", type=int, default=1, help="timed calls of each version a case (default 1)")
@@ -173,22 +225,29 @@ def main(argv=None):
                "a": args.a, "b": args.b, "threads": torch.get_num_threads(),
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                "cases": []}
-        differ = 0
+        differ = invalid = 0
         print(f"{'case':32s} {'same':5s} {'A s':>8s} {'B s':>8s} {'B/A':>5s}  iterations A / B")
         for name, X in cases(which, args):
             X = X.to(dev)
-            _, ra = call(A, X)      # warm-up, and the results compared
-            _, rb = call(B, X)
-            same = (torch.equal(ra.labels.cpu(), rb.labels.cpu()) and torch.equal(ra.T.cpu(), rb.T.cpu())
-                    and torch.equal(ra.counts.cpu(), rb.counts.cpu()))
+            _, RA = call(A, X)      # warm-up, and the results compared
+            _, RB = call(B, X)
+            labels_same = all(torch.equal(a.labels.cpu(), b.labels.cpu()) for a, b in zip(RA, RB))
+            T_same = all(torch.equal(a.T.cpu(), b.T.cpu()) for a, b in zip(RA, RB))
+            ok = [valid(X if X.dim() == 2 else X[v], r) for v, r in enumerate(RB)]
+            same = labels_same and T_same and all(torch.equal(a.counts.cpu(), b.counts.cpu())
+                                                  for a, b in zip(RA, RB))
+            ra, rb = RA[-1], RB[-1]
             ta, tb = [], []
             for _ in range(args.reps):
                 ta.append(call(A, X)[0])
                 tb.append(call(B, X)[0])
             ma, mb = statistics.median(ta), statistics.median(tb)
             differ += not same
-            row = {"case": name, "shape": list(X.shape), "same": same, "seconds_a": ta,
-                   "seconds_b": tb, "iterations_a": ra.iterations, "iterations_b": rb.iterations,
+            invalid += not all(ok)
+            row = {"case": name, "shape": list(X.shape), "same": same, "labels_same": labels_same,
+                   "T_same": T_same, "valid_b": all(ok), "seconds_a": ta,
+                   "seconds_b": tb, "iterations_a": sum(r.iterations for r in RA),
+                   "iterations_b": sum(r.iterations for r in RB),
                    "max_minus_min_a": int(ra.counts.max() - ra.counts.min()),
                    "max_minus_min_b": int(rb.counts.max() - rb.counts.min())}
             if not same:
@@ -198,22 +257,27 @@ def main(argv=None):
             if args.out:        # after every case: a long comparison cut short keeps what it did
                 with open(args.out, "w") as f:
                     json.dump(rec, f, indent=1)
-            print(f"{name:32s} {'yes' if same else 'NO':5s} {ma:8.3f} {mb:8.3f} {mb / ma:5.2f}  "
-                  f"{ra.iterations} / {rb.iterations}", flush=True)
+            flag = "yes" if same else ("lab" if labels_same else "NO")
+            print(f"{name:32s} {flag:5s} {ma:8.3f} {mb:8.3f} {mb / ma:5.2f}  "
+                  f"{row['iterations_a']} / {row['iterations_b']}{'' if all(ok) else '  B INVALID'}",
+                  flush=True)
         n = len(rec["cases"])
         if n:
             ratios = [statistics.median(c["seconds_b"]) / statistics.median(c["seconds_a"])
                       for c in rec["cases"]]
-            rec["summary"] = {"cases": n, "differ": differ, "b_over_a_median": statistics.median(ratios),
+            rec["summary"] = {"cases": n, "differ": differ, "invalid_b": invalid,
+                              "labels_differ": sum(not c["labels_same"] for c in rec["cases"]),
+                              "b_over_a_median": statistics.median(ratios),
                               "b_over_a_max": max(ratios)}
-            print(f"{n} cases, {differ} differ; B / A time: median {rec['summary']['b_over_a_median']:.2f}, "
-                  f"largest {rec['summary']['b_over_a_max']:.2f}")
+            print(f"{n} cases, {differ} differ ({rec['summary']['labels_differ']} in labels), "
+                  f"{invalid} invalid in B; B / A time: median "
+                  f"{rec['summary']['b_over_a_median']:.2f}, largest {rec['summary']['b_over_a_max']:.2f}")
         else:
             print("no cases: choose --inputs or --pt")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rec, f, indent=1)
-    return 1 if args.expect_same and differ else 0
+    return 1 if args.expect_same and (differ or invalid) else 0
 
 
 if __name__ == "__main__":

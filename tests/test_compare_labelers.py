@@ -64,6 +64,28 @@ def test_a_change_in_T_is_reported_and_fails_expect_same(tmp_path, saved, capsys
     assert compare_labelers.main([OTL, str(changed), "--inputs", "none", "--pt", saved]) == 0
 
 
+def test_views_are_one_case_and_invalid_labels_fail(tmp_path, capsys):
+    """A saved (2, N, k) stack is one case labelled as a training epoch labels its two views (the
+    second from the first's T); B whose labels are not argmax(O - T) is reported invalid."""
+    p = tmp_path / "views.pt"
+    O = torch.randn(3000, 20, generator=torch.Generator().manual_seed(4))
+    torch.save(torch.stack([O, O + 0.01 * torch.randn(O.shape)]), p)
+    out = tmp_path / "cmp.json"
+    assert compare_labelers.main([OTL, OTL, "--inputs", "none", "--pt", str(p), "--out", str(out),
+                                  "--expect-same"]) == 0
+    case, = json.loads(out.read_text())["cases"]
+    assert case["case"] == "views.pt" and case["same"] and case["valid_b"]
+    broken = tmp_path / "otl_broken.py"
+    broken.write_text(open(OTL).read() + "\n\n_translate = translate\n\n\n"
+                      "def translate(outputs, **kw):\n"
+                      "    r = _translate(outputs, **kw)\n"
+                      "    r.labels = r.labels.roll(1)\n"
+                      "    return r\n")
+    assert compare_labelers.main([OTL, str(broken), "--inputs", "none", "--pt", str(p),
+                                  "--expect-same"]) == 1
+    assert "1 invalid in B" in capsys.readouterr().out
+
+
 def test_a_git_revision_and_bad_arguments(tmp_path, saved):
     if not os.path.isdir(os.path.join(ROOT, ".git")):
         pytest.skip("not a git checkout")
