@@ -53,25 +53,36 @@ def get_args_parser():
                    "'alexnet-cifar-cpu' (the labeler studies' network); 'auto': the data set's "
                    "protocol on CUDA and its CPU twin otherwise (the transfer presets for HMHR, "
                    "SIRI-WHU and UC Merced). docs/presets.md says what each gives up")
-    g = p.add_argument_group("model (preset values when not given)")
+    model_flags(p.add_argument_group("model (preset values when not given)"), count)
+    optimisation_flags(p.add_argument_group("optimisation"), num)
+    otl_flags(p.add_argument_group("OTL"), num)
+    run_flags(p.add_argument_group("run"), num)
+    return p
+
+
+def model_flags(g, count):
+    """The network: train_otl.py's --arch .. --img-size."""
     g.add_argument("--arch", choices=["resnet18", "resnet50", "alexnet"])
     g.add_argument("--k", type=int, help="clusters = outputs of the head; the paper uses 128 (remote "
                    "sensing, CIFAR-10, SVHN, ResNet-50), 512 for CIFAR-100 with AlexNet, 3000 for "
                    "ImageNet")
-    g.add_argument("--heads", type=int, help="heads of --k clusters each, every "
+    g.add_argument("--heads", type=count, help="heads of --k clusters each, every "
                    "one labelled by its own translation, the loss summed over them (the paper's "
                    "ImageNet model: 1 head of 3000; 10 heads for CIFAR and SVHN are ours)")
     g.add_argument("--embed", type=int, help="size of a linear embedding between the features "
                    "and the heads (0: none; 128 for AlexNet, the paper's embedding size for kNN, evaluated with "
                    "--feature embed)")
-    g.add_argument("--width", type=int, help="channels of ResNet-18's first stage (64 is "
+    g.add_argument("--width", type=count, help="channels of ResNet-18's first stage (64 is "
                    "torchvision's) or of AlexNet's first conv (96 is AlexNet's; the paper gives no width), the rest "
                    "scaled alike")
     g.add_argument("--small-stem", type=utils.str2bool, help="3x3 stride-1 stem without max-pool: "
                    "keeps resolution for small images but costs ~16x the compute")
-    g.add_argument("--img-size", type=int, help="side of the training and test images (a cache "
+    g.add_argument("--img-size", type=count, help="side of the training and test images (a cache "
                    "over twice this side is resized once to twice it, then each view on the fly)")
-    g = p.add_argument_group("optimisation")
+
+
+def optimisation_flags(g, num):
+    """SGD and its schedule."""
     g.add_argument("--epochs", type=int)
     g.add_argument("--batch-size", type=int, help="images per step (each gives --views views)")
     g.add_argument("--lr", type=num, help="SGD learning rate: the paper's 0.03 for ResNet-18 "
@@ -84,7 +95,10 @@ def get_args_parser():
     g.add_argument("--momentum", type=num, default=0.9, help="SGD momentum (0.9 in the paper)")
     g.add_argument("--wd", type=num, default=5e-4, help="weight decay (5e-4: ours, as in SeLa's CIFAR script; "
                    "the paper does not give one)")
-    g = p.add_argument_group("OTL")
+
+
+def otl_flags(g, num):
+    """Views, augmentation and the labeler."""
     g.add_argument("--views", type=int, help="augmented views of each image per step")
     g.add_argument("--lct", type=utils.str2bool, help="label-consistent training: every view learns "
                    "the labels of every view (true), or only its own (false)")
@@ -150,7 +164,10 @@ def get_args_parser():
                    "paper's transfer protocol for small data sets; recorded in the run")
     g.add_argument("--supervised", action="store_true", help="train on the true labels instead "
                    "(same network and schedule): the supervised baseline")
-    g = p.add_argument_group("run")
+
+
+def run_flags(g, num):
+    """Seed, device, checkpoints, monitoring."""
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
     g.add_argument("--sync-bn", type=utils.str2bool, default=False, help="with torchrun on GPUs: "
@@ -170,7 +187,6 @@ def get_args_parser():
     g.add_argument("--max-minutes", type=num, default=0, help="stop cleanly (checkpoint saved) "
                    "after this many minutes; rerun to continue")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars (for logs)")
-    return p
 
 
 def resolve_args(args, device):
@@ -421,39 +437,9 @@ def run(args, ranks, device):
     commit = utils.git_commit()     # the code this run started from: later edits are not what ran
     torch.backends.cudnn.benchmark = device.type == "cuda"   # a step's shapes repeat: fastest kernels
     gen = torch.Generator().manual_seed(args.seed + ranks.rank)
-
-    # ---- data: the training split as one uint8 tensor (on the GPU when there is one); each
-    # process holds its contiguous shard of it
-    d, manifest = utils.open_prepared(args.data, size=args.img_size)   # resized once if large
-    # what the data are: checked on resume and when the checkpoint is evaluated
-    data_record = utils.data_record(args.data)
-    n_total = len(d["train_idx"])
-    lo, hi = ranks.shard(n_total)
-    images = d["images"][d["train_idx"][lo:hi]]             # (n, 3, H, W) uint8
-    true_labels = d["labels"][d["train_idx"][lo:hi]]        # used only with --supervised
-    if device.type == "cuda":
-        images, true_labels = images.to(device), true_labels.to(device)
-    if not args.supervised and n_total < args.k:
-        raise SystemExit(f"the training split has {n_total} images, fewer than --k {args.k} clusters")
-
-    # ---- model and optimizer (DistributedDataParallel across processes)
-    cfg = otl.ModelConfig(arch=args.arch, k=len(d["classes"]) if args.supervised else args.k,
-                          small_stem=args.small_stem, width=args.width, heads=args.heads,
-                          embed=args.embed,
-                          mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]))
-    model = otl.build_model(cfg).to(device).to(memory_format=torch.channels_last)
-    net = model
-    if ranks.world > 1:
-        torch.manual_seed(args.seed + 1 + ranks.rank)   # each process its own augmentations
-        if args.sync_bn:
-            model = net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[ranks.local] if device.type == "cuda" else None)
-    if args.compile:   # the training steps only (a label pass's other batch sizes would recompile)
-        net = torch.compile(net)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.wd, nesterov=False,
-                          fused=True if device.type == "cuda" else None)  # one kernel a step
+    d, manifest, images, true_labels, n_total, lo = training_split(args, ranks, device)
+    data_record = utils.data_record(args.data)  # checked on resume and when evaluated
+    cfg, model, net, opt = build(args, len(d["classes"]), manifest, ranks, device)
 
     # ---- resume from the run folder's checkpoint, if any
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
@@ -463,7 +449,7 @@ def run(args, ranks, device):
                                                         data=data_record)
     starts = extras["labeler_starts"]
     if labels is not None:
-        labels = labels[:, lo:hi]                           # this process's rows
+        labels = labels[:, lo:lo + images.shape[0]]         # this process's rows
     if start_epoch > args.epochs:
         raise SystemExit(f"{ckpt_path} is at epoch {start_epoch}, past --epochs {args.epochs}: a "
                          "run cannot be shortened; use another --output, or --epochs "
@@ -472,10 +458,13 @@ def run(args, ranks, device):
     if start_epoch == args.epochs and start_epoch > 0 and os.path.isfile(results_path):
         if ranks.main:
             print(f"{args.output} has finished its {args.epochs} epochs; nothing to do", flush=True)
-        with open(results_path) as fh:
-            done = json.load(fh)
-        ranks.close()
-        return done
+        try:
+            with open(results_path) as fh:
+                done = json.load(fh)
+            ranks.close()
+            return done
+        except ValueError:              # damaged since: written again below
+            pass
     if ranks.main:
         utils.trim_log(log_path, start_epoch)    # epochs past the checkpoint are done again
 
@@ -488,8 +477,7 @@ def run(args, ranks, device):
                 "optimizer": opt.state_dict(), "epoch": epoch, "args": vars(args),
                 "pseudo_labels": torch.cat([p[1] for p in parts], 1) if labels is not None else None,
                 "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
-                "labeler_starts": starts,
-                "git_commit": commit, **data_record}
+                "labeler_starts": starts, "git_commit": commit, **data_record}
 
     if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
         args.init_from = utils.init_backbone(model, args.init)
@@ -532,21 +520,65 @@ def run(args, ranks, device):
                       "same command to continue", flush=True)
             ranks.close()
             return None
-
-    results = None
-    if ranks.main:
-        epoch_s = []
-        if os.path.isfile(log_path):    # every epoch's time, resumed or not
-            with open(log_path) as fh:
-                epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
-        results = {"epochs": args.epochs, "preset": args.preset_used, "arch": args.arch,
-                   "device": str(device),
-                   "processes": ranks.world, "checkpoint": utils.rel_path(ckpt_path),
-                   "init_from": getattr(args, "init_from", None),
-                   "train_minutes": round(sum(epoch_s) / 60, 4),   # tiny runs must not round to 0
-                   "command": utils.command_line(), "git_commit": commit}
-        utils.write_json(results, results_path)
+    results = write_results(args, ranks, device, commit) if ranks.main else None
     ranks.close()
+    return results
+
+
+def training_split(args, ranks, device):
+    """(data, manifest, this process's training images (n, 3, H, W) uint8 and true labels, on the
+    GPU when there is one, the size of the whole training split, the first row of this process's
+    contiguous shard)."""
+    d, manifest = utils.open_prepared(args.data, size=args.img_size)   # resized once if large
+    n_total = len(d["train_idx"])
+    lo, hi = ranks.shard(n_total)
+    images = d["images"][d["train_idx"][lo:hi]]             # (n, 3, H, W) uint8
+    true_labels = d["labels"][d["train_idx"][lo:hi]]        # used only with --supervised
+    if device.type == "cuda":
+        images, true_labels = images.to(device), true_labels.to(device)
+    if not args.supervised and n_total < args.k:
+        raise SystemExit(f"the training split has {n_total} images, fewer than --k {args.k} clusters")
+    return d, manifest, images, true_labels, n_total, lo
+
+
+def build(args, n_classes, manifest, ranks, device):
+    """(config, model, the network the steps run through (DistributedDataParallel across
+    processes, compiled with --compile), SGD)."""
+    cfg = otl.ModelConfig(arch=args.arch, k=n_classes if args.supervised else args.k,
+                          small_stem=args.small_stem, width=args.width, heads=args.heads,
+                          embed=args.embed,
+                          mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]))
+    model = otl.build_model(cfg).to(device).to(memory_format=torch.channels_last)
+    net = model
+    if ranks.world > 1:
+        torch.manual_seed(args.seed + 1 + ranks.rank)   # each process its own augmentations
+        if args.sync_bn:
+            model = net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[ranks.local] if device.type == "cuda" else None)
+    if args.compile:   # the training steps only (a label pass's other batch sizes would recompile)
+        net = torch.compile(net)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                          weight_decay=args.wd, nesterov=False,
+                          fused=True if device.type == "cuda" else None)  # one kernel a step
+    return cfg, model, net, opt
+
+
+def write_results(args, ranks, device, commit):
+    """results.json of a finished run: what ran, where, and its minutes of training (every
+    epoch's, resumed or not)."""
+    log_path = os.path.join(args.output, "log.jsonl")
+    epoch_s = []
+    if os.path.isfile(log_path):
+        with open(log_path) as fh:
+            epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
+    results = {"epochs": args.epochs, "preset": args.preset_used, "arch": args.arch,
+               "device": str(device), "processes": ranks.world,
+               "checkpoint": utils.rel_path(os.path.join(args.output, "checkpoint.pth")),
+               "init_from": getattr(args, "init_from", None),
+               "train_minutes": round(sum(epoch_s) / 60, 4),   # tiny runs must not round to 0
+               "command": utils.command_line(), "git_commit": commit}
+    utils.write_json(results, os.path.join(args.output, "results.json"))
     return results
 
 
