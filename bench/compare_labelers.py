@@ -8,8 +8,9 @@ change to the labeler: on real outputs alone a slowdown on other inputs can pass
     python bench/compare_labelers.py old/otl_scale.py otl_scale.py --device cuda --inputs large --large-n 1280000
     python bench/compare_labelers.py f95442e otl_scale.py --inputs none --views runs/eurosat/checkpoint.pth
 
-A and B: a path to an otl_scale.py (or to an older otl.py, which held the tuned labeler), or a git
-revision, read with `git show` (its otl_scale.py and otl.py, or its otl.py alone).
+A and B: a path to an otl_scale.py (or to an otl.py: an older one held the tuned labeler, today's
+is the reference), or a git revision, read with `git show` (its otl_scale.py and otl.py, or its
+otl.py alone).
 Input sets (--inputs, comma-separated; default small,stream):
   small   Gaussian with a drift across columns, k = 2 - 100, N = 600 - 20,000 (the dense path)
   stream  k = 200 - 3000 (the streaming path): Gaussian with and without a drift, identical rows,
@@ -162,12 +163,14 @@ def call(mod, X):
     if X.is_cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
+    tuned = hasattr(mod, "StreamingTranslator")       # (otl.py's reference takes no seed)
     if X.dim() == 2:
         res = [mod.translate(X, method="exact")]
     else:
-        res = [mod.translate(X[0], method="exact", seed=1, n_init=8192)]
+        res = [mod.translate(X[0], method="exact", **(dict(seed=1, n_init=8192) if tuned else {}))]
         for v in range(1, X.shape[0]):
-            res.append(mod.translate(X[v], method="exact", seed=1 + v, start=res[0].T, n_init=8192))
+            kw = dict(seed=1 + v, n_init=8192) if tuned else {}
+            res.append(mod.translate(X[v], method="exact", start=res[0].T, **kw))
     if X.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t, res
