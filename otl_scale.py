@@ -70,19 +70,15 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               max_candidates: int = 48, full_rows_up_to: int = 128,
               full_rows_bytes: int = 1 << 30, start=None, sample_start: bool = True, dense: bool = True,
               n_init: int = 8192) -> TranslateResult:
-    """A k-vector T such that labels = argmax(O - T) spread the N rows of O over the k clusters as
-    the target asks (even by default, or any counts summing to N).  T only translates O, so every
-    difference O[s] - O[t] is unchanged.
-
-    method="exact" (default): counts end within 1 of the target, without an N x k copy.  With dense,
-    for 2 <= k <= full_rows_up_to and N >= 64 k, the dense path runs first (`_dense_translate`).
-    Otherwise, or where it cannot finish, O is fed in chunks to `StreamingTranslator`, whose
-    settings these are (N is its rows_hint; tie_eps defaults to 2**-26).  start: a T to start from
-    instead of the column medians, such as the T of the other augmented view or of the last epoch.
-    sample_start: without a start, for k > 2 x full_rows_up_to and outputs far from balance at their
-    medians, start from the exact T of every 4th row (`sample_start_T`).
-    method="published": `otl.translate_published` with beta, alpha0, patience, max_iter, tie_eps
-    (default 1e-6), seed and init; method="sinkhorn": `otl.translate`'s Sinkhorn-Knopp."""
+    """otl.translate's problem and guarantees: T with labels = argmax(O - T) and every count within
+    1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to and N >= 64 k,
+    the dense path runs first (`_dense_translate`); otherwise, or where it cannot finish, O is fed
+    in chunks to `StreamingTranslator`, whose settings these are (tie_eps defaults to 2**-26).
+    start: a T to start from instead of the column medians (the other view's, the last epoch's).
+    sample_start: without a start, for k > 2 x full_rows_up_to and outputs far from balance at
+    their medians, start from the exact T of every 4th row (`sample_start_T`).  method=
+    "published" (beta, alpha0, patience, max_iter, tie_eps default 1e-6, seed, init) and
+    "sinkhorn" are otl.translate's."""
     if method in ("published", "sinkhorn"):
         if method == "sinkhorn":
             return otl.translate(outputs, target=target, method="sinkhorn", start=start)
@@ -267,15 +263,6 @@ def _far(cnt, target_arg=None):
     return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / k
 
 
-def _hits(W, fw, kp):
-    """(rows, columns) of the hits in the int64 words fw (ascending) of the int8 mask W, in
-    row-major order; kp columns a row."""
-    hit = W.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # (c,) word * 8 + byte
-    g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)  # flat positions in M, ascending
-    rr = torch.div(g, kp, rounding_mode="floor")            # rows, ascending
-    return rr, g.sub_(rr * kp)
-
-
 class _Store:
     """The candidate lists of the rows added: per stored piece vals (n, w) O - T0 of each row's
     candidates (-inf in empty slots), cols (n, w) their clusters, theta (n,) a bound at T0 on the
@@ -286,7 +273,6 @@ class _Store:
         self.k, self.width, self.cdtype, self.seed = k, width, cdtype, seed
         self.dev, self.block = device, block
         self.vals, self.cols, self.theta, self.n, self.kept = [], [], [], 0, None
-        self._diff = self._mask = None      # extraction buffers, reused block after block
         self.recentre(start.T0)
         self.eps, self.window = start.eps, start.window
 
@@ -311,117 +297,43 @@ class _Store:
 
     def add_block(self, X, first):
         """Candidates of one block of rows X (float32 or float64; global row numbers from
-        `first`), in passes that write nothing N x k sized."""
-        n, w, k = X.shape[0], self.width, self.k
-        thr, M, rr, cc, pos, cnt, many, oi, whole = self._window_hits(X)
+        `first`): the columns within the window of each row's best at T0 (S = X - T0 in float32,
+        a few rows at a time so that it stays in cache), and theta, a bound on the rest.  A row
+        with over `width` such columns (a collapsed network's) keeps its best `width` by exact
+        value with the tie-break, so that equal outputs keep other columns on other rows."""
+        n, w, k, dev = X.shape[0], self.width, self.k, self.dev
+        sub = n if _launch_bound(dev) else max(1, (4 << 20) // (4 * k))
+        top = [torch.sub(X[s:s + sub], self.T0f).to(torch.float32).topk(min(w + 1, k), dim=1)
+               for s in range(0, n, sub)]
+        tv, ti = torch.cat([t.values for t in top]), torch.cat([t.indices for t in top])
+        if not bool(torch.isfinite(tv[:, 0]).all()):   # NaN and +inf show here; -inf never
+            check_finite(X, self.n)                     # makes a candidate, so it may stay
+        thr = tv[:, 0] - self.window
+        hit = tv >= thr[:, None]                        # a prefix of each row's top
+        cnt = hit.sum(1)
         # fl(X - T0) errs by at most 2^-24 |S| (float64 outputs: T0f errs by 2^-24 |T0| too): a
         # per-row allowance keeps theta a true bound on every dropped column, whatever the blocks
         thr64 = thr.to(torch.float64)
         t0abs = self.T0abs if X.dtype == torch.float64 else 0.0
         theta = thr64 + 2.0 ** -22 * (thr64.abs() + t0abs) + self.eps
         theta[cnt >= k] = -math.inf                             # nothing was dropped
-        # flat (n * w) tables with one spare slot at the end for the entries not kept
-        vals = torch.full((n * w + 1,), -math.inf, dtype=torch.float64, device=self.dev)
-        cols = torch.zeros(n * w + 1, dtype=self.cdtype, device=self.dev)
-        at = rr * w + pos
-
-        def exact(r, c):   # O - T0 in float64 at rows r, columns c
-            return X.reshape(-1).index_select(0, r * k + c).to(torch.float64) - self.T0.index_select(0, c)
-
-        val = exact(rr, cc)
-        if oi.numel() > 0:   # more than w near the top: keep the best w of them, bound the rest
-            # exact values with the tie-break, so that exactly tied outputs (a collapsed network)
-            # keep different columns on different rows
-            if whole:                                           # most of these rows' columns
-                PC = torch.arange(k, device=self.dev).expand(oi.numel(), k)
-                P = self.whole_rows(X.index_select(0, oi), oi + first)
-            else:
-                P, PC = self._crowded(val, rr, cc, pos, cnt, many, oi, first)
-            tv, ti = P.topk(w + 1, dim=1)                      # (o, w + 1) among the candidates
-            theta[oi] = torch.maximum(theta[oi], tv[:, w])    # the same sum as result() makes
-            kept_cols = PC.gather(1, ti[:, :w]).reshape(-1)         # (o * w,)
-            om = (oi[:, None] * w + torch.arange(w, device=self.dev)).view(-1)
-            vals.index_copy_(0, om, exact(oi.repeat_interleave(w), kept_cols))
-            cols.index_copy_(0, om, kept_cols.to(self.cdtype))
-            if not whole:
-                at = torch.where(many.index_select(0, rr), n * w, at)   # the rest: the spare slot
-        vals.index_copy_(0, at, val)                                    # exact
-        cols.index_copy_(0, at, cc.to(self.cdtype))
-        self.append(vals[:n * w].view(n, w), cols[:n * w].view(n, w), theta)
-
-    def _window_hits(self, X):
-        """The columns within the window of each row's best at T0: S = X - T0 into a reused
-        buffer, its row maxima, a reused int8 mask S >= max - window, read 8 columns at a time as
-        int64 words (almost every word is 0).  Returns (threshold, mask, rows and columns of the
-        listed hits, each hit's place in its row, hits per row, rows with over `width` hits,
-        their indices, whether those are taken whole)."""
-        n, k, w, dev = X.shape[0], self.k, self.width, self.dev
-        kp = (k + 7) // 8 * 8
-        # S = X - T0 a few rows at a time (on the CPU small enough to stay in cache), then
-        # D = S - (row max - window) in place; the mask D >= 0 is int8 -1 / 0 from D's sign bit,
-        # cheaper than a comparison writing bool.  fl(S - thr) >= 0 exactly when S >= thr.
-        sub = n if _launch_bound(dev) else max(1, (4 << 20) // (4 * kp))
-        if self._mask is None or self._mask.shape[0] < n:
-            self._diff = torch.full((min(max(n, self.block), sub), kp), -math.inf,
-                                    dtype=torch.float32, device=dev)   # columns >= k stay -inf
-            self._mask = torch.empty((max(n, self.block), kp), dtype=torch.int8, device=dev)
-        M, rmax = self._mask[:n], torch.empty(n, dtype=torch.float32, device=dev)
-        for s in range(0, n, sub):
-            e = min(s + sub, n)
-            D = self._diff[:e - s]
-            torch.sub(X[s:e], self.T0f, out=D[:, :k])
-            torch.amax(D, 1, out=rmax[s:e])
-            torch.sub(D, (rmax[s:e] - self.window)[:, None], out=D)
-            M[s:e].copy_(D.view(torch.int32).bitwise_right_shift_(31)).bitwise_not_()
-            if kp > k:   # the shift turned the -inf padding into NaN
-                D[:, k:] = -math.inf
-        if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
-            check_finite(X, self.n)                 # -inf never makes a candidate, so it may stay
-        # Rows with a hit in 9 / 10 of their words or more ("dense") are counted by a sum over
-        # their mask and listed only if not taken whole.  Rows with more than w hits keep their
-        # best w by exact value with the tie-break; where those rows hold most of their columns
-        # they are taken whole, unlisted (on collapsed outputs every column is a hit).
-        W = M.view(-1).view(torch.int64)
-        kw = kp // 8
-        fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
-        frow = torch.div(fw, kw, rounding_mode="floor")
-        dense = torch.bincount(frow, minlength=n) * 10 >= 9 * kw
-        di = dense.nonzero()[:, 0]
-        if di.numel():
-            fw = fw[~dense.index_select(0, frow)]
-        rr, cc = _hits(W, fw, kp)
-        cnt = torch.bincount(rr, minlength=n)                   # hits per row
-        if di.numel():
-            cnt.index_copy_(0, di, M.index_select(0, di).sum(1, dtype=torch.int32).neg_().long())
-        many = cnt > w
-        oi = many.nonzero()[:, 0]
-        whole = oi.numel() > 0 and int(cnt.index_select(0, oi).sum()) > 0.3 * oi.numel() * k
-        if whole:                                               # rows taken whole: not listed
-            keep = ~many.index_select(0, rr)
-            if not bool(keep.all()):
-                rr, cc = rr[keep], cc[keep]
-        back = di if not whole else di[~many.index_select(0, di)]   # dense rows still to list
-        if back.numel():
-            d_rr, d_cc = _hits(W, (back[:, None] * kw + torch.arange(kw, device=dev)).view(-1), kp)
-            order = torch.cat([rr * kp + cc, d_rr * kp + d_cc]).sort().indices
-            rr, cc = torch.cat([rr, d_rr])[order], torch.cat([cc, d_cc])[order]
-        listed = torch.bincount(rr, minlength=n)                # hits per row listed
-        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(listed, 0) - listed).index_select(0, rr)
-        return rmax - self.window, M, rr, cc, pos, cnt, many, oi, whole
-
-    def _crowded(self, val, rr, cc, pos, cnt, many, oi, first):
-        """The listed hits of the rows with over `width` of them, with the tie-break, as an
-        (o, most hits) table of values (-inf in empty slots) and one of their columns."""
-        e = many.index_select(0, rr).nonzero()[:, 0]    # their entries
-        re, ce, pe = rr.index_select(0, e), cc.index_select(0, e), pos.index_select(0, e)
-        slot = torch.cumsum(many, 0).index_select(0, re) - 1
-        P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64, device=self.dev)
-        PC = torch.zeros(P.shape, dtype=torch.int64, device=self.dev)
-        ae = slot * P.shape[1] + pe
-        P.view(-1).index_copy_(0, ae, val.index_select(0, e) + self.eps * _tie_jitter(
-            re + first, ce[:, None], self.seed)[:, 0])
-        PC.view(-1).index_copy_(0, ae, ce)
-        return P, PC
+        keep, cols = hit[:, :w], ti[:, :w]
+        if cols.shape[1] < w:       # (k <= w: the empty slots past k)
+            keep = torch.cat([keep, keep.new_zeros(n, w - k)], 1)
+            cols = torch.cat([cols, cols.new_zeros(n, w - k)], 1)
+        vals = (X.gather(1, cols).to(torch.float64) - self.T0.index_select(0, cols.reshape(-1))
+                .view(n, w)).masked_fill_(~keep, -math.inf)
+        cols = cols.masked_fill(~keep, 0)
+        oi = (cnt > w).nonzero()[:, 0]
+        if oi.numel() > 0:   # more than w near the top: keep the best w, bound the rest
+            P = self.whole_rows(X.index_select(0, oi), oi + first)
+            pv, pi = P.topk(w + 1, dim=1)
+            theta[oi] = torch.maximum(theta[oi], pv[:, w])
+            pc = pi[:, :w]
+            vals[oi] = (X.index_select(0, oi).gather(1, pc).to(torch.float64)
+                        - self.T0.index_select(0, pc.reshape(-1)).view(pc.shape))
+            cols[oi] = pc
+        self.append(vals, cols, theta)
 
     def add_jitter(self, offset):
         """The tie-break eps * u(global row, column) added to every stored value (-inf stays)."""
@@ -544,24 +456,15 @@ class _Store:
 
 
 class StreamingTranslator:
-    """Output translation fed batch by batch, never holding the dense N x k outputs: `st.add(batch)`
-    for each (n_b, k) batch in row order, then `st.result()` once.  `translate(O)` is this class fed
-    O in chunks.
-
-    The first `n_init` rows fix a start (`_Start`: T0 their column medians, or `start`; the
-    tie-break's eps; a window).  Rows are kept whole when k <= full_rows_up_to, or when k <= 2 x
-    full_rows_up_to, the outputs are far from balance (`_far`) and the rows fit (rows_hint x k x 10
-    bytes <= full_rows_bytes); else each row keeps its candidates, the columns within `window` of
-    its best at T0 (about `candidates`, at most `max_candidates`), and theta, a bound on the rest.
-    result() solves only the rows that lead at T0 by at most a radius (the others keep their
-    cluster while T moves less), growing the radius until the solution fits, with `_ExactSolver`.
-    Counts end within 1 of the target.  Rows whose candidates fall short are read again whole
-    through refetch(row_indices) -> their outputs.
-
-    A fixed hash tie-break eps * u(row, column) splits identical outputs.  NaN and +-inf raise (with
-    candidate lists a -inf after the first rows passes: it is never a candidate).  Distributed: each
-    rank adds its shard in rank order (row_offset: its first row's global number); ranks exchange
-    k-vectors and k x k tables.  See docs/labeler.md."""
+    """Output translation fed batch by batch, never holding the N x k outputs: `st.add(batch)` for
+    each (n_b, k) batch in row order, then `st.result(refetch)` once; refetch(global rows) gives
+    rows' outputs again where their candidate lists fell short.  The first `n_init` rows fix the
+    start (`_Start`).  Rows are kept whole when k <= full_rows_up_to (or k <= 2 x that, far from
+    balance, and rows_hint x k x 10 bytes <= full_rows_bytes); else each keeps the columns within
+    a window of its best at T0 (about `candidates`, at most `max_candidates`) and a bound on the
+    rest.  Distributed: each rank adds its shard in rank order (row_offset: its first row's global
+    number) and gets its rows' labels; only k-vectors and k x k tables travel.  NaN and +-inf
+    raise.  Design: docs/labeler.md, 'Streaming'."""
 
     def __init__(self, k: int, target=None, seed: int = 0, candidates: int = 24,
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
@@ -696,7 +599,6 @@ class StreamingTranslator:
         target = check_target(self.target_arg, n_total, k)
         lo, hi = (b.to(dev) for b in count_bounds(target))
         self.store.add_jitter(self.offset)   # now the global row numbers are known
-        self.store._diff = self.store._mask = None        # the extraction buffers
         solver, ic, n_act, refetched, history = self._solve_growing(
             n_total, target, lo, hi, refetch, max_rounds)
         labels = solver.lab0
@@ -860,18 +762,12 @@ def _top2_(S):
 
 
 class _ExactSolver:
-    """The translation solved on candidate lists (see StreamingTranslator).  vals (n, w): O - T0 of
-    each row's candidates, cols (n, w) their clusters, rows_global (n,) the rows' global numbers
-    (ascending); dT (k,) = T - T0, float64.  theta (n,) bounds the dropped columns at the
-    translation the row's candidates were chosen at, cuts[epoch[i]] ((E, k); row 0: zeros, T0): at
-    any dT a dropped column j of row i scores at most theta_i - min(dT - cuts[epoch_i]), so a row
-    chosen again at the current dT (replace_rows) stays safe while T moves less than its lead.
-
-    run() balances in three stages: far from balance, the published step rule on each row's best
-    candidates (`_approach`); an ascending auction in which over-full clusters raise T_j just
-    enough to shed their excess, with reverse rounds that pull rows into under-full ones
-    (`_auction`, `_attract`); an exact finish by shortest augmenting paths on the cluster graph
-    (`_Finish`).  strictify() then nudges T so that every label is a strict argmax."""
+    """The translation solved on candidate lists: vals (n, w) O - T0 of each row's candidates, cols
+    (n, w) their clusters, rows_global (n,) ascending, dT (k,) = T - T0.  theta (n,) bounds the
+    dropped columns at the translation cuts[epoch[i]] the row's candidates were chosen at: at any
+    dT a dropped column scores at most theta_i - min(dT - cuts[epoch_i]).  run(): the published
+    step far from balance (`_Approach`), an ascending auction with reverse rounds (`_auction`,
+    `_attract`), the exact finish (`_Finish`); strictify() makes every label a strict argmax."""
 
     def __init__(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, dT=None,
                  rounds=0, phases=0, labels=None, epoch=None, cuts=None):
@@ -1366,14 +1262,11 @@ def _gap_after(margin, lab, excess, k):
 
 class _Finish:
     """The exact finish: rounds of shortest paths from over- to under-full clusters.  Moving row i
-    from its cluster a to b costs (V_ia - dT_a) - (V_ib - dT_b) >= 0; the edge a -> b of the
-    cluster graph is the cheapest such row.  Two graphs: a list of the moves that cost at most tau
-    while they are few (a round re-reads only the moved rows; a distance is trusted below tau minus
-    how far T moved since), or, once they are over a quarter of all candidate moves, the k x k
-    table of each pair's cheapest base V_ia - V_ib and its row (exact below tau; a round redoes
-    only the table rows of clusters that gained or lost a row), searched on the table itself
-    (`_table_paths`).  A round moves one row along
-    each of disjoint paths; the round's k-vectors are numpy's on the host, as scipy takes them."""
+    from its cluster a to b costs (V_ia - dT_a) - (V_ib - dT_b) >= 0; the edge a -> b is the
+    cheapest such row.  The graph: a list of the moves that cost at most tau while they are few
+    (scipy's Dijkstra), or, once they are over a quarter of all moves, the k x k table of each
+    pair's cheapest move and its row (`_table_paths`), whose rows are redone only for clusters
+    that gained or lost a row.  A round moves one row along each of disjoint paths."""
 
     def __init__(self, solver):
         s = self.s = solver
@@ -1824,18 +1717,13 @@ def _shed_step(at, e):
 
 def _newton_T(X, T, target, max_steps, tol, frac=None, errs=None, at=None, span_max=math.inf,
               bufs=None, mode=None):
-    """Steps on the counts of argmax(X - T) towards the target, of two kinds.  Newton: the count of
-    cluster a changes with T_a - T_b by about the rows on the a / b boundary (those within h, the
-    margin of the `frac` closest rows: 5 % up to k = 50, then k / 1000 up to 20 %, as the rows
-    near each of the ~k^2 / 2 boundaries thin out with k) per unit of margin; that graph Laplacian,
-    solved on the CPU (the same T on every device), gives the step (within 32 h; a cluster far from
-    all others takes the shift that balances it alone; halved up to twice while it does not help).
-    Shedding (`_shed_step`): an auction round.  A Newton step that removes under 10 % of sum
-    |counts - target| is followed by shedding; a step that does not help, by the other kind.
-    Stops at sum |counts - target| <= tol, after max_steps, when neither helps, or (escaped) before
-    a step that would move T by a span over span_max.  at: the counts at T if known; bufs: two
-    _newton_bufs (state, trial); mode: a dict kept across calls.  Returns (T, counts - target,
-    _newton_counts at T, passes made, escaped); errs gets the error after each step."""
+    """Steps on the counts of argmax(X - T) towards the target: Newton (`_newton_step`, halved up to
+    twice while it does not help; h from the `frac` closest rows, 5 % up to k = 50, then k / 1000
+    up to 20 %) or shedding (`_shed_step`), whichever helps; a Newton step that keeps over 90 % of
+    sum |counts - target| is followed by shedding.  Stops at that sum <= tol, after max_steps, when
+    neither helps, or (escaped) before a step that would move T by a span over span_max.  at: the
+    counts at T if known; bufs: two _newton_bufs; mode: a dict kept across calls.  Returns (T,
+    counts - target, _newton_counts at T, passes made, escaped); errs gets each step's error."""
     T0 = T
     frac = min(0.2, max(0.05, X.shape[1] / 1000)) if frac is None else frac
     passes = 0
@@ -1936,17 +1824,10 @@ def _near_rows(lab, margin, R, cnt_out, hi, must=None):
 
 
 def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
-    """translate's exact labeler for small k on outputs held whole in one process, or None when it
-    cannot finish cheaply (then the streaming path runs).  Steps on the counts (`_newton_T`) bring
-    them near the target in float32 passes: first on a sample of about max(8192, 64 k) rows when N
-    is at least 4 times that (on every 4th row at 2 to 4 times, when over half of the rows must
-    move), then on all rows (8 steps, up to 24 while sum |counts - target| is over 1 % of N), then
-    on the rows near a boundary only.  The rows within a margin R of their runner-up (about 2 % of
-    them, or 8 times the rows to move and k) and, for a cluster short of them, the rows nearest to
-    joining it (`_joiners`) are solved exactly by `_ExactSolver` with the streaming path's
-    tie-break (small solves on the host).  The other rows keep their column when T moves less
-    than R, or when one pass at the new T finds none changed; else the next try (up to four) adds
-    the rows that changed.  See docs/labeler.md, 'The dense path'."""
+    """translate's fast path for small k on outputs held whole in one process, or None when it
+    cannot finish cheaply (then the streaming path runs): Newton steps on the counts in float32
+    passes (`_Dense.approach`), then the rows near a boundary solved exactly with the streaming
+    path's tie-break (`_Dense.solve`).  Design: docs/labeler.md, 'The dense path'."""
     t0 = time.perf_counter()
     n, k = outputs.shape
     X = outputs.detach()      # read in float32, block by block (_newton_counts)
