@@ -9,8 +9,6 @@ reference exact labeler (otl.translate).
     make labeler-bench-gpu                                   # on a CUDA GPU (--device cuda)
     make labeler-matrix                                      # the matrix: real outputs, k = 10..3000
     python bench/bench_labeler.py --summary a.json b.json    # tables, and one over both
-    python bench/bench_labeler.py --save-features F ...; python bench/bench_labeler.py --features F --device cuda
-                                    # the real inputs made again where the data and networks are not
 
 Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
@@ -36,15 +34,6 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
                   time inside the labeler.  Then all three labelers get the first --ref-n rows
                   (64,000) as one array: the published labeler and Sinkhorn hold several N x k
                   float64 copies, and this gives the side-by-side at equal N.
-  random_net_large  the same sizes with the structure of a real network's outputs: row r is
-                  random_net's feature row r mod 50,000 (an image or its mirror image) moved by
-                  a draw of the augmentation displacement, through a fresh --large-k-way head
-                  (seed --seed + k).  The displacement is a Gaussian fitted to real views: the
-                  mean and covariance, over --aug-images images, of the features of one view
-                  of the --net preset's training augmentation minus the test-time features.  So
-                  each image comes back about 26 times (1.28M rows), each time as if augmented,
-                  with the few dominant clusters, heavy rows and near-ties of real outputs.
-                  Streamed and compared like gaussian_large; needs --data.
 Measured for every (input, k, method), each in a fresh child process (forked from a server that
 has imported torch and done nothing else, so no child pays torch's import) that first builds or
 loads its input: wall seconds of the labeling call (scipy, which the exact labeler's finish
@@ -64,7 +53,7 @@ alike), and the record keeps the median seconds and seconds_warm with every run'
 usual time on a shared machine.  Torch uses every core the process may run on.  Linux only.
 With --device cuda every measurement runs in this process on the GPU (see measure_gpu): the
 Gaussian inputs come from a CUDA generator, the large case sits whole in GPU memory, the
-EuroSAT inputs' networks run on the GPU, and random_net_large is left to the CPU run.
+EuroSAT inputs' networks run on the GPU.
 Results go to --out as they come (a killed run keeps what it measured); a failed measurement is
 recorded with its error and makes the script exit non-zero, and no numbers are made up for it.
 """
@@ -109,16 +98,6 @@ def get_args_parser():
     p.add_argument("--save-inputs", metavar="DIR", default=None, help="also keep each network "
                    "input (random_net, trained_net, trained_backbone: an (N, k) float32 tensor "
                    "saved by torch.save as DIR/<input>_<k>.pt) for profile_labeler.py --input")
-    p.add_argument("--save-features", metavar="DIR", default=None, help="also keep what the real "
-                   "inputs are made from, in DIR: random_net's and the --checkpoint backbone's (N, d) "
-                   "features and the checkpoint's own (N, k) outputs, with features.json saying "
-                   "where they came from (a few tens of MB at N = 21,600, where the inputs at "
-                   "k = 3000 are GB), for --features on another machine")
-    p.add_argument("--features", metavar="DIR", default=None, help="make random_net, trained_net "
-                   "and trained_backbone from DIR (written by --save-features) instead of from "
-                   "--data and the networks: the same fresh heads, so the same inputs, with no data "
-                   "set or checkpoint at hand (--data, --net, --checkpoint, --real-split and --n "
-                   "are then DIR's)")
     p.add_argument("--summary", metavar="JSON", nargs="+", help="print the tables of results "
                    "JSONs written by this script and stop; with --plot (one JSON), draw its plot. "
                    "With several, also one table over all of them: for each set of outputs and "
@@ -142,11 +121,8 @@ def get_args_parser():
     p.add_argument("--ref-n", type=int, help="rows the published labeler and Sinkhorn get in the large "
                    "case (default 64,000, about 1.5 GB per float64 copy at k = 3000; --quick: 10,000)")
     p.add_argument("--skip-large", action="store_true", help="leave out the large cases")
-    p.add_argument("--large-inputs", default="gaussian,random_net", help="the large cases: "
-                   "gaussian (gaussian_large) and/or random_net (random_net_large, needs --data; "
-                   "left out with --skip-real)")
-    p.add_argument("--aug-images", type=int, default=4096, help="images whose augmented views fit "
-                   "random_net_large's displacement (default 4096)")
+    p.add_argument("--large-inputs", default="gaussian", choices=["gaussian"],
+                   help="the large case's input (gaussian, the only one: older commands name it)")
     p.add_argument("--skip-real", action="store_true", help="leave out random_net and trained_net")
     p.add_argument("--methods", default="exact,published,sinkhorn", help=f"comma list from {', '.join(METHODS)} "
                    "(reference: otl.py's reference exact labeler, not run by default)")
@@ -155,11 +131,7 @@ def get_args_parser():
     p.add_argument("--device", default="cpu", help="cpu, or cuda: inputs made on the GPU, each "
                    "measurement in this process after a warm-up call, the median of --repeat calls, "
                    "GPU peak memory; the large case is held whole on the GPU (not streamed); the "
-                   "EuroSAT inputs' networks run on the GPU too (random_net_large is left to the CPU)")
-    p.add_argument("--cpu-too", action="store_true", help="with --device cuda: each input also "
-                   "copied to the host and labelled there by every core (seconds_cpu, the copy "
-                   "included; median of --repeat calls after a warm-up): which side a training "
-                   "run should label on (train_otl.py --labeler-device)")
+                   "EuroSAT inputs' networks run on the GPU too")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement on a GPU "
                    "(default 3; the CPU takes one)")
     p.add_argument("--fresh", type=int, default=1, help="on the CPU: fresh child processes per "
@@ -199,35 +171,12 @@ def resolve_args(args):
         raise SystemExit(f"--ks must lie in [2, --n={args.n}], got {args.ks}")
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         raise SystemExit(f"--device {args.device}: no CUDA GPU is visible to torch here; use --device cpu")
-    if args.cpu_too and args.device == "cpu":
-        raise SystemExit("--cpu-too compares a GPU with the host: give --device cuda too")
     if args.net not in utils.PRESETS:
         raise SystemExit(f"--net {args.net!r}: not a preset; choose from {', '.join(utils.PRESETS)}")
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     if args.fresh < 1:
         raise SystemExit(f"--fresh must be >= 1, got {args.fresh}")
-    if args.views and (args.features or args.save_features):
-        raise SystemExit("--views makes each input from augmented views drawn afresh; it cannot "
-                         "go with --features or --save-features (saved test-time features)")
-    if args.features and args.save_features:
-        raise SystemExit("give --features (read saved features) or --save-features (write them), "
-                         "not both")
-    if args.features and not os.path.isfile(os.path.join(args.features, FEATURES_JSON)):
-        raise SystemExit(f"--features {args.features}: no {FEATURES_JSON} there; write the folder "
-                         "with --save-features first")
-    if args.features:    # the records say what the saved features were made from
-        meta = features_meta(args.features)
-        args.data, args.net, args.real_split = meta["data"], meta["net"], meta["real_split"]
-        args.checkpoint, args.real_images = meta.get("checkpoint"), meta.get("real_images")
-        if meta["real_split"] != "train":
-            args.n = meta["n"]
-    args.large_inputs = [x.strip() for x in args.large_inputs.split(",") if x.strip()]
-    bad = [x for x in args.large_inputs if x not in ("gaussian", "random_net")]
-    if bad:
-        raise SystemExit(f"--large-inputs: unknown {bad}; choose from gaussian, random_net")
-    if args.aug_images < 2:
-        raise SystemExit(f"--aug-images must be >= 2, got {args.aug_images}")
     if not args.skip_large and not args.large_k <= args.ref_n <= args.large_n:
         raise SystemExit(f"need --large-k <= --ref-n <= --large-n, got {args.large_k}, {args.ref_n}, "
                          f"{args.large_n}")
@@ -274,55 +223,6 @@ class GaussianRows:
 
     def rows(self, rows):
         return gaussian_rows(rows, self.k, self.seed)
-
-
-def net_large_model(feats, feats_sub, feats_aug, k, seed):
-    """random_net_large's model: the feature rows, the mean and Cholesky factor of the
-    displacement (augmented minus test-time features of the same images, float64 statistics),
-    and the fresh k-way head."""
-    delta = (feats_aug - feats_sub).double()
-    mu = delta.mean(0)
-    cov = torch.cov(delta.T)
-    jitter = 1e-6 * float(cov.diagonal().mean()) + 1e-12
-    L = torch.linalg.cholesky(cov + jitter * torch.eye(cov.shape[0], dtype=torch.float64))
-    head = utils.fresh_head(feats.shape[1], k, seed)
-    return {"feats": feats.float().contiguous(), "mu": mu.float(), "L": L.float(),
-            "weight": head.weight.detach().clone(), "bias": head.bias.detach().clone(),
-            "delta_rms": float(delta.pow(2).mean().sqrt()),
-            "feats_rms": float(feats_sub.double().pow(2).mean().sqrt())}
-
-
-class NetRows:
-    """Rows of random_net_large (see the module docstring): row r = (F[r mod M] + mu + L z_r)
-    W^T + b, z_r standard normal from a generator seeded per chunk of 8192 rows, so any rows can
-    be made again without the rows before them."""
-
-    def __init__(self, model, seed):
-        self.F, self.mu, self.L = model["feats"], model["mu"], model["L"]
-        self.W, self.b, self.seed = model["weight"], model["bias"], seed
-        self.k, self.d = self.W.shape[0], self.F.shape[1]
-
-    def chunk(self, c):
-        """Rows c * 8192 ... (c + 1) * 8192 - 1, always made whole: a matrix product's rounding
-        may depend on how many rows it multiplies, and rows read again must be the same."""
-        z = torch.randn(GEN_CHUNK, self.d, generator=torch.Generator().manual_seed(
-            self.seed * 1_000_003 + 500_009 + c))
-        idx = torch.arange(c * GEN_CHUNK, (c + 1) * GEN_CHUNK) % self.F.shape[0]
-        return torch.addmm(self.b, self.F[idx] + self.mu + z @ self.L.T, self.W.T)
-
-    def rows(self, rows):
-        out = torch.empty(rows.numel(), self.k)
-        for c in rows.div(GEN_CHUNK, rounding_mode="floor").unique().tolist():
-            sel = (rows // GEN_CHUNK == c).nonzero()[:, 0]
-            out[sel] = self.chunk(c)[rows[sel] - c * GEN_CHUNK]
-        return out
-
-    def first(self, n):
-        """The first n rows, (n, k) float32."""
-        out = torch.empty(n, self.k)
-        for c, s in enumerate(range(0, n, GEN_CHUNK)):
-            out[s:s + GEN_CHUNK] = self.chunk(c)[:n - s]
-        return out
 
 
 def _mem_kib():
@@ -380,10 +280,10 @@ def otl_sha256():
 
 
 def _import_scipy(settle=0.5):
-    """Import scipy's graph routines (otl's exact finish uses them at k > 64), then wait:
-    numpy's and scipy's OpenBLAS start threads on import that spin for a while and slow a call
-    timed right after, for both labelers."""
-    otl_scale._scipy_csgraph()
+    """Wait after importing otl_scale (which imports scipy's graph routines for its exact
+    finish): numpy's and scipy's OpenBLAS start threads on import that spin for a while and slow
+    a call timed right after, for both labelers."""
+    import scipy.sparse.csgraph  # noqa: F401  (otl_scale's import; here for older versions too)
     time.sleep(settle)
 
 
@@ -419,13 +319,12 @@ def measure(spec):
 
 
 def measure_stream(spec):
-    """Child process: ours fed a large input chunk by chunk, never holding it whole (gaussian,
-    or random_net_large when spec["path"] holds its model).  The seconds are those spent inside
+    """Child process: ours fed the large gaussian input chunk by chunk, never holding it whole.
+    The seconds are those spent inside
     the labeler (add and result); making the chunks is not counted.  The peak counts
-    everything after the start, one made chunk (8192 x k float32) included, not the model."""
+    everything after the start, one made chunk (8192 x k float32) included."""
     n, k, seed = spec["n"], spec["k"], spec["seed"]
-    src = (NetRows(torch.load(spec["path"], weights_only=True), seed) if spec["path"]
-           else GaussianRows(k, seed))
+    src = GaussianRows(k, seed)
     _import_scipy()        # imported once per process: not the labeler's time
     rss = _start_peak()
     st = otl_scale.StreamingTranslator(k, distributed=False)
@@ -471,18 +370,6 @@ def measure_gpu(spec):
     rec.update(extra)
     rec.update(seconds_all=[round(t, 4) for t in times], gpu_peak_mib=round(max(peaks), 1),
                device=torch.cuda.get_device_name(dev))
-    if spec.get("cpu_too"):   # the same input labelled on the host: the copy, then the call
-        otl_scale._scipy_csgraph()
-        cpu_times = []
-        for _ in range(spec["repeat"] + 1):          # the first call warms up, untimed
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            lab = call_labeler(spec["method"], O.cpu(), start)[0]
-            cpu_times.append(time.perf_counter() - t0)
-        counts = torch.bincount(lab, minlength=k)
-        rec.update(seconds_cpu=round(sorted(cpu_times[1:])[len(cpu_times[1:]) // 2], 4),
-                   seconds_cpu_all=[round(t, 4) for t in cpu_times[1:]],
-                   max_minus_min_cpu=int(counts.max() - counts.min()))
     del O
     torch.cuda.empty_cache()
     return rec
@@ -530,58 +417,8 @@ def median_run(runs):
     return rec
 
 
-FEATURES_JSON = "features.json"
-FEATURE_FILES = {"random_net": "random_net_features.pt", "trained_net": "trained_net_outputs.pt",
-                 "trained_backbone": "trained_backbone_features.pt"}
-
-
-def _save_feature(args, name, x, meta=None):
-    """With --save-features: x (a CPU float32 tensor) as DIR/FEATURE_FILES[name], and what the
-    folder's features came from (meta) as DIR/features.json."""
-    os.makedirs(args.save_features, exist_ok=True)
-    torch.save(x.detach().to("cpu", torch.float32).contiguous(),
-               os.path.join(args.save_features, FEATURE_FILES[name]))
-    if meta is not None:
-        utils.write_json(meta, os.path.join(args.save_features, FEATURES_JSON))
-
-
-def features_meta(path):
-    """features.json of a --save-features folder."""
-    with open(os.path.join(path, FEATURES_JSON)) as fh:
-        return json.load(fh)
-
-
-def saved_inputs(args, skipped):
-    """real_inputs from a --save-features folder (--features): the saved features through the
-    same fresh heads (seed --seed + k), and the checkpoint's own outputs as saved."""
-    def load(name):
-        path = os.path.join(args.features, FEATURE_FILES[name])
-        if not os.path.isfile(path):
-            skipped[name] = f"{path} is missing (saved without a checkpoint?)"
-            print(f"skipping {name}: {skipped[name]}", flush=True)
-            return None
-        return torch.load(path, weights_only=True)
-
-    feats = load("random_net")
-    if feats is not None:
-        for k in args.real_ks:
-            yield "random_net", k, utils.fresh_head_outputs(feats, k, args.seed)
-    outs = load("trained_net")
-    if outs is not None:
-        yield "trained_net", outs.shape[1], outs
-    if args.trained_ks:
-        feats = load("trained_backbone")
-        for k in ([] if feats is None else args.trained_ks):
-            yield "trained_backbone", k, utils.fresh_head_outputs(feats, k, args.seed)
-
-
-def real_inputs(args, skipped, keep=None):
-    """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not.
-    keep: a dict that gets random_net's features, its images and the manifest (for
-    random_net_large)."""
-    if args.features:
-        yield from saved_inputs(args, skipped)
-        return
+def real_inputs(args, skipped):
+    """Yield (input name, k, (N, k) outputs) for random_net and trained_net, or note why not."""
     try:
         d = utils.load_prepared(args.data)
     except FileNotFoundError as e:
@@ -604,17 +441,6 @@ def real_inputs(args, skipped, keep=None):
     n_real = len(both)
     feats = utils.random_net_features(both, manifest, args.net, args.seed, device=args.device).cpu()
     print(f"random_net: features of {n_real:,} images in {time.perf_counter() - t0:.1f} s", flush=True)
-    meta = None     # with --save-features: what the folder's features came from
-    if args.save_features:
-        meta = {"data": args.data, "data_identity": utils.data_identity(args.data), "net": args.net,
-                "checkpoint": None, "real_split": args.real_split, "n": n_real,
-                "real_images": args.real_images, "seed": args.seed, "git_commit": utils.git_commit(),
-                "command": utils.command_line(),
-                "files": {"random_net": f"{FEATURE_FILES['random_net']}: ({n_real}, {feats.shape[1]}) "
-                                        f"features of the freshly initialised {args.net}-preset network"}}
-        _save_feature(args, "random_net", feats, meta)
-    if keep is not None:
-        keep.update(feats=feats, images=both, manifest=manifest)
     for k in args.real_ks:
         yield "random_net", k, utils.fresh_head_outputs(feats, k, args.seed)
     if not os.path.isfile(args.checkpoint):
@@ -641,41 +467,15 @@ def real_inputs(args, skipped, keep=None):
         return outs[1].cpu(), otl_scale.translate(outs[0]).T.cpu()
 
     outs = label_pass(True)
-    if args.save_features:
-        meta.update(checkpoint=args.checkpoint, checkpoint_sha256=utils.sha256_file(args.checkpoint))
-        meta["files"]["trained_net"] = (f"{FEATURE_FILES['trained_net']}: the checkpoint's own "
-                                        f"({n_real}, {model.cfg.k}) outputs")
-        _save_feature(args, "trained_net", outs[0], meta)
     yield "trained_net", model.cfg.k, views(outs)
-    if args.trained_ks or args.save_features:   # the trained backbone's features through fresh k-way heads
+    if args.trained_ks:   # the trained backbone's features through fresh k-way heads
         feats = label_pass(False)
         if model.embedding is not None:
             with torch.no_grad():
                 feats = model.embedding(feats)
-        if args.save_features:
-            meta["files"]["trained_backbone"] = (f"{FEATURE_FILES['trained_backbone']}: the "
-                                                 f"checkpoint's ({n_real}, {feats.shape[-1]}) "
-                                                 "backbone features (after its embedding, where it "
-                                                 "has one)")
-            _save_feature(args, "trained_backbone", feats[0], meta)
         for k in args.trained_ks:
             yield "trained_backbone", k, views(torch.stack([utils.fresh_head_outputs(f, k, args.seed)
                                                             for f in feats]))
-
-
-def fit_net_large(args, keep):
-    """random_net_large's model from random_net's features and images: the displacement is
-    fitted on a seeded subset of --aug-images images (one augmented view each)."""
-    feats, images = keep["feats"], keep["images"]
-    m = min(args.aug_images, feats.shape[0])
-    sub = torch.randperm(feats.shape[0], generator=torch.Generator().manual_seed(args.seed + 7))[:m]
-    t0 = time.perf_counter()
-    aug = utils.random_net_features(images[sub], keep["manifest"], args.net, args.seed, augmented=True)
-    model = net_large_model(feats, feats[sub], aug, args.large_k, args.seed)
-    print(f"random_net_large: displacement fitted on {m:,} augmented views in "
-          f"{time.perf_counter() - t0:.1f} s (rms {model['delta_rms']:.3g} against the features' "
-          f"{model['feats_rms']:.3g})", flush=True)
-    return model
 
 
 def machine_info(threads):
@@ -737,8 +537,7 @@ def plot(records, path):
 
 
 INPUT_ORDER = ["gaussian", "random_net", "trained_net", "trained_net_from_view0",
-               "trained_backbone", "trained_backbone_from_view0", "gaussian_large",
-               "random_net_large"]
+               "trained_backbone", "trained_backbone_from_view0", "gaussian_large"]
 
 
 def summary(res):
@@ -919,15 +718,8 @@ def main(args):
                "*_from_view0": "the same input, ours started from the first view's translation",
                "gaussian_large": f"torch.randn float32, N = {args.large_n} for exact; the published "
                                  f"labeler and sinkhorn get the first {args.ref_n} rows (their N is "
-                                 "in each record)",
-               "random_net_large": "random_net's feature rows, each repeated with a Gaussian "
-                                   "augmentation displacement fitted to real augmented views, "
-                                   f"through a fresh {args.large_k}-way head; N as gaussian_large "
-                                   "(see the module docstring)"},
+                                 "in each record)"},
            "skipped": {}, "records": []}
-    if args.features:
-        out["features"] = dict(features_meta(args.features), folder=args.features)
-    keep = {}     # random_net's features and images, for random_net_large
     print(f"{'input':<15}{'N':>10}{'k':>6}  {'method':<10}{'seconds':>9}{'iters':>7}{'std':>10}"
           f"{'floor':>7}{'max-min':>8}{'peak MiB':>10}  stop", flush=True)
 
@@ -938,7 +730,7 @@ def main(args):
             for m in methods:
                 spec = {"method": m, "n": n, "k": k, "seed": args.seed, "path": path,
                         "threads": threads, "stream": stream, "otl_sha256": out["otl_sha256"],
-                        "device": args.device, "repeat": args.repeat, "cpu_too": args.cpu_too,
+                        "device": args.device, "repeat": args.repeat,
                         "start": start}
                 runs[m].append(measure_in_child(spec))
         for m in methods:
@@ -961,7 +753,7 @@ def main(args):
             os.makedirs(args.save_inputs, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
             where = args.save_inputs or tmp
-            for name, k, outs in real_inputs(args, out["skipped"], keep):
+            for name, k, outs in real_inputs(args, out["skipped"]):
                 outs, T0 = outs if isinstance(outs, tuple) else (outs, None)
                 path = os.path.join(where, f"{name}_{k}.pt")  # written once, loaded by each child
                 torch.save(outs.contiguous(), path)
@@ -974,35 +766,12 @@ def main(args):
                         os.remove(start)
                 if not args.save_inputs:
                     os.remove(path)
-    for inp in ("gaussian", "random_net"):
-        name = f"{inp}_large"
-        if args.skip_large or inp not in args.large_inputs:
-            out["skipped"][name] = "--skip-large" if args.skip_large else "not in --large-inputs"
-            continue
-        if inp == "random_net" and args.device != "cpu":
-            out["skipped"][name] = f"--device {args.device}: streamed on the CPU only"
-            continue
-        if inp == "random_net" and args.features:
-            out["skipped"][name] = "--features: no images to augment"
-            continue
-        if inp == "random_net" and "feats" not in keep:
-            out["skipped"][name] = out["skipped"].get("random_net", "no random_net features")
-            continue
-        if inp == "gaussian":
-            # ours streamed over all N rows; then all three, ours included, on the first ref_n rows
-            run(name, args.large_n, args.large_k, methods=exact_only, stream=args.device == "cpu")
-            run(name, args.ref_n, args.large_k)
-            continue
-        with tempfile.TemporaryDirectory(prefix="labeler_bench_") as tmp:
-            model = fit_net_large(args, keep)
-            out["large_model"] = {key: model[key] for key in ("delta_rms", "feats_rms")}
-            out["large_model"].update(aug_images=min(args.aug_images, keep["feats"].shape[0]))
-            path = os.path.join(tmp, "net_large_model.pt")
-            torch.save(model, path)
-            run(name, args.large_n, args.large_k, path, methods=exact_only, stream=True)
-            head_path = os.path.join(tmp, "net_large_head.pt")
-            torch.save(NetRows(model, args.seed).first(args.ref_n), head_path)
-            run(name, args.ref_n, args.large_k, head_path)
+    if args.skip_large:
+        out["skipped"]["gaussian_large"] = "--skip-large"
+    else:   # ours streamed over all N rows; then all three, ours included, on the first ref_n rows
+        run("gaussian_large", args.large_n, args.large_k, methods=exact_only,
+            stream=args.device == "cpu")
+        run("gaussian_large", args.ref_n, args.large_k)
     utils.write_json(out, args.out)
     print(f"results: {args.out}", flush=True)
     if args.plot:
