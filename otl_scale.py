@@ -122,7 +122,7 @@ def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 
     if k <= 2 * kw.get("full_rows_up_to", 128) or n < every * k:
         return None
     head = outputs[:probe].to(torch.float32).contiguous()    # (median is wrong on expanded rows)
-    cnt = torch.bincount((head - head.median(dim=0).values).argmax(1), minlength=k)
+    cnt = torch.bincount((head - _column_medians(head)).argmax(1), minlength=k)
     if not _far(cnt.to(torch.float64), target):
         return None
     sub = outputs[::every]
@@ -133,6 +133,16 @@ def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 
         return translate(sub, target=target, sample_start=False, **kw).T
     except ValueError:     # bad outputs or target: the whole call says so, with its own row numbers
         return None
+
+
+def _column_medians(A):
+    """A.median(dim=0).values (the lower middle value) of a float (n, k) tensor, by numpy's
+    partition of a host copy's columns: several times cheaper than torch's median on a CPU."""
+    i = (A.shape[0] - 1) // 2
+    B = np.array(A.detach().cpu().to(torch.float64 if A.dtype == torch.float64 else torch.float32)
+                 .numpy().T, order="C")
+    B.partition(i, axis=-1)
+    return torch.from_numpy(np.array(B[:, i])).to(A.device)
 
 
 def _launch_bound(device):
@@ -263,6 +273,15 @@ def _far(cnt, target_arg=None):
     return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / k
 
 
+def _hits(W, fw, kp):
+    """(rows, columns) of the hits in the int64 words fw (ascending) of the int8 mask W, in
+    row-major order; kp columns a row."""
+    hit = W.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # (c,) word * 8 + byte
+    g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)  # flat positions in M, ascending
+    rr = torch.div(g, kp, rounding_mode="floor")            # rows, ascending
+    return rr, g.sub_(rr * kp)
+
+
 class _Store:
     """The candidate lists of the rows added: per stored piece vals (n, w) O - T0 of each row's
     candidates (-inf in empty slots), cols (n, w) their clusters, theta (n,) a bound at T0 on the
@@ -273,6 +292,7 @@ class _Store:
         self.k, self.width, self.cdtype, self.seed = k, width, cdtype, seed
         self.dev, self.block = device, block
         self.vals, self.cols, self.theta, self.n, self.kept = [], [], [], 0, None
+        self._diff = self._mask = None      # extraction buffers, reused block after block
         self.recentre(start.T0)
         self.eps, self.window = start.eps, start.window
 
@@ -297,43 +317,117 @@ class _Store:
 
     def add_block(self, X, first):
         """Candidates of one block of rows X (float32 or float64; global row numbers from
-        `first`): the columns within the window of each row's best at T0 (S = X - T0 in float32,
-        a few rows at a time so that it stays in cache), and theta, a bound on the rest.  A row
-        with over `width` such columns (a collapsed network's) keeps its best `width` by exact
-        value with the tie-break, so that equal outputs keep other columns on other rows."""
-        n, w, k, dev = X.shape[0], self.width, self.k, self.dev
-        sub = n if _launch_bound(dev) else max(1, (4 << 20) // (4 * k))
-        top = [torch.sub(X[s:s + sub], self.T0f).to(torch.float32).topk(min(w + 1, k), dim=1)
-               for s in range(0, n, sub)]
-        tv, ti = torch.cat([t.values for t in top]), torch.cat([t.indices for t in top])
-        if not bool(torch.isfinite(tv[:, 0]).all()):   # NaN and +inf show here; -inf never
-            check_finite(X, self.n)                     # makes a candidate, so it may stay
-        thr = tv[:, 0] - self.window
-        hit = tv >= thr[:, None]                        # a prefix of each row's top
-        cnt = hit.sum(1)
+        `first`), in passes that write nothing N x k sized."""
+        n, w, k = X.shape[0], self.width, self.k
+        thr, M, rr, cc, pos, cnt, many, oi, whole = self._window_hits(X)
         # fl(X - T0) errs by at most 2^-24 |S| (float64 outputs: T0f errs by 2^-24 |T0| too): a
         # per-row allowance keeps theta a true bound on every dropped column, whatever the blocks
         thr64 = thr.to(torch.float64)
         t0abs = self.T0abs if X.dtype == torch.float64 else 0.0
         theta = thr64 + 2.0 ** -22 * (thr64.abs() + t0abs) + self.eps
         theta[cnt >= k] = -math.inf                             # nothing was dropped
-        keep, cols = hit[:, :w], ti[:, :w]
-        if cols.shape[1] < w:       # (k <= w: the empty slots past k)
-            keep = torch.cat([keep, keep.new_zeros(n, w - k)], 1)
-            cols = torch.cat([cols, cols.new_zeros(n, w - k)], 1)
-        vals = (X.gather(1, cols).to(torch.float64) - self.T0.index_select(0, cols.reshape(-1))
-                .view(n, w)).masked_fill_(~keep, -math.inf)
-        cols = cols.masked_fill(~keep, 0)
-        oi = (cnt > w).nonzero()[:, 0]
-        if oi.numel() > 0:   # more than w near the top: keep the best w, bound the rest
-            P = self.whole_rows(X.index_select(0, oi), oi + first)
-            pv, pi = P.topk(w + 1, dim=1)
-            theta[oi] = torch.maximum(theta[oi], pv[:, w])
-            pc = pi[:, :w]
-            vals[oi] = (X.index_select(0, oi).gather(1, pc).to(torch.float64)
-                        - self.T0.index_select(0, pc.reshape(-1)).view(pc.shape))
-            cols[oi] = pc
-        self.append(vals, cols, theta)
+        # flat (n * w) tables with one spare slot at the end for the entries not kept
+        vals = torch.full((n * w + 1,), -math.inf, dtype=torch.float64, device=self.dev)
+        cols = torch.zeros(n * w + 1, dtype=self.cdtype, device=self.dev)
+        at = rr * w + pos
+
+        def exact(r, c):   # O - T0 in float64 at rows r, columns c
+            return X.reshape(-1).index_select(0, r * k + c).to(torch.float64) - self.T0.index_select(0, c)
+
+        val = exact(rr, cc)
+        if oi.numel() > 0:   # more than w near the top: keep the best w of them, bound the rest
+            # exact values with the tie-break, so that exactly tied outputs (a collapsed network)
+            # keep different columns on different rows
+            if whole:                                           # most of these rows' columns
+                PC = torch.arange(k, device=self.dev).expand(oi.numel(), k)
+                P = self.whole_rows(X.index_select(0, oi), oi + first)
+            else:
+                P, PC = self._crowded(val, rr, cc, pos, cnt, many, oi, first)
+            tv, ti = P.topk(w + 1, dim=1)                      # (o, w + 1) among the candidates
+            theta[oi] = torch.maximum(theta[oi], tv[:, w])    # the same sum as result() makes
+            kept_cols = PC.gather(1, ti[:, :w]).reshape(-1)         # (o * w,)
+            om = (oi[:, None] * w + torch.arange(w, device=self.dev)).view(-1)
+            vals.index_copy_(0, om, exact(oi.repeat_interleave(w), kept_cols))
+            cols.index_copy_(0, om, kept_cols.to(self.cdtype))
+            if not whole:
+                at = torch.where(many.index_select(0, rr), n * w, at)   # the rest: the spare slot
+        vals.index_copy_(0, at, val)                                    # exact
+        cols.index_copy_(0, at, cc.to(self.cdtype))
+        self.append(vals[:n * w].view(n, w), cols[:n * w].view(n, w), theta)
+
+    def _window_hits(self, X):
+        """The columns within the window of each row's best at T0: S = X - T0 into a reused
+        buffer, its row maxima, a reused int8 mask S >= max - window, read 8 columns at a time as
+        int64 words (almost every word is 0).  Returns (threshold, mask, rows and columns of the
+        listed hits, each hit's place in its row, hits per row, rows with over `width` hits,
+        their indices, whether those are taken whole)."""
+        n, k, w, dev = X.shape[0], self.k, self.width, self.dev
+        kp = (k + 7) // 8 * 8
+        # S = X - T0 a few rows at a time (on the CPU small enough to stay in cache), then
+        # D = S - (row max - window) in place; the mask D >= 0 is int8 -1 / 0 from D's sign bit,
+        # cheaper than a comparison writing bool.  fl(S - thr) >= 0 exactly when S >= thr.
+        sub = n if _launch_bound(dev) else max(1, (4 << 20) // (4 * kp))
+        if self._mask is None or self._mask.shape[0] < n:
+            self._diff = torch.full((min(max(n, self.block), sub), kp), -math.inf,
+                                    dtype=torch.float32, device=dev)   # columns >= k stay -inf
+            self._mask = torch.empty((max(n, self.block), kp), dtype=torch.int8, device=dev)
+        M, rmax = self._mask[:n], torch.empty(n, dtype=torch.float32, device=dev)
+        for s in range(0, n, sub):
+            e = min(s + sub, n)
+            D = self._diff[:e - s]
+            torch.sub(X[s:e], self.T0f, out=D[:, :k])
+            torch.amax(D, 1, out=rmax[s:e])
+            torch.sub(D, (rmax[s:e] - self.window)[:, None], out=D)
+            M[s:e].copy_(D.view(torch.int32).bitwise_right_shift_(31)).bitwise_not_()
+            if kp > k:   # the shift turned the -inf padding into NaN
+                D[:, k:] = -math.inf
+        if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
+            check_finite(X, self.n)                 # -inf never makes a candidate, so it may stay
+        # Rows with a hit in 9 / 10 of their words or more ("dense") are counted by a sum over
+        # their mask and listed only if not taken whole.  Rows with more than w hits keep their
+        # best w by exact value with the tie-break; where those rows hold most of their columns
+        # they are taken whole, unlisted (on collapsed outputs every column is a hit).
+        W = M.view(-1).view(torch.int64)
+        kw = kp // 8
+        fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
+        frow = torch.div(fw, kw, rounding_mode="floor")
+        dense = torch.bincount(frow, minlength=n) * 10 >= 9 * kw
+        di = dense.nonzero()[:, 0]
+        if di.numel():
+            fw = fw[~dense.index_select(0, frow)]
+        rr, cc = _hits(W, fw, kp)
+        cnt = torch.bincount(rr, minlength=n)                   # hits per row
+        if di.numel():
+            cnt.index_copy_(0, di, M.index_select(0, di).sum(1, dtype=torch.int32).neg_().long())
+        many = cnt > w
+        oi = many.nonzero()[:, 0]
+        whole = oi.numel() > 0 and int(cnt.index_select(0, oi).sum()) > 0.3 * oi.numel() * k
+        if whole:                                               # rows taken whole: not listed
+            keep = ~many.index_select(0, rr)
+            if not bool(keep.all()):
+                rr, cc = rr[keep], cc[keep]
+        back = di if not whole else di[~many.index_select(0, di)]   # dense rows still to list
+        if back.numel():
+            d_rr, d_cc = _hits(W, (back[:, None] * kw + torch.arange(kw, device=dev)).view(-1), kp)
+            order = torch.cat([rr * kp + cc, d_rr * kp + d_cc]).sort().indices
+            rr, cc = torch.cat([rr, d_rr])[order], torch.cat([cc, d_cc])[order]
+        listed = torch.bincount(rr, minlength=n)                # hits per row listed
+        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(listed, 0) - listed).index_select(0, rr)
+        return rmax - self.window, M, rr, cc, pos, cnt, many, oi, whole
+
+    def _crowded(self, val, rr, cc, pos, cnt, many, oi, first):
+        """The listed hits of the rows with over `width` of them, with the tie-break, as an
+        (o, most hits) table of values (-inf in empty slots) and one of their columns."""
+        e = many.index_select(0, rr).nonzero()[:, 0]    # their entries
+        re, ce, pe = rr.index_select(0, e), cc.index_select(0, e), pos.index_select(0, e)
+        slot = torch.cumsum(many, 0).index_select(0, re) - 1
+        P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64, device=self.dev)
+        PC = torch.zeros(P.shape, dtype=torch.int64, device=self.dev)
+        ae = slot * P.shape[1] + pe
+        P.view(-1).index_copy_(0, ae, val.index_select(0, e) + self.eps * _tie_jitter(
+            re + first, ce[:, None], self.seed)[:, 0])
+        PC.view(-1).index_copy_(0, ae, ce)
+        return P, PC
 
     def add_jitter(self, offset):
         """The tie-break eps * u(global row, column) added to every stored value (-inf stays)."""
@@ -548,7 +642,7 @@ class StreamingTranslator:
         """This rank's start from its first rows `head` (float32, or float64 as given)."""
         k = self.k
         check_finite(head)
-        T0 = (head.median(dim=0).values.to(torch.float64) if self.start is None
+        T0 = (_column_medians(head).to(torch.float64) if self.start is None
               else self.start.to(self.device))
         cnt = torch.bincount((head - T0.to(head.dtype)).argmax(1), minlength=k).to(torch.float64)
         far = _far(cnt, self.target_arg)
@@ -599,6 +693,7 @@ class StreamingTranslator:
         target = check_target(self.target_arg, n_total, k)
         lo, hi = (b.to(dev) for b in count_bounds(target))
         self.store.add_jitter(self.offset)   # now the global row numbers are known
+        self.store._diff = self.store._mask = None        # the extraction buffers
         solver, ic, n_act, refetched, history = self._solve_growing(
             n_total, target, lo, hi, refetch, max_rounds)
         labels = solver.lab0
@@ -662,7 +757,7 @@ class StreamingTranslator:
         """The exact solver on the rows `rows` (local indices; vals, cols, theta are theirs), from
         the earlier solver `prev`'s translation, reading again the rows whose candidates fall short.
         Returns (solver, rows refetched)."""
-        k, dev, comm = self.k, self.device, self.comm
+        k, comm = self.k, self.comm
         rows_global = rows + self.offset
         carry = {} if prev is None else dict(dT=prev.dT, rounds=prev.rounds, phases=prev.phases)
         solver = _ExactSolver(vals, cols, theta, k, target, lo, hi, comm, self.store.block,
@@ -1278,7 +1373,7 @@ class _Finish:
 
     def run(self, history, tau0):
         """True when balanced; False when no move reaches a cluster that needs rows."""
-        s, k = self.s, self.s.k
+        s = self.s
         max_phases = s.phases + 2 * int(s.counts.sum()) + 1000      # a guard
         lo, hi, tau = s.lo.cpu().numpy(), s.hi.cpu().numpy(), float(tau0)
         while s.phases < max_phases:
@@ -1838,7 +1933,7 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
     if not all(abs(v) < F32_INF for v in ends):
         return None     # the streaming path names the bad row
     head = X[:max(n_init, 1)].to(torch.float32).contiguous()   # (median is wrong on expanded rows)
-    T = (head.median(dim=0).values.to(torch.float64) if start is None
+    T = (_column_medians(head).to(torch.float64) if start is None
          else start.to(device=X.device, dtype=torch.float64).flatten())
     d = _Dense(X, check_target(target, n, k).to(X.device))
     if not d.approach(T):
@@ -1972,7 +2067,7 @@ class _Dense:
 
     def solve(self, eps, seed, top, t0):
         """The exact solve of the rows near a boundary, up to four tries (see _dense_translate)."""
-        n, k, dev, X = self.n, self.k, self.dev, self.X
+        n, k, dev = self.n, self.k, self.dev
         slack = 2.0 ** -20 * (float(top) + float(self.T.abs().max())) + 4 * eps   # float32 margins
         want = self._want()
         history, must = [], None     # must: rows a try found to matter, solved in the next ones too
