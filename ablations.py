@@ -39,6 +39,7 @@ Other:
                     <output>/label_bn.json; its own flags (ablations.py label-bn --help)
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -47,6 +48,8 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -57,26 +60,122 @@ import utils
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# What each scale trains with: the training studies' train_otl.py flags ("train"), data and seeds
-# a grid point, the imbalanced study's d, and the splits study's flags ("rs").  The paper ran its
-# studies on CIFAR-10 with fewer epochs than its main runs, simple augmentation and no LCT.
-# "study" is sized for 2 CPU cores so that its effects can show: on CIFAR-10 at that size OTL
-# gained under 10 kNN points over its random network, less than the 3-4 points the studies
-# compare plus their seed noise; on EuroSAT the cpu preset cut to 8 epochs gains about 18 (strong
-# augmentation and LCT kept: ours, simple augmentation learned less; docs/ablations.md), three
-# seeds a point, every grid within about 4 hours.  EuroSAT's classes hold about 2,160 training
-# images against CIFAR's 5,000, so the imbalanced study's d is the paper's scaled by 0.4.
-# "paper" is the paper's data and networks (CIFAR-10, alexnet-cifar) with the studies' changes;
-# the paper says its studies trained for fewer epochs but not for how many, so its presets' epochs
-# stand (--train-args "--epochs N" changes them).
+
+def get_args_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="study", required=True, metavar="STUDY")
+    for study in STUDIES.values():
+        _study_flags(sub.add_parser(study.name, help=study.paper), study)
+    _label_bn_flags(sub.add_parser("label-bn", help="BatchNorm statistics in the label pass: eval "
+                                   "or batch"))
+    return p
+
+
+def _study_flags(s, study):
+    s.add_argument("--preset", default="study", choices=list(SCALES), help="study: sized for "
+                   "2 CPU cores (see SCALES in ablations.py: what it gives up); paper: the "
+                   "paper's networks and main-run schedules with its studies' changes (one "
+                   "view, simple augmentation, no LCT), for a GPU; the paper trained its "
+                   "studies for fewer epochs but does not say how many")
+    s.add_argument("--runs", default="runs/ablations", help="folder of the study's runs "
+                   "(<runs>/<preset>/<study>/<point>); a finished run there is skipped")
+    s.add_argument("--out", default="results/ablations", help="folder of <study>.json, .md "
+                   "and .png (<study>_paper.* with --preset paper)")
+    data = study.data or f"{SCALES['study'].data}; --preset paper: {SCALES['paper'].data}"
+    s.add_argument("--data", help=f"prepared data folder (default {data}; the labeler "
+                   "studies use its training split as the network's input)")
+    grid, paper = (",".join(map(str, default_grid(study, scale))) for scale in ("study", "paper"))
+    s.add_argument("--grid", help="comma list replacing the study's grid, e.g. 16,32 (default "
+                   f"{grid}{'' if paper == grid else f'; --preset paper: {paper}'})")
+    s.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
+    s.add_argument("--seed", type=int, default=0, help="seeds the inputs, the networks and "
+                   "the training runs")
+    s.add_argument("--no-plot", action="store_true", help="skip the PNG (needs matplotlib)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
+    if study.kind == "labeler":
+        s.add_argument("--n", type=int, default=50_000, help="rows of each input (50,000: "
+                       "the paper's, CIFAR-10's training split)")
+        s.add_argument("--k", type=int, default=128, help="clusters (beta only; the paper's 128)")
+        return
+    s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
+                   "run, e.g. \"--epochs 4\" (they win over the preset's)")
+    s.add_argument("--rewrite", action="store_true", help="train nothing: write the "
+                   "table, verdict and plot again from the rows of the study's results "
+                   "JSON as they are (after a change to how studies are summarised)")
+    if study.pretrained:    # its grid is its seeds: no --seeds
+        s.add_argument("--init", default="runs/eurosat/checkpoint.pth", help="the "
+                       "pretrained backbone both models of every division start from "
+                       "(train_otl.py --init; default: make eurosat's run, the only "
+                       "pretraining set at hand; the paper's are PatternNet's)")
+        return
+    s.add_argument("--seeds", help="train every grid point once per seed (a comma "
+                   "list, e.g. 0,1,2); the table gives the mean and the standard "
+                   "deviation over them, the verdict weighs each difference against "
+                   "2 sd (default: 0,1,2 at study scale, 0 at paper scale; --seed "
+                   "other than 0: that seed alone)")
+
+
+def _label_bn_flags(s):
+    s.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
+    s.add_argument("--output", required=True, help="folder for label_bn.json; a checkpoint.pth "
+                   "there (a train_otl.py run) is the network measured, else a fresh one")
+    s.add_argument("--preset", default="cpu", choices=["auto", *presets.PRESETS],
+                   help="the network's settings when --k, --width or --img-size are not given; "
+                   "'cpu' is the preset whose label pass was measured")
+    s.add_argument("--k", type=int, help="clusters (the preset's: 128)")
+    s.add_argument("--width", type=int, help="ResNet-18's first-stage width (cpu preset: 32; 64 is "
+                   "torchvision's)")
+    s.add_argument("--img-size", type=int, help="image side in the label pass (cpu preset: 32)")
+    s.add_argument("--seed", type=int, default=0, help="the network's initialisation and the "
+                   "label pass's batch order")
+    s.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
+    s.add_argument("--no-progress", action="store_true", help="no tqdm bars (for logs)")
+
+
+def main(args):
+    if args.study == "label-bn":
+        return label_bn(args)
+    utils.print_run_header(args)
+    study = STUDIES[args.study]
+    if study.kind == "labeler":
+        return write_results(study, args, labeler_study(study, args))
+    if args.rewrite:
+        return rewrite(study, args)
+    rows, ran = training_study(study, args)
+    out = write_results(study, args, rows, study_notes(study, args, rows))
+    out["ran"] = ran
+    return out
+
+
+# ==============================================================================================
+# Scales, the paper's numbers, and what a study is
+# ==============================================================================================
+
+@dataclass(frozen=True)
+class Scale:
+    """What a training study trains with at one scale."""
+    train: tuple            # train_otl.py flags of every training study's runs
+    transfer: tuple         # ... of a study from a pretrained backbone (splits)
+    data: str               # the training studies' prepared data
+    seeds: tuple            # a grid point's training seeds (--seeds replaces them)
+    labeler_net: str        # the preset of the labeler studies' random network
+
+
+# The paper ran its studies on CIFAR-10 with fewer epochs than its main runs, simple augmentation
+# and no LCT.  "study" is sized for 2 CPU cores so that its effects can show: on CIFAR-10 at that
+# size OTL gained under 10 kNN points over its random network, less than the 3-4 points the
+# studies compare plus their seed noise; on EuroSAT the cpu preset cut to 8 epochs gains about 18
+# (strong augmentation and LCT kept: ours, simple augmentation learned less; docs/ablations.md),
+# three seeds a point, every grid within about 4 hours.  "paper" is the paper's data and networks
+# (CIFAR-10, alexnet-cifar) with the studies' changes; the paper says its studies trained for
+# fewer epochs but not for how many, so its presets' epochs stand (--train-args "--epochs N"
+# changes them).
 SCALES = {
-    "study": {"train": ["--preset", "cpu", "--epochs", "8"], "data": "data/eurosat",
-              "seeds": [0, 1, 2], "imbalanced": [40, 80, 120, 160, 200],
-              "rs": ["--preset", "transfer-cpu"], "labeler_net": "alexnet-cifar-cpu"},
-    "paper": {"train": ["--preset", "alexnet-cifar", "--aug", "simple", "--views", "1",
-                        "--label-views", "1", "--lct", "false"], "data": "data/cifar10",
-              "seeds": [0], "imbalanced": [100, 200, 300, 400, 500],
-              "rs": ["--preset", "transfer"], "labeler_net": "alexnet-cifar"},
+    "study": Scale(train=("--preset", "cpu", "--epochs", "8"), transfer=("--preset", "transfer-cpu"),
+                   data="data/eurosat", seeds=(0, 1, 2), labeler_net="alexnet-cifar-cpu"),
+    "paper": Scale(train=("--preset", "alexnet-cifar", "--aug", "simple", "--views", "1",
+                          "--label-views", "1", "--lct", "false"), transfer=("--preset", "transfer"),
+                   data="data/cifar10", seeds=(0,), labeler_net="alexnet-cifar"),
 }
 
 
@@ -106,7 +205,6 @@ PAPER_SPLITS = {model: {m: [r["values"][_SPLITS["columns"].index(model)] for r i
                        for m, e, k in (("knn10", "kNN", 10), ("linear", "linear", None))}
                 for model in ("OTL", "supervised")}
 
-
 _mean_sd = report.mean_sd
 
 
@@ -114,140 +212,82 @@ def _listed(d):
     return ", ".join(f"{g:g}: {v:.1f}" for g, v in d.items())
 
 
-# What the paper reports for each study: its claim, and its numbers where it gives them.
-PAPER = {
-    "beta": "even distributions for every beta from 1.5 to 50: the labeler is insensitive to beta",
-    "k-labeler": "about 20 iterations or fewer for every k of its figure (N = 50,000, beta = 1.5)",
-    "sinkhorn": "OTL gives more even clusters than Sinkhorn-Knopp for every k from 50 to 1000",
-    "k": f"kNN against k on CIFAR-10 (table diff-k-10, k: kNN): {_listed(PAPER_K)}",
-    "uneven": "accuracy falls as the target's evenness falls (table dis-com, CIFAR-10, x: kNN: "
-              f"{_listed(PAPER_UNEVEN)})",
-    "imbalanced": "kNN of OTL trained on the uneven D_100 .. D_500 (table imb-data): "
-                  + ", ".join(f"{v:.1f}" for v in PAPER_IMBALANCED.values()),
-    "splits": "five random 80/20 divisions of SIRI-WHU, from a pretrained ResNet-18 (table 5whu): "
-              + "; ".join(f"{m}: kNN@10 {{:.1f}} +- {{:.1f}}, linear {{:.1f}} +- {{:.1f}}".format(
-                  *_mean_sd(PAPER_SPLITS[m]["knn10"]), *_mean_sd(PAPER_SPLITS[m]["linear"]))
-                  for m in ("OTL", "supervised")),
-    "labeler-in-training": "not in the paper (ours)",
-    "lct": "not in the paper (ours); the paper writes the LCT loss as a sum over view pairs",
-}
-
-LABELER_STUDIES = ("beta", "k-labeler", "sinkhorn")
-TRAINING_STUDIES = ("k", "uneven", "imbalanced", "splits", "labeler-in-training", "lct")
-GRIDS = {   # each study's default grid (--grid replaces it)
-    "beta": [1.5, 2, 2.5, 3, 4, 5, 6, 10, 20, 30, 40, 50],
-    "k-labeler": list(range(50, 1001, 50)),
-    "sinkhorn": list(range(50, 1001, 50)),
-    "k": [10, 32, 64, 128, 256, 512, 1024],
-    "uneven": [0, 2, 4, 6, 8, 10],
-    "imbalanced": [100, 200, 300, 400, 500],
-    "splits": [0, 1, 2, 3, 4],
-    "labeler-in-training": ["published", "exact", "sinkhorn"],
-    "lct": ["1-mean", "2-mean", "2-sum", "4-mean", "4-sum"],
-}
-# A study's own changes to its scale's flags (none now: every study of a scale trains alike).
-STUDY_FLAGS = {}
-EVALS = {"k": ("knn", "linear"), "uneven": ("knn",), "imbalanced": ("knn",),
-         "splits": ("knn", "linear"), "labeler-in-training": ("knn", "linear"), "lct": ("knn",)}
-DATA = {"splits": "data/siri_whu"}     # the labeler studies: data/cifar10; the rest: the scale's
+@dataclass(frozen=True)
+class Study:
+    """One study: its grid, how each grid point runs, the paper's claim, the verdict's rule, its
+    table and its plot.  kind "labeler": labeler_study measures `methods` on fixed outputs at
+    every grid value of `axis`; kind "training": training_study trains and evaluates the runs
+    `points` makes of the grid, once per seed.  STUDIES holds them all."""
+    name: str
+    kind: str                   # "labeler" or "training"
+    paper: str                  # the paper's claim, its numbers where it gives them
+    grid: tuple                 # the default grid, the paper's (--grid replaces it)
+    verdict: Callable           # rows (a training study's: seed means) -> one line
+    table: Callable             # (study, rows) -> markdown lines
+    plot: Callable              # (study, axes, rows, grid): the PNG's two panels
+    data: Optional[str] = None  # the study's own data (else its scale's)
+    # labeler studies
+    axis: str = "k"             # what the grid varies: k, or beta at --k clusters
+    methods: tuple = ()         # the labelers measured at every grid value
+    # training studies
+    points: Optional[Callable] = None  # (grid, data, args) -> [(run name, grid fields, data, flags)]
+    evals: tuple = ()           # each run's evaluations: knn, linear
+    scale_grid: dict = field(default_factory=dict)  # {scale: grid} where its data need their own
+    pretrained: bool = False    # from --init at the scale's transfer flags; the grid is the seeds
+    note: str = ""              # added to the table's note where the data are not CIFAR-10
+    # rows -> notes on the targets the labeler balanced; each row then keeps the N and k it
+    # balanced (read from its checkpoint)
+    balanced: Optional[Callable] = None
+    panel: Optional[Callable] = None      # (study, ax, rows, metric, grid): one metric's panel
+    xkey: str = ""              # the panels' x axis
 
 
-def get_args_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="study", required=True, metavar="STUDY")
-    for name in LABELER_STUDIES + TRAINING_STUDIES:
-        s = sub.add_parser(name, help=PAPER[name])
-        s.add_argument("--preset", default="study", choices=list(SCALES), help="study: sized for "
-                       "2 CPU cores (see SCALES in ablations.py: what it gives up); paper: the "
-                       "paper's networks and main-run schedules with its studies' changes (one "
-                       "view, simple augmentation, no LCT), for a GPU; the paper trained its "
-                       "studies for fewer epochs but does not say how many")
-        s.add_argument("--runs", default="runs/ablations", help="folder of the study's runs "
-                       "(<runs>/<preset>/<study>/<point>); a finished run there is skipped")
-        s.add_argument("--out", default="results/ablations", help="folder of <study>.json, .md "
-                       "and .png (<study>_paper.* with --preset paper)")
-        default = (DATA.get(name) or ("data/cifar10" if name in LABELER_STUDIES else
-                                      "data/eurosat; --preset paper: data/cifar10"))
-        s.add_argument("--data", help=f"prepared data folder (default {default}; the labeler "
-                       "studies use its training split as the network's input)")
-        grid = ",".join(str(g) for g in SCALES["study"].get(name, GRIDS[name]))
-        grid += (f"; --preset paper: {','.join(str(g) for g in SCALES['paper'][name])}"
-                 if name in SCALES["paper"] else "")
-        s.add_argument("--grid", help="comma list replacing the study's grid, e.g. 16,32 (default "
-                       f"{grid})")
-        s.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
-        s.add_argument("--seed", type=int, default=0, help="seeds the inputs, the networks and "
-                       "the training runs")
-        s.add_argument("--no-plot", action="store_true", help="skip the PNG (needs matplotlib)")
-        s.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
-        if name in LABELER_STUDIES:
-            s.add_argument("--n", type=int, default=50_000, help="rows of each input (50,000: "
-                           "the paper's, CIFAR-10's training split)")
-            s.add_argument("--k", type=int, default=128, help="clusters (beta only; the paper's 128)")
-        else:
-            s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
-                           "run, e.g. \"--epochs 4\" (they win over the preset's)")
-            s.add_argument("--rewrite", action="store_true", help="train nothing: write the "
-                           "table, verdict and plot again from the rows of the study's results "
-                           "JSON as they are (after a change to how studies are summarised)")
-            if name == "splits":
-                s.add_argument("--init", default="runs/eurosat/checkpoint.pth", help="the "
-                               "pretrained backbone both models of every division start from "
-                               "(train_otl.py --init; default: make eurosat's run, the only "
-                               "pretraining set at hand; the paper's are PatternNet's)")
-            if name != "splits":    # the splits study's grid is its seeds
-                s.add_argument("--seeds", help="train every grid point once per seed (a comma "
-                               "list, e.g. 0,1,2); the table gives the mean and the standard "
-                               "deviation over them, the verdict weighs each difference against "
-                               "2 sd (default: 0,1,2 at study scale, 0 at paper scale; --seed "
-                               "other than 0: that seed alone)")
-    s = sub.add_parser("label-bn", help="BatchNorm statistics in the label pass: eval or batch")
-    s.add_argument("--data", required=True, help="prepared data folder (prepare_data.py --out)")
-    s.add_argument("--output", required=True, help="folder for label_bn.json; a checkpoint.pth "
-                   "there (a train_otl.py run) is the network measured, else a fresh one")
-    s.add_argument("--preset", default="cpu", choices=["auto", *presets.PRESETS],
-                   help="the network's settings when --k, --width or --img-size are not given; "
-                   "'cpu' is the preset whose label pass was measured")
-    s.add_argument("--k", type=int, help="clusters (the preset's: 128)")
-    s.add_argument("--width", type=int, help="ResNet-18's first-stage width (cpu preset: 32; 64 is "
-                   "torchvision's)")
-    s.add_argument("--img-size", type=int, help="image side in the label pass (cpu preset: 32)")
-    s.add_argument("--seed", type=int, default=0, help="the network's initialisation and the "
-                   "label pass's batch order")
-    s.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
-    s.add_argument("--no-progress", action="store_true", help="no tqdm bars (for logs)")
-    return p
+def default_grid(study, preset="study"):
+    return list(study.scale_grid.get(preset, study.grid))
 
-
-# ==============================================================================================
-# Labeler studies
-# ==============================================================================================
 
 def parse_grid(study, text, preset="study"):
     """The study's grid (the scale's own where it has one), or --grid's comma list in the grid's
     own type."""
     if not text:
-        return list(SCALES[preset].get(study, GRIDS[study]))
-    kind = type(GRIDS[study][0])
+        return default_grid(study, preset)
+    kind = type(study.grid[0])
     try:
         vals = [kind(v) if kind is not float else float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"--grid {text!r}: {study}'s grid values are like "
-                         f"{','.join(str(g) for g in GRIDS[study][:3])}")
-    bad = [v for v in vals if kind is str and v not in GRIDS[study]]
+        raise SystemExit(f"--grid {text!r}: {study.name}'s grid values are like "
+                         f"{','.join(str(g) for g in study.grid[:3])}")
+    bad = [v for v in vals if kind is str and v not in study.grid]
     if bad or not vals:
-        raise SystemExit(f"--grid {text!r}: choose from {','.join(GRIDS[study])}")
+        raise SystemExit(f"--grid {text!r}: choose from {','.join(study.grid)}")
     return vals
 
 
+def md_table(header, rows):
+    """Markdown table lines of a header and rows of cells."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cells) + " |" for cells in rows)]
+
+
+def _bar(items, args):
+    if args.no_progress:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=args.study, dynamic_ncols=True)
+
+
+# ==============================================================================================
+# Labeler studies: the labelers on fixed outputs, nothing trained
+# ==============================================================================================
+
 class Inputs:
     """The labeler studies' (N, k) outputs: "gaussian" (torch.randn, seeded per k) and
-    "random_net" (the training split of --data through a freshly initialised network of the
+    "random_net" (the training split of the data through a freshly initialised network of the
     scale's labeler_net preset, a fresh k-way head per k: utils.random_net_features); the
     network's features are computed once and cached under the runs folder."""
 
-    def __init__(self, args, folder):
-        self.args, self.folder, self.feats = args, folder, None
+    def __init__(self, args, data, folder):
+        self.args, self.data, self.folder, self.feats = args, data, folder, None
 
     def get(self, name, k):
         n, seed = self.args.n, self.args.seed
@@ -258,9 +298,8 @@ class Inputs:
         return utils.fresh_head_outputs(self.feats, k, seed)
 
     def _features(self):
-        a = self.args
-        data = a.data or "data/cifar10"
-        net = SCALES[a.preset]["labeler_net"]
+        a, data = self.args, self.data
+        net = SCALES[a.preset].labeler_net
         path = os.path.join(self.folder, f"features_{net}_{utils.data_identity(data)[:12]}"
                             f"_n{a.n}_seed{a.seed}.pt")
         if os.path.isfile(path):
@@ -309,33 +348,45 @@ def measure_labeler(O, method, beta=1.5):
     return rec
 
 
-def labeler_study(args):
-    """beta, k-labeler, sinkhorn: every (input, k, method, beta) measured once, kept in
-    measurements.jsonl (so a rerun skips what is there), then the study's table and plot."""
+def measurement_ok(r):
+    """Whether a line of measurements.jsonl holds every field the labeler studies read, each of
+    its type."""
+    history = r.get("std_history", []) if isinstance(r, dict) else None
+    return (isinstance(r, dict) and all(isinstance(r.get(f), str) for f in ("key", "input", "method"))
+            and all(report.is_whole(r.get(f)) for f in ("k", "iterations", "max_minus_min"))
+            and all(report.is_number(r.get(f)) for f in ("beta", "std", "std_before", "std_max", "seconds"))
+            and isinstance(history, list) and all(map(report.is_number, history)))
+
+
+def _measurements(store):
+    """{key: measurement} of the store; its damaged lines dropped from it with a warning."""
+    if not os.path.isfile(store):
+        return {}
+    good, bad = report.jsonl_records(store, measurement_ok)
+    if bad:     # out of the file, so that the measurements made again start on a line of their own
+        print(f"warning: {store}: dropped damaged line(s) {report.line_numbers(bad)}, not a whole "
+              "measurement; they are measured again", flush=True)
+        with open(store + ".tmp", "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for _, r in good)
+        os.replace(store + ".tmp", store)
+    return {r["key"]: r for _, r in good}
+
+
+def labeler_study(study, args):
+    """Every (input, k, method, beta) of the grid measured once and kept in measurements.jsonl
+    (so a rerun, or another study of the same inputs, skips what is there); its rows."""
     folder = os.path.join(args.runs, args.preset, "labeler")
     os.makedirs(folder, exist_ok=True)
     store = os.path.join(folder, "measurements.jsonl")
-    done = {}
-    if os.path.isfile(store):
-        good, bad = report.jsonl_records(store, measurement_ok)
-        done = {r["key"]: r for _, r in good}
-        if bad:     # out of the file, so that the measurements made again start on a line of their own
-            print(f"warning: {store}: dropped damaged line(s) {report.line_numbers(bad)}, not a whole "
-                  "measurement; they are measured again", flush=True)
-            with open(store + ".tmp", "w") as fh:
-                fh.writelines(json.dumps(r) + "\n" for _, r in good)
-            os.replace(store + ".tmp", store)
-    grid = parse_grid(args.study, args.grid, args.preset)
-    if args.study == "beta":
-        todo = [(inp, args.k, "published", b) for inp in ("gaussian", "random_net") for b in grid]
-    else:
-        methods = ("published", "exact") + (("sinkhorn",) if args.study == "sinkhorn" else ())
-        todo = [(inp, k, m, 1.5) for inp in ("gaussian", "random_net") for k in grid for m in methods]
+    done = _measurements(store)
+    todo = [(inp, g if study.axis == "k" else args.k, m, g if study.axis == "beta" else 1.5)
+            for inp in ("gaussian", "random_net") for g in parse_grid(study, args.grid, args.preset)
+            for m in study.methods]
     bad = [k for _, k, _, _ in todo if not 2 <= k <= args.n]
     if bad:
         raise SystemExit(f"k must lie in [2, --n {args.n}], got {sorted(set(bad))}")
     torch.set_num_threads(os.cpu_count() or 1)   # every measurement on all cores, one at a time
-    inputs, rows, made = Inputs(args, folder), [], 0
+    inputs, rows, made = Inputs(args, args.data or study.data, folder), [], 0
     device = utils.pick_device(args.device)
     for inp, k, method, beta in _bar(todo, args):
         key = f"{inp}|n{args.n}|seed{args.seed}|k{k}|{method}|beta{beta}|{device.type}"
@@ -348,29 +399,96 @@ def labeler_study(args):
                 fh.write(json.dumps(rec) + "\n")
             done[key], made = rec, made + 1
         rows.append(done[key])
-    print(f"{args.study}: {made} measured, {len(rows) - made} from {store}", flush=True)
+    print(f"{study.name}: {made} measured, {len(rows) - made} from {store}", flush=True)
     return rows
 
 
-def measurement_ok(r):
-    """Whether a line of measurements.jsonl holds every field the labeler studies read, each of
-    its type."""
-    history = r.get("std_history", []) if isinstance(r, dict) else None
-    return (isinstance(r, dict) and all(isinstance(r.get(f), str) for f in ("key", "input", "method"))
-            and all(report.is_whole(r.get(f)) for f in ("k", "iterations", "max_minus_min"))
-            and all(report.is_number(r.get(f)) for f in ("beta", "std", "std_before", "std_max", "seconds"))
-            and isinstance(history, list) and all(map(report.is_number, history)))
+def beta_table(study, rows):
+    return md_table(["input", "beta", "iterations", "final std", "max - min", "std before", "seconds"],
+                    [[r["input"], f"{r['beta']:g}", str(r["iterations"]), f"{r['std']:.2f}",
+                      str(r["max_minus_min"]), f"{r['std_before']:.1f}", f"{r['seconds']:.2f}"]
+                     for r in rows])
 
 
-def _bar(items, args):
-    if args.no_progress:
-        return items
-    from tqdm import tqdm
-    return tqdm(items, desc=args.study, dynamic_ncols=True)
+def beta_verdict(rows):
+    worst = max(rows, key=lambda r: r["std"])
+    frac = worst["std"] / worst["std_max"]
+    return (f"{'agrees' if frac < 0.01 else 'disagrees'}: the largest final std over every "
+            f"beta and input is {worst['std']:.2f} ({100 * frac:.3f} % of the std with all "
+            f"images in one cluster; {worst['input']}, beta {worst['beta']:g})")
+
+
+def steps_to_final(r):
+    """Steps the published labeler tried before its std first reached its final value (its
+    std_history holds the std after every step tried, undone ones included)."""
+    h = r.get("std_history") or [r["std"]]
+    return next(i for i, v in enumerate(h) if v <= round(r["std"], 4) + 1e-9)   # h is rounded
+
+
+def labelers_table(study, rows, steps=False):
+    """Each method's final std, iterations and seconds per (input, k); steps: the published
+    labeler's steps to its final std too."""
+    by = {(r["input"], r["k"], r["method"]): r for r in rows}
+    cols = [(m, c) for m in study.methods for c in ("std", "iters", *(
+        ("steps to final",) if steps and m == "published" else ()), "s")]
+    cell = {"std": lambda r: f"{r['std']:.2f}", "iters": lambda r: str(r["iterations"]),
+            "steps to final": lambda r: str(steps_to_final(r)), "s": lambda r: f"{r['seconds']:.2f}"}
+    return md_table(["input", "k", *(f"{m} {c}" for m, c in cols)],
+                    [[inp, str(k), *(cell[c](by[(inp, k, m)]) for m, c in cols)]
+                     for inp, k in sorted({(r["input"], r["k"]) for r in rows})])
+
+
+def k_labeler_verdict(rows):
+    pub = [r for r in rows if r["method"] == "published"]
+    most = max(pub, key=lambda r: r["iterations"])
+    reach = [steps_to_final(r) for r in pub]
+    over = sum(n > 20 for n in reach)
+    return (f"{'agrees' if over == 0 else 'disagrees'}: the published labeler tries at most "
+            f"{most['iterations']} steps ({most['input']}, k = {most['k']}; undone steps "
+            f"and the 10 unchanged ones before it stops included) and first reaches its "
+            f"final std after {min(reach)} to {max(reach)} steps; {over} of {len(pub)} "
+            f"cases need more than 20")
+
+
+def sinkhorn_verdict(rows):
+    by = {(r["input"], r["k"], r["method"]): r for r in rows}
+    pairs = [(by[(i, k, 'published')], by[(i, k, 'exact')], by[(i, k, 'sinkhorn')])
+             for i, k in {(r["input"], r["k"]) for r in rows}]
+    pub_better = sum(p["std"] < s["std"] for p, _, s in pairs)
+    ex_better = sum(e["std"] < s["std"] for _, e, s in pairs)
+    return (f"{'agrees' if pub_better == len(pairs) else 'partly agrees' if pub_better else 'disagrees'}: "
+            f"the published labeler is more even than Sinkhorn-Knopp in {pub_better} of "
+            f"{len(pairs)} cases, ours in {ex_better} of {len(pairs)}")
+
+
+def beta_plot(study, axes, rows, grid=None):
+    import matplotlib.pyplot as plt
+    for ax, inp in zip(axes, ("gaussian", "random_net")):
+        rs = [r for r in rows if r["input"] == inp]
+        for j, r in enumerate(rs):
+            h = [max(v, 1e-2) for v in r["std_history"]]
+            ax.semilogy(range(len(h)), h, label=f"beta {r['beta']:g}",
+                        color=plt.cm.viridis(j / max(len(rs) - 1, 1)))
+        ax.set(title=f"{inp}, k = {rows[0]['k']}", xlabel="iteration", ylabel="std of the counts")
+    axes[1].legend(fontsize=7, ncol=2)
+
+
+def labelers_plot(study, axes, rows, grid=None, left="iterations"):
+    """left: what the first panel gives against k (iterations or seconds); the second, the final
+    std."""
+    for inp, ls in (("gaussian", "-"), ("random_net", "--")):
+        for m in study.methods:
+            rs = sorted((r for r in rows if r["input"] == inp and r["method"] == m), key=lambda r: r["k"])
+            ks = [r["k"] for r in rs]
+            axes[0].plot(ks, [r[left] for r in rs], ls, label=f"{m}, {inp}")
+            axes[1].plot(ks, [r["std"] for r in rs], ls, label=f"{m}, {inp}")
+    axes[0].set(xlabel="k", ylabel=left)
+    axes[1].set(xlabel="k", ylabel="final std of the counts")
+    axes[0].legend(fontsize=7)
 
 
 # ==============================================================================================
-# Training studies
+# Training studies: a train_otl.py run and its evaluations per grid point and seed
 # ==============================================================================================
 
 def derived_data(src, dst, train_idx, test_idx, note):
@@ -417,58 +535,59 @@ def imbalanced_indices(labels, train_idx, d, even, seed):
     return torch.cat(kept).sort().values
 
 
-def training_points(args):
-    """[(point name, {grid values}, data folder, train_otl flags)] of the study."""
-    study, grid = args.study, parse_grid(args.study, args.grid, args.preset)
-    data = args.data or DATA.get(study, SCALES[args.preset]["data"])
-    scale = [*SCALES[args.preset]["rs" if study == "splits" else "train"],
-             *STUDY_FLAGS.get((args.preset, study), [])]
-    pts = []
-    if study == "k":
-        pts = [(f"k{k}", {"k": k}, data, ["--k", str(k)]) for k in grid]
-    elif study == "uneven":
-        pts = [(f"x{x:g}", {"x": x}, data, ["--target-x", str(x)]) for x in grid]
-    elif study == "labeler-in-training":
-        pts = [(m, {"labeler": m}, data, ["--labeler", m]) for m in grid]
-    elif study == "lct":
-        for g in grid:
-            v, red = g.split("-")
-            pts.append((f"views{v}_{red}", {"views": int(v), "reduction": red}, data,
-                        ["--views", v, "--label-views", v, "--lct", "true", "--lct-reduction", red]))
-    elif study in ("imbalanced", "splits"):
-        d = utils.load_prepared(data)
-        for g in grid:
-            if study == "splits":   # each division: OTL and supervised, both from --init
-                train, test = utils.stratified_split(d["labels"], 0.2, seed=int(g))
-                folder = derived_data(data, os.path.join(args.runs, "data", f"{_base(data)}_split{g}"),
-                                      train, test, f"stratified 80/20 split, seed {g}")
-                for model, sfx, more in (("OTL", "", []), ("supervised", "_supervised", ["--supervised"])):
-                    pts.append((f"seed{g}{sfx}", {"seed": int(g), "model": model}, folder,
-                                ["--seed", str(g), "--init", args.init, *more]))
-                continue
-            for even in (False, True):
-                kept = imbalanced_indices(d["labels"], d["train_idx"], int(g), even, args.seed)
-                name = f"D{g}_{'even' if even else 'uneven'}"
-                folder = derived_data(data, os.path.join(args.runs, "data", f"{_base(data)}_{name}"),
-                                      kept, d["test_idx"],
-                                      f"{'even subset of the size of ' if even else ''}the paper's "
-                                      f"D_{g}: {len(kept)} training images")
-                pts.append((name, {"d": int(g), "subset": "even" if even else "uneven",
-                                   "n_train": len(kept)}, folder, []))
-    if study == "splits":
-        return [(name, point, folder, [*scale, *flags]) for name, point, folder, flags in pts]
+def _base(path):
+    return os.path.basename(os.path.normpath(path))
+
+
+def imbalanced_points(grid, data, args):
+    """Per d, the paper's uneven D_d and an even subset of its size, each a derived data folder."""
+    d, pts = utils.load_prepared(data), []
+    for g in grid:
+        for even in (False, True):
+            kept = imbalanced_indices(d["labels"], d["train_idx"], int(g), even, args.seed)
+            name = f"D{g}_{'even' if even else 'uneven'}"
+            folder = derived_data(data, os.path.join(args.runs, "data", f"{_base(data)}_{name}"),
+                                  kept, d["test_idx"], f"{'even subset of the size of ' if even else ''}"
+                                  f"the paper's D_{g}: {len(kept)} training images")
+            pts.append((name, {"d": int(g), "subset": "even" if even else "uneven",
+                               "n_train": len(kept)}, folder, []))
+    return pts
+
+
+def splits_points(grid, data, args):
+    """Per seed, a stratified 80/20 division: OTL and supervised, both from --init."""
+    labels, pts = utils.load_prepared(data)["labels"], []
+    for g in grid:
+        train, test = utils.stratified_split(labels, 0.2, seed=int(g))
+        folder = derived_data(data, os.path.join(args.runs, "data", f"{_base(data)}_split{g}"),
+                              train, test, f"stratified 80/20 split, seed {g}")
+        for model, sfx, more in (("OTL", "", []), ("supervised", "_supervised", ["--supervised"])):
+            pts.append((f"seed{g}{sfx}", {"seed": int(g), "model": model}, folder,
+                        ["--seed", str(g), "--init", args.init, *more]))
+    return pts
+
+
+def training_points(study, args):
+    """[(run name, grid fields, data folder, train_otl.py flags)] of every run of the study."""
+    scale = SCALES[args.preset]
+    pts = study.points(parse_grid(study, args.grid, args.preset), study_data(study, args), args)
+    if study.pretrained:
+        return [(name, point, folder, [*scale.transfer, *flags]) for name, point, folder, flags in pts]
     # one run per seed: seed 0 keeps the point's plain folder name, another seed s adds _seed<s>
     return [(name if s == 0 else f"{name}_seed{s}", {**point, "point": name, "seed": s}, folder,
-             [*scale, *flags, "--seed", str(s)])
+             [*scale.train, *flags, "--seed", str(s)])
             for name, point, folder, flags in pts for s in parse_seeds(args)]
 
 
+def study_data(study, args):
+    return args.data or study.data or SCALES[args.preset].data
+
+
 def parse_seeds(args):
-    """The training seeds of every grid point: --seeds, else the study's default at study scale,
-    else --seed alone."""
+    """The training seeds of every grid point: --seeds, else the scale's, else --seed alone."""
     text = getattr(args, "seeds", None)
     if text is None:
-        return list(SCALES[args.preset]["seeds"]) if args.seed == 0 else [args.seed]
+        return list(SCALES[args.preset].seeds) if args.seed == 0 else [args.seed]
     try:
         seeds = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -476,10 +595,6 @@ def parse_seeds(args):
     if not seeds or len(set(seeds)) != len(seeds):
         raise SystemExit(f"--seeds {text!r}: a comma list of distinct integers, e.g. 0,1,2")
     return seeds
-
-
-def _base(path):
-    return os.path.basename(os.path.normpath(path))
 
 
 def run_stage(cmd, log):
@@ -492,8 +607,9 @@ def run_stage(cmd, log):
                          f"is in {log}.  Rerunning the same ablations.py command resumes here.")
 
 
-def training_study(args):
-    """Train and evaluate every grid point not finished yet; one result row per run.
+def training_study(study, args):
+    """Train and evaluate every grid point not finished yet; one result row per run, and the runs
+    trained or evaluated.
 
     A run folder remembers what it was trained with (study_point.json: the data and the
     train_otl.py flags), and a rerun that asks for other flags in the same folder stops instead of
@@ -501,59 +617,60 @@ def training_study(args):
     later checkout) but whose row is in the study's results JSON with the same data and flags is
     taken from there: so a study spans interruptions and machines through its committed results.
     The results are written after every run made, marked partial until the last point is in."""
-    if args.study == "splits" and not os.path.isfile(args.init):
-        raise SystemExit(f"--init {args.init}: no such checkpoint; the splits study starts every "
+    if study.pretrained and not os.path.isfile(args.init):
+        raise SystemExit(f"--init {args.init}: no such checkpoint; the {study.name} study starts every "
                          "division from a pretrained backbone: run `make eurosat` first, or pass "
                          "--init with another run's checkpoint.pth")
-    pts = training_points(args)
-    evals = EVALS[args.study]
-    folder = os.path.join(args.runs, args.preset, args.study)
+    pts = training_points(study, args)
+    folder = os.path.join(args.runs, args.preset, study.name)
     extra = shlex.split(args.train_args)
-    recorded = recorded_rows(args)
-    trained_on = args.study == "uneven"     # only uneven's notes use the N and k it balanced
+    recorded = recorded_rows(study, args)
     rows, ran, carried = [], [], []
     for i, (name, point, data, flags) in enumerate(pts):
         run = os.path.join(folder, name)
-        log = os.path.join(folder, f"{name}.log")
         ident = {"data": utils.rel_path(data), "train_flags": [*flags, *extra]}
-        outs = {e: os.path.join(run, f"{e}.json") for e in evals}
+        outs = {e: os.path.join(run, f"{e}.json") for e in study.evals}
         if i == 0:      # the random-init network of the first point: the table's floor
             outs["knn_init"] = os.path.join(run, "knn_init.json")
         old = recorded.get(name)
-        if (not os.path.isdir(run) and old and old.get("study_point") == ident
+        if (not os.path.isdir(run) and old and old["study_point"] == ident
                 and all(("linear" if e == "linear" else f"{e}10") in old for e in outs)):
-            print(f"[{args.study}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
+            print(f"[{study.name}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
                   f"(trained at commit {str(old.get('git_commit'))[:12]}; its run folder is not here)",
                   flush=True)
-            old = {f: v for f, v in old.items()
-                   if trained_on or f not in ("n_train", "k_clusters") or f in point}
-            rows.append({**point, **old, "study_point": ident})   # older rows lack "point"
+            rows.append(old)
             carried.append(name)
             continue
         os.makedirs(folder, exist_ok=True)
         claim_run(run, ident)
-        py = [sys.executable]
         todo = not os.path.isfile(os.path.join(run, "results.json")) or not evaluated(run, outs)
         if todo:
-            print(f"[{args.study}] {name} ({i + 1}/{len(pts)})", flush=True)
+            print(f"[{study.name}] {name} ({i + 1}/{len(pts)})", flush=True)
             ran.append(name)
-            run_stage(py + ["train_otl.py", "--data", data, "--output", run, "--device", args.device,
-                            "--no-progress", *flags, *extra], log)
-            evaluated(run, outs)    # those made before this training are of other weights
-            for e, path in outs.items():
-                if os.path.isfile(path):
-                    continue
-                script = "eval_linear.py" if e == "linear" else "eval_knn.py"
-                run_stage(py + [script, "--checkpoint", _checkpoint_of(run, e), "--device",
-                                args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
-        rows.append({**training_row(run, point, outs, trained_on=trained_on),
+            train_and_evaluate(args, run, data, ident["train_flags"], outs,
+                               os.path.join(folder, f"{name}.log"))
+        rows.append({**training_row(run, point, outs, balanced=study.balanced is not None),
                      "study_point": ident})
         if todo and i + 1 < len(pts):   # nothing finished is lost if the study stops here
-            write_results(args, rows, study_notes(args, rows), partial=len(pts))
+            write_results(study, args, rows, study_notes(study, args, rows), partial=len(pts))
     skipped = [n for n, *_ in pts if n not in ran]
-    print(f"{args.study}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before"
+    print(f"{study.name}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before"
           + (f" ({len(carried)} of them taken from the results JSON)" if carried else ""), flush=True)
     return rows, ran
+
+
+def train_and_evaluate(args, run, data, flags, outs, log):
+    """train_otl.py in run (which resumes or finds it finished), then each evaluation of outs
+    ({name: path}) not there or of other weights."""
+    py = [sys.executable]
+    run_stage(py + ["train_otl.py", "--data", data, "--output", run, "--device", args.device,
+                    "--no-progress", *flags], log)
+    evaluated(run, outs)    # those made before this training are of other weights
+    for e, path in outs.items():
+        if not os.path.isfile(path):
+            script = "eval_linear.py" if e == "linear" else "eval_knn.py"
+            run_stage(py + [script, "--checkpoint", _checkpoint_of(run, e), "--device",
+                            args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
 
 
 STUDY_ROWS = (lambda rows: isinstance(rows, list) and all(
@@ -572,29 +689,10 @@ def results_stem(args):
     return os.path.join(args.out, args.study + ("" if args.preset == "study" else f"_{args.preset}"))
 
 
-def recorded_rows(args):
+def recorded_rows(study, args):
     """{run name: row} of the study's results JSON, for the runs whose folders are gone."""
     rows = (read_study(results_stem(args) + ".json") or {}).get("rows", [])
-    out = {}
-    for r in rows:
-        ident = r.get("study_point") or study_point_of_command(r.get("command"))
-        if r.get("run") and ident:
-            out[os.path.basename(r["run"])] = {**r, "study_point": ident}
-    return out
-
-
-def study_point_of_command(command):
-    """The data and train_otl.py flags of a row recorded before rows kept them (ablations.py before
-    study_point.json), read back from its train command: `python train_otl.py --data D --output R
-    --device X --no-progress FLAGS...`.  None for any other shape."""
-    try:
-        argv = shlex.split(command or "")
-    except ValueError:
-        return None
-    if len(argv) < 9 or os.path.basename(argv[1]) != "train_otl.py" or argv[2:3] != ["--data"] \
-            or argv[4:5] != ["--output"] or argv[6:7] != ["--device"] or argv[8:9] != ["--no-progress"]:
-        return None
-    return {"data": utils.rel_path(argv[3]), "train_flags": argv[9:]}
+    return {os.path.basename(r["run"]): r for r in rows if r.get("run") and r.get("study_point")}
 
 
 POINT_FIELDS = {"data": (lambda v: isinstance(v, str), "a path"), "train_flags": (
@@ -606,18 +704,14 @@ def claim_run(run, ident):
     path = os.path.join(run, "study_point.json")
     had = report.read_json(path, f"delete it (the run in {run} is then taken as this point's) or "
                            "delete that folder", POINT_FIELDS, tuple(POINT_FIELDS))
-    if had is not None:
-        if had != ident:
-            raise SystemExit(
-                f"{run} holds a run of {had['data']} with train_otl.py flags {' '.join(had['train_flags'])}"
-                f", not {ident['data']} with {' '.join(ident['train_flags'])}; delete that folder, "
-                "or keep it and give this grid another --runs")
-        return
-    if os.path.isfile(os.path.join(run, "results.json")) or os.path.isfile(os.path.join(run, "checkpoint.pth")):
-        print(f"  (note: {run} was made before runs recorded their flags; it is taken as this point's run)",
-              flush=True)
-    os.makedirs(run, exist_ok=True)
-    utils.write_json(ident, path)
+    if had is None:
+        os.makedirs(run, exist_ok=True)
+        utils.write_json(ident, path)
+    elif had != ident:
+        raise SystemExit(
+            f"{run} holds a run of {had['data']} with train_otl.py flags {' '.join(had['train_flags'])}"
+            f", not {ident['data']} with {' '.join(ident['train_flags'])}; delete that folder, "
+            "or keep it and give this grid another --runs")
 
 
 def _checkpoint_of(run, e):
@@ -644,16 +738,16 @@ def evaluated(run, outs):
     return all(os.path.isfile(p) for p in outs.values())
 
 
-def training_row(run, point, outs, trained_on=False):
+def training_row(run, point, outs, balanced=False):
     """One run's table row: its grid point, scores, final loss and labeler figures; with
-    trained_on, also the N and k its labeler balanced (read from the checkpoint), which the
+    balanced, also the N and k its labeler balanced (read from the checkpoint), which the
     uneven study needs for the std of the targets it trained on."""
     res = report.read_results(run)
     row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
            "epochs": res.get("epochs"), "preset": res.get("preset"),
            "git_commit": res.get("git_commit"), "command": res.get("command")}
     ck = os.path.join(run, "checkpoint.pth")
-    if trained_on and os.path.isfile(ck):
+    if balanced and os.path.isfile(ck):
         try:        # tensors and plain data only: a crafted checkpoint in a study folder runs nothing
             ck = utils.load_file(ck)
         except ValueError as e:
@@ -678,317 +772,6 @@ def training_row(run, point, outs, trained_on=False):
     if secs:
         row["labeler_s_mean"] = round(sum(secs) / len(secs), 3)
     return row
-
-
-# ==============================================================================================
-# Tables, agreement lines and plots
-# ==============================================================================================
-
-def summarise(study, rows, args):
-    """(markdown table lines, one-line verdict against the paper)."""
-    if study == "beta":
-        head = "| input | beta | iterations | final std | max - min | std before | seconds |"
-        lines = [head, "|---|---|---|---|---|---|---|"]
-        for r in rows:
-            lines.append(f"| {r['input']} | {r['beta']:g} | {r['iterations']} | {r['std']:.2f} | "
-                         f"{r['max_minus_min']} | {r['std_before']:.1f} | {r['seconds']:.2f} |")
-        worst = max(rows, key=lambda r: r["std"])
-        frac = worst["std"] / worst["std_max"]
-        verdict = (f"{'agrees' if frac < 0.01 else 'disagrees'}: the largest final std over every "
-                   f"beta and input is {worst['std']:.2f} ({100 * frac:.3f} % of the std with all "
-                   f"images in one cluster; {worst['input']}, beta {worst['beta']:g})")
-        return lines, verdict
-    if study in ("k-labeler", "sinkhorn"):
-        methods = ["published", "exact"] + (["sinkhorn"] if study == "sinkhorn" else [])
-        by = {(r["input"], r["k"], r["method"]): r for r in rows}
-        head = "| input | k | " + " | ".join(f"{m} std | {m} iters | {m} s" for m in methods) + " |"
-        lines = [head, "|---|---|" + "---|---|---|" * len(methods)]
-        for inp, k in sorted({(r["input"], r["k"]) for r in rows}):
-            cells = []
-            for m in methods:
-                r = by[(inp, k, m)]
-                cells.append(f"{r['std']:.2f} | {r['iterations']} | {r['seconds']:.2f}")
-            lines.append(f"| {inp} | {k} | " + " | ".join(cells) + " |")
-        if study == "k-labeler":
-            pub = [r for r in rows if r["method"] == "published"]
-            most = max(pub, key=lambda r: r["iterations"])
-            reach = [steps_to_final(r) for r in pub]
-            over = sum(n > 20 for n in reach)
-            verdict = (f"{'agrees' if over == 0 else 'disagrees'}: the published labeler tries at most "
-                       f"{most['iterations']} steps ({most['input']}, k = {most['k']}; undone steps "
-                       f"and the 10 unchanged ones before it stops included) and first reaches its "
-                       f"final std after {min(reach)} to {max(reach)} steps; {over} of {len(pub)} "
-                       f"cases need more than 20")
-            lines[0] = lines[0].replace("published iters |", "published iters | published steps to final |")
-            lines[1] += "---|"
-            for j, (inp, k) in enumerate(sorted({(r["input"], r["k"]) for r in rows})):
-                cells = lines[2 + j].split(" | ")
-                cells.insert(4, str(steps_to_final(by[(inp, k, "published")])))
-                lines[2 + j] = " | ".join(cells)
-        else:
-            pairs = [(by[(i, k, 'published')], by[(i, k, 'exact')], by[(i, k, 'sinkhorn')])
-                     for i, k in {(r["input"], r["k"]) for r in rows}]
-            pub_better = sum(p["std"] < s["std"] for p, _, s in pairs)
-            ex_better = sum(e["std"] < s["std"] for _, e, s in pairs)
-            verdict = (f"{'agrees' if pub_better == len(pairs) else 'partly agrees' if pub_better else 'disagrees'}: "
-                       f"the published labeler is more even than Sinkhorn-Knopp in {pub_better} of "
-                       f"{len(pairs)} cases, ours in {ex_better} of {len(pairs)}")
-        return lines, verdict
-    # training studies (rows: one per run, or seed_means' one per grid point)
-    keys = [k for k in ("k", "x", "d", "subset", "n_train", "model", "seed", "seeds", "labeler",
-                        "views", "reduction")
-            if any(k in r for r in rows) and not (k == "seed" and args.study != "splits")]
-    metrics = [m for m in METRICS if any(m in r for r in rows)]
-    head = "| " + " | ".join(keys + metrics + ["final loss", "minutes"]) + " |"
-    lines = [head, "|" + "---|" * (len(keys) + len(metrics) + 2)]
-    cell = lambda r, m: (f"{r[m]:.1f} +- {r[m + '_sd']:.1f}" if m + "_sd" in r else f"{r[m]:.1f}") \
-        if m in r else ""
-    for r in rows:
-        lines.append("| " + " | ".join([",".join(map(str, r[k])) if k == "seeds" else str(r.get(k, ""))
-                                       for k in keys] +
-                                      [cell(r, m) for m in metrics] +
-                                      [f"{r.get('final_loss', float('nan')):.3f}",
-                                       f"{r.get('train_minutes') or 0:.1f}"]) + " |")
-    if "seeds" in keys:
-        lines += ["", "Each cell: the mean over the seeds +- their sample standard deviation; "
-                  "minutes and loss are means."]
-    init = [r for r in rows if "knn_init10" in r]
-    if init:
-        lines.append("")
-        what = ("The --init backbone before any training on this set" if args.study == "splits"
-                else "Random-init network")
-        lines.append(f"{what} (the first run's checkpoint0000.pth): kNN@10 "
-                     f"{init[0]['knn_init10']:.1f}.")
-    return lines, training_verdict(study, rows)
-
-
-def steps_to_final(r):
-    """Steps the published labeler tried before its std first reached its final value (its
-    std_history holds the std after every step tried, undone ones included)."""
-    h = r.get("std_history") or [r["std"]]
-    return next(i for i, v in enumerate(h) if v <= round(r["std"], 4) + 1e-9)   # h is rounded
-
-
-def _diff(a, b, metric):
-    """(a - b, sd) of two grid points' means of `metric`: the sd of a difference of two means,
-    sqrt(sd_a^2 / n_a + sd_b^2 / n_b) over their seeds; None with one seed a point."""
-    d = a[metric] - b[metric]
-    na, nb = len(a.get("seeds") or [0]), len(b.get("seeds") or [0])
-    if na < 2 or nb < 2:
-        return d, None
-    return d, math.sqrt(a.get(metric + "_sd", 0.0) ** 2 / na + b.get(metric + "_sd", 0.0) ** 2 / nb)
-
-
-def _judged(d, sd):
-    """'+2.1 +- 0.6, beyond 2 sd' (the 2-sd rule), or the difference alone with one seed."""
-    if sd is None:
-        return f"{d:+.1f} (no sd)"
-    return f"{d:+.1f} +- {sd:.1f}, {'beyond' if abs(d) > 2 * sd else 'within'} 2 sd"
-
-
-def _word(d, sd, expected_sign):
-    """The verdict on a difference the paper says has `expected_sign`: agrees or disagrees when it
-    is beyond 2 sd, 'not shown' within them."""
-    if sd is None:
-        return "cannot tell (one seed)"
-    if abs(d) <= 2 * sd:
-        return "not shown (within 2 sd)"
-    return "agrees" if (d > 0) == (expected_sign > 0) else "disagrees"
-
-
-VERDICT_METRIC = "knn50"    # the paper's kNN votes with k = 50 (Section 4)
-
-
-def training_verdict(study, rows):
-    """One line per study: the differences the paper's claim rests on, each as mean difference
-    +- its sd over the seeds and whether it is beyond 2 sd (kNN@50, the paper's k)."""
-    m = VERDICT_METRIC
-    if study == "splits":
-        parts = []
-        for model in ("OTL", "supervised"):
-            rs = [r for r in rows if r.get("model", "OTL") == model]
-            if rs:
-                ours = [_mean_sd([r[k] for r in rs if k in r]) for k in ("knn10", "linear")]
-                paper = [_mean_sd(PAPER_SPLITS[model][k]) for k in ("knn10", "linear")]
-                parts.append(f"{model} over {len(rs)} divisions: kNN@10 {ours[0][0]:.1f} +- "
-                             f"{ours[0][1]:.1f}, linear {ours[1][0]:.1f} +- {ours[1][1]:.1f} (the "
-                             f"paper's: {paper[0][0]:.1f} +- {paper[0][1]:.1f}, {paper[1][0]:.1f} "
-                             f"+- {paper[1][1]:.1f})")
-        return "; ".join(parts) + " (mean +- sample sd)"
-    rows = [r for r in rows if m in r]
-    if len(rows) < 2:
-        return "one grid point: nothing to compare"
-    if study == "k":
-        best, worst = max(rows, key=lambda r: r[m]), min(rows, key=lambda r: r[m])
-        d, sd = _diff(best, worst, m)
-        top, low = max(PAPER_K, key=PAPER_K.get), min(PAPER_K, key=PAPER_K.get)
-        return (f"kNN@50 best at k = {best['k']} ({best[m]:.1f}), worst at k = {worst['k']} "
-                f"({worst[m]:.1f}): {_judged(d, sd)}; the paper: best at k = {top} "
-                f"({PAPER_K[top]:.1f}), worst at k = {low} ({PAPER_K[low]:.1f}), "
-                f"{PAPER_K[top] - PAPER_K[low]:+.1f}")
-    if study == "uneven":
-        even, last = rows[0], rows[-1]
-        d, sd = _diff(even, last, m)
-        xs = list(PAPER_UNEVEN)
-        return (f"{_word(d, sd, +1)}: kNN@50 at x = {even['x']:g} minus x = {last['x']:g}: "
-                f"{_judged(d, sd)} (the paper, CIFAR-10: x = {xs[0]:g} minus x = {xs[-1]:g}: "
-                f"{PAPER_UNEVEN[xs[0]] - PAPER_UNEVEN[xs[-1]]:+.1f})")
-    if study == "imbalanced":
-        un = sorted((r for r in rows if r["subset"] == "uneven"), key=lambda r: r["d"])
-        ev = {r["d"]: r for r in rows if r["subset"] == "even"}
-        parts = []
-        if len(un) > 1:
-            d, sd = _diff(un[0], un[-1], m)
-            ds = list(PAPER_IMBALANCED)
-            parts.append(f"{_word(d, sd, +1)}: uneven D_{un[0]['d']} minus D_{un[-1]['d']}: "
-                         f"{_judged(d, sd)} (the paper: D_{ds[0]} minus D_{ds[-1]}: "
-                         f"{PAPER_IMBALANCED[ds[0]] - PAPER_IMBALANCED[ds[-1]]:+.1f})")
-        gaps = [(r["d"], *_diff(ev[r["d"]], r, m)) for r in un if r["d"] in ev]
-        if gaps:
-            beyond = sum(sd is not None and abs(g) > 2 * sd for _, g, sd in gaps)
-            parts.append("even minus uneven subset: " + ", ".join(
-                f"D_{dd} {_judged(g, sd)}" for dd, g, sd in gaps)
-                + f" ({beyond} of {len(gaps)} beyond 2 sd; the paper: "
-                + ", ".join(f"{PAPER_IMBALANCED_EVEN[dd] - PAPER_IMBALANCED[dd]:+.1f}"
-                            for dd in PAPER_IMBALANCED) + ")")
-        return "; ".join(parts)
-    if study == "labeler-in-training":    # the best labeler against each other one
-        top, *rest = sorted(rows, key=lambda r: -r[m])
-        gaps = [(r["labeler"], *_diff(top, r, m)) for r in rest]
-        behind = [name for name, d, sd in gaps if sd is not None and abs(d) > 2 * sd]
-        return (", ".join(f"{r['labeler']} {_f_sd(r, m)}" for r in rows) + " kNN@50; " + "; ".join(
-            f"{top['labeler']} minus {name}: {_judged(d, sd)}" for name, d, sd in gaps)
-            + ("" if any(sd is None for *_, sd in gaps) else
-               f": {top['labeler']} measurably above {', '.join(behind)}" if behind else
-               ": no labeler is measurably better"))
-    if study == "lct":
-        base = rows[0]
-        return (", ".join(f"{r['views']} view(s) {r['reduction']} {_f_sd(r, m)}" for r in rows)
-                + f" kNN@50; against {base['views']} view(s) {base['reduction']}: " + "; ".join(
-                    f"{r['views']} {r['reduction']} {_judged(*_diff(r, base, m))}" for r in rows[1:]))
-    return ""
-
-
-def _f_sd(r, m):
-    return f"{r[m]:.1f}" + (f" +- {r[m + '_sd']:.1f}" if m + "_sd" in r else "")
-
-
-def plot(study, rows, path, grid=None):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"no plot: matplotlib is not installed ({path} not written)", flush=True)
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    if study == "beta":
-        for ax, inp in zip(axes, ("gaussian", "random_net")):
-            rs = [r for r in rows if r["input"] == inp]
-            for j, r in enumerate(rs):
-                h = [max(v, 1e-2) for v in r["std_history"]]
-                ax.semilogy(range(len(h)), h, label=f"beta {r['beta']:g}",
-                            color=plt.cm.viridis(j / max(len(rs) - 1, 1)))
-            ax.set(title=f"{inp}, k = {rows[0]['k']}", xlabel="iteration", ylabel="std of the counts")
-        axes[1].legend(fontsize=7, ncol=2)
-    elif study in ("k-labeler", "sinkhorn"):
-        methods = ["published", "exact"] + (["sinkhorn"] if study == "sinkhorn" else [])
-        for inp, ls in (("gaussian", "-"), ("random_net", "--")):
-            for m in methods:
-                rs = sorted((r for r in rows if r["input"] == inp and r["method"] == m), key=lambda r: r["k"])
-                ks = [r["k"] for r in rs]
-                if study == "k-labeler":
-                    axes[0].plot(ks, [r["iterations"] for r in rs], ls, label=f"{m}, {inp}")
-                else:
-                    axes[0].plot(ks, [r["seconds"] for r in rs], ls, label=f"{m}, {inp}")
-                axes[1].plot(ks, [r["std"] for r in rs], ls, label=f"{m}, {inp}")
-        axes[0].set(xlabel="k", ylabel="iterations" if study == "k-labeler" else "seconds")
-        axes[1].set(xlabel="k", ylabel="final std of the counts")
-        axes[0].legend(fontsize=7)
-    else:
-        xkey = {"k": "k", "uneven": "x", "imbalanced": "d", "splits": "seed"}.get(study)
-        # studies without a linear probe show kNN@200 beside kNN@10, not an empty panel
-        second = "linear" if "linear" in EVALS.get(study, ()) else "knn200"
-        for ax, metric in zip(axes, ("knn10", second)):
-            if study == "imbalanced":
-                for sub in ("uneven", "even"):
-                    rs = [r for r in rows if r["subset"] == sub]
-                    ax.errorbar([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs],
-                                yerr=[r.get(metric + "_sd", 0.0) for r in rs], fmt="o-", capsize=3,
-                                label=sub)
-                # the paper's D_100 .. D_500 at the study's scaled d (its whole grid, so a partial
-                # study draws them where they belong), in order, when the grids match in length
-                xs = grid if grid and len(grid) == len(PAPER_IMBALANCED) else list(PAPER_IMBALANCED)
-                ax.plot(xs, list(PAPER_IMBALANCED.values()), "k:",
-                        label="uneven (paper" + (", its d scaled)" if xs != list(PAPER_IMBALANCED) else ")"))
-            elif study == "splits":   # seeds are not an axis: one point each, the mean and +- sd
-                for model, colour in (("OTL", "C0"), ("supervised", "C1")):
-                    rs = [r for r in rows if r.get("model", "OTL") == model]
-                    if not rs:
-                        continue
-                    xs = [r["seed"] for r in rs]
-                    ys = [r.get(metric, float("nan")) for r in rs]
-                    t = torch.tensor([y for y in ys if not math.isnan(y)], dtype=torch.float64)
-                    m, sd = t.mean().item(), (t.std().item() if t.numel() > 1 else 0.0)  # as the table
-                    ax.plot(xs, ys, "o", color=colour, label=f"{model}, one division each")
-                    ax.axhline(m, color=colour, lw=1, label=f"{model} mean {m:.1f} +- {sd:.1f} (sd)")
-                    ax.axhspan(m - sd, m + sd, color=colour, alpha=0.1)
-                    ax.set_xticks(sorted({r["seed"] for r in rows}))
-                ax.legend(fontsize=7)
-            elif xkey:
-                ax.errorbar([r[xkey] for r in rows], [r.get(metric, float("nan")) for r in rows],
-                            yerr=[r.get(metric + "_sd", 0.0) for r in rows], fmt="o-", capsize=3,
-                            label="ours")
-                if study == "k":
-                    ax.set_xscale("log", base=2)
-            else:
-                names = [r.get("labeler") or f"{r['views']}v {r['reduction']}" for r in rows]
-                ax.bar(names, [r.get(metric, float("nan")) for r in rows],
-                       yerr=[r.get(metric + "_sd", 0.0) for r in rows], capsize=3)
-            ax.set(xlabel=xkey or "", ylabel=f"{metric} top-1 (%)")
-            if study == "imbalanced":
-                ax.legend(fontsize=8)
-    fig.suptitle(f"{study}: {PAPER[study]}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_results(args, rows, extra=None, partial=None):
-    """<study>.json, .md and .png.  partial: the number of runs the whole grid has, when rows
-    holds only the runs finished so far."""
-    os.makedirs(args.out, exist_ok=True)
-    stem = results_stem(args)
-    means = seed_means(rows) if args.study in TRAINING_STUDIES else None
-    lines, verdict = summarise(args.study, means or rows, args)
-    grid = parse_grid(args.study, args.grid, args.preset) if args.study in GRIDS else None
-    out = {"study": args.study, "preset": args.preset, "paper": PAPER[args.study],
-           "verdict": verdict, **({"grid": grid} if grid else {}), "rows": rows,
-           **({"seed_means": means} if means else {}),
-           **({"partial": f"{len(rows)} of {partial} runs"} if partial else {}), **(extra or {}),
-           "command": utils.command_line(), "git_commit": utils.git_commit(),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
-    utils.write_json(out, stem + ".json")
-    commits = sorted({str(r["git_commit"])[:12] for r in rows if r.get("git_commit")})
-    made = f"Made by `{out['command']}` at commit {out['git_commit'][:12]}."
-    if len(commits) > 1 or (commits and commits[0] != out["git_commit"][:12]):
-        made += f" Its runs were trained at commit(s) {', '.join(commits)} (each row's in the JSON)."
-    md = [f"# Ablation `{args.study}` (preset {args.preset})", "",
-          f"Paper: {PAPER[args.study]}.", "", f"Ours: {verdict}.", "", *lines, "", made]
-    if partial:
-        md[2:2] = [f"**Partial: {len(rows)} of the grid's {partial} runs are in**; the same command "
-                   "continues the study.", ""]
-    if extra and extra.get("notes"):
-        md[4:4] = [*extra["notes"], ""]
-    with open(stem + ".md", "w") as fh:
-        fh.write("\n".join(md) + "\n")
-    if not args.no_plot:
-        plot(args.study, means or rows, stem + ".png", grid)
-    print(f"{args.study}: {verdict}\nwrote {stem}.json, .md" + ("" if args.no_plot else ", .png")
-          + (f" (partial: {out['partial']})" if partial else ""), flush=True)
-    return out
 
 
 METRICS = ("knn10", "knn50", "knn100", "knn200", "linear")
@@ -1018,41 +801,222 @@ def seed_means(rows):
     return means
 
 
-def rewrite(args):
-    """The study's files again from the rows its results JSON holds, training nothing."""
-    path = results_stem(args) + ".json"
-    if not os.path.isfile(path):
-        raise SystemExit(f"--rewrite: {path} is missing; run the study first")
-    rows = read_study(path)["rows"]
-    presets = sorted({str(r.get("preset")) for r in rows})
-    data = sorted({str((r.get("study_point") or {}).get("data", "?")) for r in rows})
-    extra = uneven_notes(rows) if args.study == "uneven" else {"notes": []}
-    extra["notes"] = [f"Rewritten from the {len(rows)} rows of `{utils.rel_path(path)}` as "
-                      f"recorded (preset {', '.join(presets)}; data {', '.join(data)}), nothing "
-                      "trained."] + ([""] + extra["notes"] if extra["notes"] else [])
-    return write_results(args, rows, extra)
+TABLE_KEYS = ("k", "x", "d", "subset", "n_train", "model", "seed", "seeds", "labeler", "views",
+              "reduction")
 
 
-def study_notes(args, rows=()):
-    """What the study's JSON and table add: where its data differ from the paper's study, and
-    (uneven) the targets' std beside the paper's."""
-    out = uneven_notes(rows) if args.study == "uneven" else {"notes": []}
-    data = args.data or DATA.get(args.study, SCALES[args.preset]["data"])
-    flags = " ".join(SCALES[args.preset]["rs" if args.study == "splits" else "train"])
-    seeds = "" if args.study == "splits" else f", {len(parse_seeds(args))} seed(s) a grid point"
-    note = f"Trained on `{utils.rel_path(data)}` with `{flags}`{seeds}"
-    if args.study == "splits":
-        note += f", OTL and supervised both from `{utils.rel_path(args.init)}`"
-    if args.study != "splits" and "cifar10" not in os.path.basename(os.path.normpath(data)):
-        note += ("; the paper's study trained AlexNet on CIFAR-10, so its numbers are its own "
-                 "scale's: compare the directions and the differences beyond 2 sd, not the levels")
-        if args.study == "imbalanced":
-            note += ("; d is the paper's scaled to this set's class sizes (EuroSAT: about "
-                     "2,160 training images a class, CIFAR-10: 5,000)")
-    out["notes"] = [note + "."] + ([""] + out["notes"] if out["notes"] else [])
-    out["data"] = utils.rel_path(data)
-    return out
+def training_table(study, rows):
+    """Rows (one per run, or seed_means' one per grid point): grid fields, metrics (mean +- sd
+    over the seeds), final loss and minutes; then the random-init floor."""
+    keys = [k for k in TABLE_KEYS if any(k in r for r in rows) and (k != "seed" or study.pretrained)]
+    metrics = [m for m in METRICS if any(m in r for r in rows)]
+    cell = lambda r, m: (f"{r[m]:.1f} +- {r[m + '_sd']:.1f}" if m + "_sd" in r else f"{r[m]:.1f}") \
+        if m in r else ""
+    lines = md_table(keys + metrics + ["final loss", "minutes"], [
+        [",".join(map(str, r[k])) if k == "seeds" else str(r.get(k, "")) for k in keys]
+        + [cell(r, m) for m in metrics]
+        + [f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}"]
+        for r in rows])
+    if "seeds" in keys:
+        lines += ["", "Each cell: the mean over the seeds +- their sample standard deviation; "
+                  "minutes and loss are means."]
+    init = [r for r in rows if "knn_init10" in r]
+    if init:
+        what = ("The --init backbone before any training on this set" if study.pretrained
+                else "Random-init network")
+        lines += ["", f"{what} (the first run's checkpoint0000.pth): kNN@10 "
+                  f"{init[0]['knn_init10']:.1f}."]
+    return lines
 
+
+# The verdicts: each difference the paper's claim rests on, as the difference of two grid points'
+# means +- its sd over the seeds, counted only beyond 2 sd (kNN@50, the paper's k).
+VERDICT_METRIC = "knn50"    # the paper's kNN votes with k = 50 (Section 4)
+
+
+def _diff(a, b, metric):
+    """(a - b, sd) of two grid points' means of `metric`: the sd of a difference of two means,
+    sqrt(sd_a^2 / n_a + sd_b^2 / n_b) over their seeds; None with one seed a point."""
+    d = a[metric] - b[metric]
+    na, nb = len(a.get("seeds") or [0]), len(b.get("seeds") or [0])
+    if na < 2 or nb < 2:
+        return d, None
+    return d, math.sqrt(a.get(metric + "_sd", 0.0) ** 2 / na + b.get(metric + "_sd", 0.0) ** 2 / nb)
+
+
+def _judged(d, sd):
+    """'+2.1 +- 0.6, beyond 2 sd' (the 2-sd rule), or the difference alone with one seed."""
+    if sd is None:
+        return f"{d:+.1f} (no sd)"
+    return f"{d:+.1f} +- {sd:.1f}, {'beyond' if abs(d) > 2 * sd else 'within'} 2 sd"
+
+
+def _word(d, sd, expected_sign):
+    """The verdict on a difference the paper says has `expected_sign`: agrees or disagrees when it
+    is beyond 2 sd, 'not shown' within them."""
+    if sd is None:
+        return "cannot tell (one seed)"
+    if abs(d) <= 2 * sd:
+        return "not shown (within 2 sd)"
+    return "agrees" if (d > 0) == (expected_sign > 0) else "disagrees"
+
+
+def _f_sd(r, m):
+    return f"{r[m]:.1f}" + (f" +- {r[m + '_sd']:.1f}" if m + "_sd" in r else "")
+
+
+def compares(verdict):
+    """A verdict over the grid points that have kNN@50, or the line saying there is one."""
+    def judged(rows):
+        rows = [r for r in rows if VERDICT_METRIC in r]
+        return verdict(rows) if len(rows) >= 2 else "one grid point: nothing to compare"
+    judged.__doc__ = verdict.__doc__
+    return judged
+
+
+@compares
+def k_verdict(rows):
+    """The best k against the worst, beside the paper's."""
+    m = VERDICT_METRIC
+    best, worst = max(rows, key=lambda r: r[m]), min(rows, key=lambda r: r[m])
+    d, sd = _diff(best, worst, m)
+    top, low = max(PAPER_K, key=PAPER_K.get), min(PAPER_K, key=PAPER_K.get)
+    return (f"kNN@50 best at k = {best['k']} ({best[m]:.1f}), worst at k = {worst['k']} "
+            f"({worst[m]:.1f}): {_judged(d, sd)}; the paper: best at k = {top} "
+            f"({PAPER_K[top]:.1f}), worst at k = {low} ({PAPER_K[low]:.1f}), "
+            f"{PAPER_K[top] - PAPER_K[low]:+.1f}")
+
+
+@compares
+def uneven_verdict(rows):
+    """The first x (the most even target) against the last: the paper's fall."""
+    m, (even, last) = VERDICT_METRIC, (rows[0], rows[-1])
+    d, sd = _diff(even, last, m)
+    xs = list(PAPER_UNEVEN)
+    return (f"{_word(d, sd, +1)}: kNN@50 at x = {even['x']:g} minus x = {last['x']:g}: "
+            f"{_judged(d, sd)} (the paper, CIFAR-10: x = {xs[0]:g} minus x = {xs[-1]:g}: "
+            f"{PAPER_UNEVEN[xs[0]] - PAPER_UNEVEN[xs[-1]]:+.1f})")
+
+
+@compares
+def imbalanced_verdict(rows):
+    """The uneven D_d at the smallest d against the largest, and each even subset against its
+    uneven twin."""
+    m = VERDICT_METRIC
+    un = sorted((r for r in rows if r["subset"] == "uneven"), key=lambda r: r["d"])
+    ev = {r["d"]: r for r in rows if r["subset"] == "even"}
+    parts = []
+    if len(un) > 1:
+        d, sd = _diff(un[0], un[-1], m)
+        ds = list(PAPER_IMBALANCED)
+        parts.append(f"{_word(d, sd, +1)}: uneven D_{un[0]['d']} minus D_{un[-1]['d']}: "
+                     f"{_judged(d, sd)} (the paper: D_{ds[0]} minus D_{ds[-1]}: "
+                     f"{PAPER_IMBALANCED[ds[0]] - PAPER_IMBALANCED[ds[-1]]:+.1f})")
+    gaps = [(r["d"], *_diff(ev[r["d"]], r, m)) for r in un if r["d"] in ev]
+    if gaps:
+        beyond = sum(sd is not None and abs(g) > 2 * sd for _, g, sd in gaps)
+        parts.append("even minus uneven subset: " + ", ".join(
+            f"D_{dd} {_judged(g, sd)}" for dd, g, sd in gaps)
+            + f" ({beyond} of {len(gaps)} beyond 2 sd; the paper: "
+            + ", ".join(f"{PAPER_IMBALANCED_EVEN[dd] - PAPER_IMBALANCED[dd]:+.1f}"
+                        for dd in PAPER_IMBALANCED) + ")")
+    return "; ".join(parts)
+
+
+def splits_verdict(rows):
+    """Each model's mean +- sd over its divisions beside the paper's five."""
+    parts = []
+    for model in ("OTL", "supervised"):
+        rs = [r for r in rows if r.get("model", "OTL") == model]
+        if rs:
+            ours = [_mean_sd([r[k] for r in rs if k in r]) for k in ("knn10", "linear")]
+            paper = [_mean_sd(PAPER_SPLITS[model][k]) for k in ("knn10", "linear")]
+            parts.append(f"{model} over {len(rs)} divisions: kNN@10 {ours[0][0]:.1f} +- "
+                         f"{ours[0][1]:.1f}, linear {ours[1][0]:.1f} +- {ours[1][1]:.1f} (the "
+                         f"paper's: {paper[0][0]:.1f} +- {paper[0][1]:.1f}, {paper[1][0]:.1f} "
+                         f"+- {paper[1][1]:.1f})")
+    return "; ".join(parts) + " (mean +- sample sd)"
+
+
+@compares
+def labelers_verdict(rows):
+    """The best labeler against each other one."""
+    m = VERDICT_METRIC
+    top, *rest = sorted(rows, key=lambda r: -r[m])
+    gaps = [(r["labeler"], *_diff(top, r, m)) for r in rest]
+    behind = [name for name, d, sd in gaps if sd is not None and abs(d) > 2 * sd]
+    return (", ".join(f"{r['labeler']} {_f_sd(r, m)}" for r in rows) + " kNN@50; " + "; ".join(
+        f"{top['labeler']} minus {name}: {_judged(d, sd)}" for name, d, sd in gaps)
+        + ("" if any(sd is None for *_, sd in gaps) else
+           f": {top['labeler']} measurably above {', '.join(behind)}" if behind else
+           ": no labeler is measurably better"))
+
+
+@compares
+def lct_verdict(rows):
+    """Each view count and reduction against the first point."""
+    m, base = VERDICT_METRIC, rows[0]
+    return (", ".join(f"{r['views']} view(s) {r['reduction']} {_f_sd(r, m)}" for r in rows)
+            + f" kNN@50; against {base['views']} view(s) {base['reduction']}: " + "; ".join(
+                f"{r['views']} {r['reduction']} {_judged(*_diff(r, base, m))}" for r in rows[1:]))
+
+
+# The training studies' panels: (study, ax, rows, metric, grid), one metric on one axis.
+
+def curve_panel(study, ax, rows, metric, grid):
+    ax.errorbar([r[study.xkey] for r in rows], [r.get(metric, float("nan")) for r in rows],
+                yerr=[r.get(metric + "_sd", 0.0) for r in rows], fmt="o-", capsize=3, label="ours")
+    if study.xkey == "k":
+        ax.set_xscale("log", base=2)
+
+
+def bars_panel(study, ax, rows, metric, grid):
+    names = [r.get("labeler") or f"{r['views']}v {r['reduction']}" for r in rows]
+    ax.bar(names, [r.get(metric, float("nan")) for r in rows],
+           yerr=[r.get(metric + "_sd", 0.0) for r in rows], capsize=3)
+
+
+def imbalanced_panel(study, ax, rows, metric, grid):
+    for sub in ("uneven", "even"):
+        rs = [r for r in rows if r["subset"] == sub]
+        ax.errorbar([r["d"] for r in rs], [r.get(metric, float("nan")) for r in rs],
+                    yerr=[r.get(metric + "_sd", 0.0) for r in rs], fmt="o-", capsize=3, label=sub)
+    # the paper's D_100 .. D_500 at the study's scaled d (its whole grid, so a partial study
+    # draws them where they belong), in order, when the grids match in length
+    xs = grid if grid and len(grid) == len(PAPER_IMBALANCED) else list(PAPER_IMBALANCED)
+    ax.plot(xs, list(PAPER_IMBALANCED.values()), "k:",
+            label="uneven (paper" + (", its d scaled)" if xs != list(PAPER_IMBALANCED) else ")"))
+    ax.legend(fontsize=8)
+
+
+def splits_panel(study, ax, rows, metric, grid):
+    """Seeds are not an axis: one point each, the mean and +- sd as the table gives them."""
+    for model, colour in (("OTL", "C0"), ("supervised", "C1")):
+        rs = [r for r in rows if r.get("model", "OTL") == model]
+        if not rs:
+            continue
+        xs = [r["seed"] for r in rs]
+        ys = [r.get(metric, float("nan")) for r in rs]
+        t = torch.tensor([y for y in ys if not math.isnan(y)], dtype=torch.float64)
+        m, sd = t.mean().item(), (t.std().item() if t.numel() > 1 else 0.0)
+        ax.plot(xs, ys, "o", color=colour, label=f"{model}, one division each")
+        ax.axhline(m, color=colour, lw=1, label=f"{model} mean {m:.1f} +- {sd:.1f} (sd)")
+        ax.axhspan(m - sd, m + sd, color=colour, alpha=0.1)
+        ax.set_xticks(sorted({r["seed"] for r in rows}))
+    ax.legend(fontsize=7)
+
+
+def training_plot(study, axes, rows, grid):
+    # a study without a linear probe shows kNN@200 beside kNN@10, not an empty panel
+    second = "linear" if "linear" in study.evals else "knn200"
+    for ax, metric in zip(axes, ("knn10", second)):
+        study.panel(study, ax, rows, metric, grid)
+        ax.set(xlabel=study.xkey, ylabel=f"{metric} top-1 (%)")
+
+
+# ==============================================================================================
+# The studies
+# ==============================================================================================
 
 def uneven_notes(rows=(), n=50_000):
     """The std of the uneven targets under both indexings beside the paper's (table dis-com,
@@ -1086,6 +1050,165 @@ def uneven_notes(rows=(), n=50_000):
                       f"x = {x:g}: {otl.uneven_target(nt, kt, x, first=0).std().item():.1f}"
                       for x in _UNEVEN["x"]) + "."]
     return {"target_std": lines, "notes": notes}
+
+
+def _labeler(name, **fields):
+    """A labeler study: its methods measured on Gaussian outputs and on a random network's outputs
+    for CIFAR-10's training split."""
+    return Study(**{"name": name, "kind": "labeler", "data": "data/cifar10",
+                    "table": labelers_table, "plot": labelers_plot, **fields})
+
+
+def _training(name, **fields):
+    """A training study: its points trained once per seed at the scale's flags (the
+    pretrained ones: once, from --init), evaluated, and shown one metric a panel."""
+    return Study(**{"name": name, "kind": "training", "table": training_table,
+                    "plot": training_plot, "panel": curve_panel, **fields})
+
+
+STUDIES = {s.name: s for s in (
+    _labeler("beta", axis="beta", methods=("published",), grid=(1.5, 2, 2.5, 3, 4, 5, 6, 10, 20, 30, 40, 50),
+             table=beta_table, plot=beta_plot, verdict=beta_verdict,
+             paper="even distributions for every beta from 1.5 to 50: the labeler is insensitive to beta"),
+    _labeler("k-labeler", methods=("published", "exact"), grid=tuple(range(50, 1001, 50)),
+             table=functools.partial(labelers_table, steps=True), verdict=k_labeler_verdict,
+             paper="about 20 iterations or fewer for every k of its figure (N = 50,000, beta = 1.5)"),
+    _labeler("sinkhorn", methods=("published", "exact", "sinkhorn"), grid=tuple(range(50, 1001, 50)),
+             plot=functools.partial(labelers_plot, left="seconds"), verdict=sinkhorn_verdict,
+             paper="OTL gives more even clusters than Sinkhorn-Knopp for every k from 50 to 1000"),
+    _training("k", grid=(10, 32, 64, 128, 256, 512, 1024), evals=("knn", "linear"), xkey="k",
+              points=lambda grid, data, args: [(f"k{k}", {"k": k}, data, ["--k", str(k)]) for k in grid],
+              verdict=k_verdict,
+              paper=f"kNN against k on CIFAR-10 (table diff-k-10, k: kNN): {_listed(PAPER_K)}"),
+    _training("uneven", grid=(0, 2, 4, 6, 8, 10), evals=("knn",), xkey="x",
+              points=lambda grid, data, args: [(f"x{x:g}", {"x": x}, data, ["--target-x", str(x)])
+                                               for x in grid],
+              balanced=uneven_notes, verdict=uneven_verdict,
+              paper="accuracy falls as the target's evenness falls (table dis-com, CIFAR-10, x: kNN: "
+                    f"{_listed(PAPER_UNEVEN)})"),
+    # EuroSAT's classes hold about 2,160 training images against CIFAR's 5,000: the study
+    # scale's d is the paper's scaled by 0.4
+    _training("imbalanced", grid=(100, 200, 300, 400, 500), scale_grid={"study": (40, 80, 120, 160, 200)},
+              points=imbalanced_points, evals=("knn",), panel=imbalanced_panel, xkey="d",
+              verdict=imbalanced_verdict,
+              note="; d is the paper's scaled to this set's class sizes (EuroSAT: about 2,160 "
+                   "training images a class, CIFAR-10: 5,000)",
+              paper="kNN of OTL trained on the uneven D_100 .. D_500 (table imb-data): "
+                    + ", ".join(f"{v:.1f}" for v in PAPER_IMBALANCED.values())),
+    _training("splits", grid=(0, 1, 2, 3, 4), data="data/siri_whu", pretrained=True,
+              points=splits_points, evals=("knn", "linear"), panel=splits_panel, xkey="seed",
+              verdict=splits_verdict,
+              paper="five random 80/20 divisions of SIRI-WHU, from a pretrained ResNet-18 (table "
+                    "5whu): " + "; ".join(
+                        f"{m}: kNN@10 {{:.1f}} +- {{:.1f}}, linear {{:.1f}} +- {{:.1f}}".format(
+                            *_mean_sd(PAPER_SPLITS[m]["knn10"]), *_mean_sd(PAPER_SPLITS[m]["linear"]))
+                        for m in ("OTL", "supervised"))),
+    _training("labeler-in-training", grid=("published", "exact", "sinkhorn"), evals=("knn", "linear"),
+              points=lambda grid, data, args: [(m, {"labeler": m}, data, ["--labeler", m]) for m in grid],
+              panel=bars_panel, verdict=labelers_verdict,
+              paper="not in the paper (ours)"),
+    _training("lct", grid=("1-mean", "2-mean", "2-sum", "4-mean", "4-sum"), evals=("knn",),
+              points=lambda grid, data, args: [
+                  (f"views{v}_{red}", {"views": int(v), "reduction": red}, data,
+                   ["--views", v, "--label-views", v, "--lct", "true", "--lct-reduction", red])
+                  for v, red in (g.split("-") for g in grid)],
+              panel=bars_panel, verdict=lct_verdict,
+              paper="not in the paper (ours); the paper writes the LCT loss as a sum over view pairs"),
+)}
+
+
+# ==============================================================================================
+# Results files: <study>.json, .md and .png
+# ==============================================================================================
+
+def write_results(study, args, rows, extra=None, partial=None):
+    """<study>.json, .md and .png.  partial: the number of runs the whole grid has, when rows
+    holds only the runs finished so far."""
+    os.makedirs(args.out, exist_ok=True)
+    stem = results_stem(args)
+    means = seed_means(rows) if study.kind == "training" else None
+    verdict = study.verdict(means or rows)
+    grid = parse_grid(study, args.grid, args.preset)
+    out = {"study": study.name, "preset": args.preset, "paper": study.paper,
+           "verdict": verdict, **({"grid": grid} if grid else {}), "rows": rows,
+           **({"seed_means": means} if means else {}),
+           **({"partial": f"{len(rows)} of {partial} runs"} if partial else {}), **(extra or {}),
+           "command": utils.command_line(), "git_commit": utils.git_commit(),
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+    utils.write_json(out, stem + ".json")
+    commits = sorted({str(r["git_commit"])[:12] for r in rows if r.get("git_commit")})
+    made = f"Made by `{out['command']}` at commit {out['git_commit'][:12]}."
+    if len(commits) > 1 or (commits and commits[0] != out["git_commit"][:12]):
+        made += f" Its runs were trained at commit(s) {', '.join(commits)} (each row's in the JSON)."
+    notes = (extra or {}).get("notes")
+    md = [f"# Ablation `{study.name}` (preset {args.preset})", "",
+          *([f"**Partial: {len(rows)} of the grid's {partial} runs are in**; the same command "
+             "continues the study.", ""] if partial else []),
+          f"Paper: {study.paper}.", "", *([*notes, ""] if notes else []),
+          f"Ours: {verdict}.", "", *study.table(study, means or rows), "", made]
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    if not args.no_plot:
+        plot(study.name, means or rows, stem + ".png", grid)
+    print(f"{study.name}: {verdict}\nwrote {stem}.json, .md" + ("" if args.no_plot else ", .png")
+          + (f" (partial: {out['partial']})" if partial else ""), flush=True)
+    return out
+
+
+def plot(name, rows, path, grid=None):
+    """<study>.png: the study's two panels, titled with the paper's claim."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot: matplotlib is not installed ({path} not written)", flush=True)
+        return None
+    study = STUDIES[name]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    study.plot(study, axes, rows, grid)
+    fig.suptitle(f"{study.name}: {study.paper}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def rewrite(study, args):
+    """The study's files again from the rows its results JSON holds, training nothing."""
+    path = results_stem(args) + ".json"
+    if not os.path.isfile(path):
+        raise SystemExit(f"--rewrite: {path} is missing; run the study first")
+    rows = read_study(path)["rows"]
+    presets = sorted({str(r.get("preset")) for r in rows})
+    data = sorted({str((r.get("study_point") or {}).get("data", "?")) for r in rows})
+    extra = study.balanced(rows) if study.balanced else {"notes": []}
+    extra["notes"] = [f"Rewritten from the {len(rows)} rows of `{utils.rel_path(path)}` as "
+                      f"recorded (preset {', '.join(presets)}; data {', '.join(data)}), nothing "
+                      "trained."] + ([""] + extra["notes"] if extra["notes"] else [])
+    return write_results(study, args, rows, extra)
+
+
+def study_notes(study, args, rows=()):
+    """What the study's JSON and table add: where its data differ from the paper's study, and
+    (uneven) the targets' std beside the paper's."""
+    out = study.balanced(rows) if study.balanced else {"notes": []}
+    data = study_data(study, args)
+    scale = SCALES[args.preset]
+    flags = " ".join(scale.transfer if study.pretrained else scale.train)
+    note = f"Trained on `{utils.rel_path(data)}` with `{flags}`"
+    if study.pretrained:
+        note += f", OTL and supervised both from `{utils.rel_path(args.init)}`"
+    else:
+        note += f", {len(parse_seeds(args))} seed(s) a grid point"
+        if "cifar10" not in os.path.basename(os.path.normpath(data)):
+            note += ("; the paper's study trained AlexNet on CIFAR-10, so its numbers are its own "
+                     "scale's: compare the directions and the differences beyond 2 sd, not the "
+                     "levels" + study.note)
+    out["notes"] = [note + "."] + ([""] + out["notes"] if out["notes"] else [])
+    out["data"] = utils.rel_path(data)
+    return out
 
 
 # ==============================================================================================
@@ -1134,21 +1257,6 @@ def label_bn(args):
            "width": args.width, "small_stem": preset["small_stem"], "results": rows,
            "command": utils.command_line(), "git_commit": utils.git_commit()}
     utils.write_json(out, os.path.join(args.output, "label_bn.json"))
-    return out
-
-
-def main(args):
-    if args.study == "label-bn":
-        return label_bn(args)
-    utils.print_run_header(args)
-    if args.study in LABELER_STUDIES:
-        rows = labeler_study(args)
-        return write_results(args, rows)
-    if args.rewrite:
-        return rewrite(args)
-    rows, ran = training_study(args)
-    out = write_results(args, rows, study_notes(args, rows))
-    out["ran"] = ran
     return out
 
 

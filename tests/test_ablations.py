@@ -136,6 +136,9 @@ def test_k_study_and_resume(small_data, tmp_path, inline):
     # the study scale: the cpu preset cut to 8 epochs (here 1, from --train-args)
     assert ck["model_cfg"]["k"] == 16 and ck["args"]["aug"] == "strong" and ck["args"]["views"] == 2
     assert "knn_init10" in saved_out["rows"][0]     # the random-init floor
+    # n_train and k_clusters serve uneven's notes only: no constant n_train column here
+    assert not any("n_train" in r or "k_clusters" in r for r in saved_out["rows"])
+    assert "| k | knn10 |" in md
     assert inline == ["train_otl.py", "eval_knn.py", "eval_linear.py", "eval_knn.py"] + \
         ["train_otl.py", "eval_knn.py", "eval_linear.py"]
     # a rerun trains nothing and gives the same rows
@@ -391,48 +394,6 @@ def test_partial_results_and_resume_from_results_json(small_data, tmp_path, inli
     assert again["ran"] == ["x0"]
 
 
-def test_rows_recorded_before_study_point_are_read_from_their_command(small_data, tmp_path, inline):
-    """Results JSONs written before rows kept their flags (study_point) still carry a study
-    across sessions: the flags are read back from the row's train command, and a row whose
-    command asked for other flags is trained again."""
-    study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN)
-    path = tmp_path / "out" / "uneven.json"
-    out = json.loads(path.read_text())
-    for r in out["rows"]:
-        assert ablations.study_point_of_command(r["command"]) == r.pop("study_point")
-        r.pop("point")
-    out["rows"][1]["command"] = out["rows"][1]["command"].replace("--seed 0", "--seed 7")
-    path.write_text(json.dumps(out))
-    import shutil
-    shutil.rmtree(tmp_path / "runs")
-    del inline[:]
-    done = study("uneven", tmp_path, small_data, "--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN)
-    assert done["ran"] == ["x2"]
-    assert done["rows"][0]["knn10"] == out["rows"][0]["knn10"] and done["rows"][0]["point"] == "x0"
-    assert ablations.study_point_of_command("python eval_knn.py --checkpoint c") is None
-    assert ablations.study_point_of_command(None) is None
-
-
-def test_only_uneven_rows_record_what_the_labeler_balanced(small_data, tmp_path, inline):
-    """n_train and k_clusters (read from each checkpoint) serve uneven's notes only; another
-    study's table gets no constant n_train column, even from rows recorded with one."""
-    study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0", "--train-args",
-          TINY_TRAIN.replace(" --k 16", ""))
-    path = tmp_path / "out" / "k.json"
-    out = json.loads(path.read_text())
-    assert not any("n_train" in r or "k_clusters" in r for r in out["rows"])
-    assert "| k | knn10 |" in (tmp_path / "out" / "k.md").read_text()
-    for r in out["rows"]:                        # rows recorded when every study kept them
-        r.update(n_train=123, k_clusters=r["k"])
-    path.write_text(json.dumps(out))
-    import shutil
-    shutil.rmtree(tmp_path / "runs")
-    done = study("k", tmp_path, small_data, "--grid", "8,16", "--seeds", "0", "--train-args",
-                 TINY_TRAIN.replace(" --k 16", ""))
-    assert done["ran"] == [] and not any("n_train" in r for r in done["rows"])
-    assert [r["knn10"] for r in done["rows"]] == [r["knn10"] for r in out["rows"]]
-
-
 def test_lct_study(small_data, tmp_path, inline):
     study("lct", tmp_path, small_data, "--grid", "1-mean,2-sum", "--seeds", "0,1", "--train-args",
           TINY_TRAIN)
@@ -528,28 +489,31 @@ def test_plot_has_no_empty_panel(tmp_path, monkeypatch):
 def test_the_two_sd_rule():
     """A difference of two grid points' means counts when it exceeds 2 sd of the difference,
     sqrt(sd_a^2 / n_a + sd_b^2 / n_b) over their seeds; one seed a point gives no verdict."""
+    uneven, labelers = (ablations.STUDIES[s].verdict for s in ("uneven", "labeler-in-training"))
+
     def pt(x, m, sd, n=3):
         return {"x": x, "knn50": m, "knn50_sd": sd, "seeds": list(range(n))}
     d, sd = ablations._diff(pt(0, 70.0, 1.0), pt(10, 66.0, 2.0), "knn50")
     assert d == 4.0 and sd == pytest.approx((1 / 3 + 4 / 3) ** 0.5)
-    clear = ablations.training_verdict("uneven", [pt(0, 70.0, 1.0), pt(10, 66.0, 2.0)])
+    clear = uneven([pt(0, 70.0, 1.0), pt(10, 66.0, 2.0)])
     assert clear.startswith("agrees") and "+4.0 +- 1.3, beyond 2 sd" in clear
-    noisy = ablations.training_verdict("uneven", [pt(0, 70.0, 3.0), pt(10, 66.0, 3.0)])
+    noisy = uneven([pt(0, 70.0, 3.0), pt(10, 66.0, 3.0)])
     assert noisy.startswith("not shown (within 2 sd)") and "+4.0 +- 2.4, within 2 sd" in noisy
-    wrong = ablations.training_verdict("uneven", [pt(0, 60.0, 1.0), pt(10, 66.0, 1.0)])
+    wrong = uneven([pt(0, 60.0, 1.0), pt(10, 66.0, 1.0)])
     assert wrong.startswith("disagrees")
-    one = ablations.training_verdict("uneven", [pt(0, 70.0, 0.0, 1), pt(10, 66.0, 0.0, 1)])
+    one = uneven([pt(0, 70.0, 0.0, 1), pt(10, 66.0, 0.0, 1)])
     assert one.startswith("cannot tell (one seed)")
+    assert uneven([pt(0, 70.0, 1.0)]) == "one grid point: nothing to compare"
     # labeler-in-training: the best labeler against each other one, each by the same rule
     def lab(name, m, sd):
         return {**pt(0, m, sd), "labeler": name}
     rows = [lab("published", 66.0, 1.0), lab("exact", 70.0, 1.0), lab("sinkhorn", 69.0, 1.0)]
-    v = ablations.training_verdict("labeler-in-training", rows)
+    v = labelers(rows)
     assert "exact minus published: +4.0 +- 0.8, beyond 2 sd" in v
     assert "exact minus sinkhorn: +1.0 +- 0.8, within 2 sd" in v
     assert v.endswith("exact measurably above published")
     rows[0] = lab("published", 69.5, 1.0)
-    assert ablations.training_verdict("labeler-in-training", rows).endswith(
+    assert labelers(rows).endswith(
         ": no labeler is measurably better")
 
 
@@ -566,3 +530,33 @@ def test_rewrite_trains_nothing(small_data, tmp_path, inline):
     assert "Rewritten from the 2 rows of" in md and "nothing trained" in md
     with pytest.raises(SystemExit, match="run the study first"):
         study("k", tmp_path, small_data, "--rewrite")
+
+
+@pytest.mark.parametrize("name", sorted(ablations.STUDIES))
+def test_committed_results_are_what_their_rows_give(name, tmp_path):
+    """Each committed results/ablations/<study>.json: its verdict, table and the .md from its
+    verdict on are what the study makes of its rows again (training studies by --rewrite, the
+    labeler studies from a measurement store of their rows), so a change to how a study is
+    summarised shows here until its results are written again."""
+    src = os.path.join(ablations.HERE, "results", "ablations", name)
+    if not os.path.isfile(src + ".json"):
+        pytest.skip(f"no committed {name}.json")
+    with open(src + ".json") as fh:
+        committed = json.load(fh)
+    out = tmp_path / "out"
+    out.mkdir()
+    if ablations.STUDIES[name].kind == "labeler":   # every measurement from the store
+        store = tmp_path / "runs" / "study" / "labeler"
+        store.mkdir(parents=True)
+        (store / "measurements.jsonl").write_text("".join(json.dumps(r) + "\n" for r in committed["rows"]))
+        made = run(name, "--runs", str(tmp_path / "runs"), "--out", str(out), "--device", "cpu",
+                   "--no-plot", "--no-progress")
+    else:
+        (out / f"{name}.json").write_text(json.dumps(committed))
+        made = run(name, "--rewrite", "--out", str(out), "--no-plot", "--no-progress")
+    assert made["rows"] == committed["rows"] and made["verdict"] == committed["verdict"]
+    with open(src + ".md") as fh:
+        want = fh.read().splitlines()
+    got = (out / f"{name}.md").read_text().splitlines()
+    ours = f"Ours: {committed['verdict']}."
+    assert got[got.index(ours):-1] == want[want.index(ours):-1]     # all but the Made by line
