@@ -678,11 +678,16 @@ STUDY_ROWS = (lambda rows: isinstance(rows, list) and all(
     for r in rows), "a list of row objects, their accuracies numbers in [0, 100]")
 
 
+STUDY_FIELDS = {"rows": STUDY_ROWS, "grid": (lambda v: isinstance(v, list), "a list"),
+                "data": (lambda v: isinstance(v, str), "a path")}
+
+
 def read_study(path):
-    """A study's results JSON, its rows checked; None when there is none."""
+    """A study's results JSON, its rows (and the grid and data a rewrite keeps) checked; None when
+    there is none."""
     return report.read_json(path, "restore it (git checkout), or delete it: the study then reads "
                             "its rows again from its run folders and trains those that are gone",
-                            {"rows": STUDY_ROWS}, ("rows",))
+                            STUDY_FIELDS, ("rows",))
 
 
 def results_stem(args):
@@ -1121,14 +1126,15 @@ STUDIES = {s.name: s for s in (
 # Results files: <study>.json, .md and .png
 # ==============================================================================================
 
-def write_results(study, args, rows, extra=None, partial=None):
+def write_results(study, args, rows, extra=None, partial=None, grid=None):
     """<study>.json, .md and .png.  partial: the number of runs the whole grid has, when rows
-    holds only the runs finished so far."""
+    holds only the runs finished so far; grid: the grid to record (default: the one asked for)."""
     os.makedirs(args.out, exist_ok=True)
     stem = results_stem(args)
     means = seed_means(rows) if study.kind == "training" else None
     verdict = study.verdict(means or rows)
-    grid = parse_grid(study, args.grid, args.preset)
+    if grid is None:
+        grid = parse_grid(study, args.grid, args.preset)
     out = {"study": study.name, "preset": args.preset, "paper": study.paper,
            "verdict": verdict, **({"grid": grid} if grid else {}), "rows": rows,
            **({"seed_means": means} if means else {}),
@@ -1176,18 +1182,23 @@ def plot(name, rows, path, grid=None):
 
 
 def rewrite(study, args):
-    """The study's files again from the rows its results JSON holds, training nothing."""
+    """The study's files again from the rows its results JSON holds, training nothing; the grid
+    and data it recorded are kept (--grid, when given, is the grid recorded)."""
     path = results_stem(args) + ".json"
-    if not os.path.isfile(path):
+    recorded = read_study(path)
+    if recorded is None:
         raise SystemExit(f"--rewrite: {path} is missing; run the study first")
-    rows = read_study(path)["rows"]
+    rows = recorded["rows"]
     presets = sorted({str(r.get("preset")) for r in rows})
     data = sorted({str((r.get("study_point") or {}).get("data", "?")) for r in rows})
     extra = study.balanced(rows) if study.balanced else {"notes": []}
     extra["notes"] = [f"Rewritten from the {len(rows)} rows of `{utils.rel_path(path)}` as "
                       f"recorded (preset {', '.join(presets)}; data {', '.join(data)}), nothing "
                       "trained."] + ([""] + extra["notes"] if extra["notes"] else [])
-    return write_results(study, args, rows, extra)
+    if recorded.get("data"):
+        extra["data"] = recorded["data"]
+    grid = parse_grid(study, args.grid, args.preset) if args.grid else recorded.get("grid", [])
+    return write_results(study, args, rows, extra, grid=grid)
 
 
 def study_notes(study, args, rows=()):

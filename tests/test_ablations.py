@@ -528,6 +528,11 @@ def test_rewrite_trains_nothing(small_data, tmp_path, inline):
     again, md = saved(tmp_path, "uneven")
     assert inline == [] and again["rows"] == first["rows"] and again["verdict"] == first["verdict"]
     assert "Rewritten from the 2 rows of" in md and "nothing trained" in md
+    # the grid and data the JSON recorded, not the study's defaults: report.py reads both
+    assert again["grid"] == first["grid"] == [0, 2] and again["data"] == first["data"] == str(small_data)
+    (tmp_path / "out" / "uneven.json").write_text(json.dumps({**again, "grid": 5}))
+    with pytest.raises(SystemExit, match=r'uneven\.json: "grid" is 5, not a list; restore it'):
+        study("uneven", tmp_path, small_data, "--rewrite")
     with pytest.raises(SystemExit, match="run the study first"):
         study("k", tmp_path, small_data, "--rewrite")
 
@@ -555,6 +560,7 @@ def test_committed_results_are_what_their_rows_give(name, tmp_path):
         (out / f"{name}.json").write_text(json.dumps(committed))
         made = run(name, "--rewrite", "--out", str(out), "--no-plot", "--no-progress")
     assert made["rows"] == committed["rows"] and made["verdict"] == committed["verdict"]
+    assert made.get("grid") == committed.get("grid") or ablations.STUDIES[name].kind == "labeler"
     with open(src + ".md") as fh:
         want = fh.read().splitlines()
     got = (out / f"{name}.md").read_text().splitlines()
