@@ -562,7 +562,8 @@ def _blend(a, b, w):  # w: (B,) factor, 1 keeps a
 
 def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
             cutout: int = 16, generator: torch.Generator | None = None, rot90: bool = True,
-            n_ops: int = 2, flip: bool = True, crop: float = 1.0) -> torch.Tensor:
+            n_ops: int = 2, flip: bool = True, crop: float = 1.0,
+            jitter: bool = True) -> torch.Tensor:
     """Random views of a uint8 batch (B, 3, H, W), all on x's device: float [0, 1] (B, 3, size, size).
 
     simple: random resized crop (area `scale` of a window of side `crop`: 224 / 256 crops 224 of
@@ -607,11 +608,12 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
         xf = F.interpolate(xf, scale_factor=size / x.shape[-1] * 2, mode="bilinear",
                            antialias=True, align_corners=False)
     out = F.grid_sample(xf, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-    # --- colour
-    out = _blend(out, out.mean((1, 2, 3), keepdim=True).expand_as(out), U(0.7, 1.3))   # contrast
-    out = (out * U(0.7, 1.3).view(-1, 1, 1, 1)).clamp_(0, 1)                          # brightness
-    gray = (out * torch.tensor([0.299, 0.587, 0.114], device=dev).view(1, 3, 1, 1)).sum(1, True)
-    out = _blend(out, gray.expand_as(out), U(0.6, 1.4))                               # saturation
+    # --- colour (jitter=False: the geometry alone, for a method with colour ops of its own)
+    if jitter:
+        out = _blend(out, out.mean((1, 2, 3), keepdim=True).expand_as(out), U(0.7, 1.3))  # contrast
+        out = (out * U(0.7, 1.3).view(-1, 1, 1, 1)).clamp_(0, 1)                        # brightness
+        gray = (out * torch.tensor([0.299, 0.587, 0.114], device=dev).view(1, 3, 1, 1)).sum(1, True)
+        out = _blend(out, gray.expand_as(out), U(0.6, 1.4))                             # saturation
     if strong:
         out = _rand_ops(out, U, g, n_ops)
     if strong and cutout > 0:
