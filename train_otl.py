@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 import otl
 import otl_scale
+import peers
 import presets
 import utils
 
@@ -164,6 +166,13 @@ def otl_flags(g, num):
                    "paper's transfer protocol for small data sets; recorded in the run")
     g.add_argument("--supervised", action="store_true", help="train on the true labels instead "
                    "(same network and schedule): the supervised baseline")
+    g.add_argument("--method", choices=peers.METHODS, default="otl", help="otl (default), or a "
+                   "method a user would pick instead, trained by this loop on the same backbone, "
+                   "data and schedule: simclr, byol, swav (peers.py; needs requirements-peers.txt). "
+                   "SeLa is otl with --labeler sinkhorn")
+    g.add_argument("--peer-aug", choices=("own", "otl"), default="own", help="a peer's views: "
+                   "its paper's augmentation (own, default) or OTL's (the preset's --aug, --n-ops, "
+                   "--cutout), to tell the method apart from its augmentation")
 
 
 def run_flags(g, num):
@@ -226,6 +235,9 @@ def resolve_args(args, device):
         raise SystemExit(f"--n-ops must be >= 0 and --crop in (0, 1], got {args.n_ops}, {args.crop}")
     if args.heads < 1 or args.embed < 0:
         raise SystemExit(f"--heads must be >= 1 and --embed >= 0, got {args.heads}, {args.embed}")
+    if args.method != "otl" and args.supervised:
+        raise SystemExit(f"--method {args.method} and --supervised are two different trainings; "
+                         "pass one")
     if args.label_views not in (1, args.views):
         raise SystemExit(f"--label-views must be 1 or equal to --views ({args.views})")
     return args
@@ -319,16 +331,17 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
     return torch.stack(labels).to(device), log, first
 
 
-def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, n_total):
-    """One pass over this rank's training images in random batches of batch_size / world: each
-    batch gives --views augmented views, and the loss is LCT on the pseudo-labels
-    (label_views, n), or cross-entropy on the true labels (n,) with --supervised; net is the
-    model, or its DistributedDataParallel wrapper, which averages the gradients over ranks.
-    Returns the log row's training figures, over all ranks."""
+def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, n_total,
+                    peer=None, model=None):
+    """One pass over this rank's training images in random batches of batch_size / world, each
+    batch's loss by batch_loss; net is the model, or its DistributedDataParallel wrapper, which
+    averages the gradients over ranks.  Returns the log row's training figures, over all ranks."""
     n, b = images.shape[0], args.batch_size // ranks.world
     steps = math.ceil((n_total // ranks.world) / b)     # the same on every rank
     opts = utils.augment_options(vars(args))
     net.train()
+    if peer is not None:
+        peer.train()
     # the order on the data's device, and the running loss summed there: the loop never waits for
     # the GPU (the bar reads the loss every 25 steps, a non-finite loss stops the run at the end
     # of the epoch, before its checkpoint is written)
@@ -345,23 +358,16 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
             grp["lr"] = lr
         idx = perm[step * b:(step + 1) * b]
         x = images[idx].to(device, non_blocking=True)
-        xs = torch.cat([otl.augment(x, args.img_size, **opts) for _ in range(args.views)])
-        xs = xs.contiguous(memory_format=torch.channels_last)
-        with otl.autocast(device, args.amp):
-            logits = net(xs).float().view(args.views, len(idx), args.heads, -1)   # (V, B, H, k)
-        lab = targets[..., idx.to(targets.device)].to(device)   # (B,) true or (L * H, B) pseudo
-        loss = 0.0
-        for h in range(args.heads):          # the loss summed over heads
-            if args.supervised:
-                loss = loss + F.cross_entropy(logits[:, :, h].flatten(0, 1), lab.repeat(args.views))
-            else:
-                lab_h = lab[h::args.heads]                             # (label_views, B) of head h
-                lab_h = lab_h.expand(args.views, -1) if lab_h.shape[0] == 1 else lab_h
-                loss = loss + otl.lct_loss(logits[:, :, h], lab_h, consistent=args.lct,
-                                            reduction=args.lct_reduction)
+        if peer is not None:
+            loss = peer_loss(peer, model, x, args, opts, device, epoch)
+        else:
+            lab = targets[..., idx.to(targets.device)].to(device)   # (B,) true or (L * H, B) pseudo
+            loss = batch_loss(net, x, lab, args, opts, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if peer is not None:
+            peer.after_step(model, (epoch + (step + 1) / steps) / max(args.epochs, 1))
         tot += loss.detach() * len(idx)
         seen += len(idx)
         if not args.no_progress and ranks.main and (step % 25 == 0 or step == steps - 1):
@@ -374,6 +380,57 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
                          f"last good checkpoint is in {args.output}")
     return {"loss": tot / seen, "lr": lr, "train_s": round(train_s, 1),
             "img_per_s": round(seen * args.views / train_s, 1)}
+
+
+def batch_loss(net, x, lab, args, opts, device):
+    """The loss of a uint8 batch x (B, 3, H, W) over its --views augmented views: LCT on the
+    pseudo-labels lab (label_views * heads, B), or cross-entropy on the true labels lab (B,)
+    with --supervised; summed over the heads."""
+    xs = torch.cat([otl.augment(x, args.img_size, **opts) for _ in range(args.views)])
+    xs = xs.contiguous(memory_format=torch.channels_last)
+    with otl.autocast(device, args.amp):
+        logits = net(xs).float().view(args.views, x.shape[0], args.heads, -1)   # (V, B, H, k)
+    loss = 0.0
+    for h in range(args.heads):
+        if args.supervised:
+            loss = loss + F.cross_entropy(logits[:, :, h].flatten(0, 1), lab.repeat(args.views))
+        else:
+            lab_h = lab[h::args.heads]                             # (label_views, B) of head h
+            lab_h = lab_h.expand(args.views, -1) if lab_h.shape[0] == 1 else lab_h
+            loss = loss + otl.lct_loss(logits[:, :, h], lab_h, consistent=args.lct,
+                                        reduction=args.lct_reduction)
+    return loss
+
+
+def peer_loss(peer, model, x, args, opts, device, epoch):
+    """A peer's loss (--method) on two views of the uint8 batch x: its own published
+    augmentation, or OTL's with --peer-aug otl (to tell the method apart from its views)."""
+    if args.peer_aug == "own":
+        xs = peers.views(x, args.img_size, args.method, rot90=args.rot90, flip=args.flip,
+                         crop=args.crop)
+    else:
+        xs = [otl.augment(x, args.img_size, **opts) for _ in range(2)]
+    with otl.autocast(device, args.amp):
+        return peer.loss(model, [v.contiguous(memory_format=torch.channels_last) for v in xs],
+                         epoch).float()
+
+
+def collapse_signal(model, peer, images, args, device, n: int = 1024):
+    """The spread of the features of the first n training images (peers.feature_spread: about 1
+    spread over the sphere, 0 collapsed to a point) and, for SwAV, the prototypes in use;
+    a spread under peers.COLLAPSED is said on stderr and in the log row."""
+    feats = otl.extract_features(model, images[:n], args.img_size, 256, device, progress=False,
+                                 crop=args.crop)
+    row = {"feat_spread": round(peers.feature_spread(feats), 4)}
+    used = peer.clusters(feats.to(device)) if peer is not None else None
+    if used is not None:
+        row["clusters_used"] = used
+    if row["feat_spread"] < peers.COLLAPSED:
+        row["collapsed"] = True
+        print(f"warning: the features are collapsing (spread {row['feat_spread']:.3f}, under "
+              f"{peers.COLLAPSED}: every image near one point); the run learns little from here",
+              file=sys.stderr, flush=True)
+    return row
 
 
 def knn_monitor(model, d, args, device):
@@ -398,6 +455,9 @@ def main(args):
     if ranks.world > 1 and args.labeler_device != "same":
         raise SystemExit("--labeler-device cpu works in one process; across processes the exact "
                          "labeler's k-vectors travel on the training device (drop the flag)")
+    if ranks.world > 1 and args.method != "otl":
+        raise SystemExit(f"--method {args.method} trains in one process here; with torchrun "
+                         "use --method otl")
     if ranks.world > 1 and args.labeler != "exact" and not args.supervised:
         raise SystemExit(f"--labeler {args.labeler} needs every output in one process; across "
                          "processes use --labeler exact (the default)")
@@ -439,15 +499,22 @@ def run(args, ranks, device):
     gen = torch.Generator().manual_seed(args.seed + ranks.rank)
     d, manifest, images, true_labels, n_total, lo = training_split(args, ranks, device)
     data_record = utils.data_record(args.data)  # checked on resume and when evaluated
-    cfg, model, net, opt = build(args, len(d["classes"]), manifest, ranks, device)
+    cfg, model, net, peer, opt = build(args, len(d["classes"]), manifest, ranks, device)
 
     # ---- resume from the run folder's checkpoint, if any
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
-    extras = {"labeler_starts": None}    # the exact labeler's last translations (per head)
+    extras = {"labeler_starts": None,   # the exact labeler's last translations (per head)
+              "peer": None,             # a peer's own modules
+              "method": None}
     start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
                                                         utils.model_state(cfg), args, ranks, extras,
                                                         data=data_record)
     starts = extras["labeler_starts"]
+    if start_epoch and (extras["method"] or "otl") != args.method:
+        raise SystemExit(f"{ckpt_path} is a run of --method {extras['method'] or 'otl'}, not "
+                         f"{args.method}: use another --output")
+    if peer is not None and extras["peer"] is not None:
+        peer.load_state_dict(extras["peer"])
     if labels is not None:
         labels = labels[:, lo:lo + images.shape[0]]         # this process's rows
     if start_epoch > args.epochs:
@@ -477,7 +544,8 @@ def run(args, ranks, device):
                 "optimizer": opt.state_dict(), "epoch": epoch, "args": vars(args),
                 "pseudo_labels": torch.cat([p[1] for p in parts], 1) if labels is not None else None,
                 "rng_ranks": [p[0] for p in parts], "world_size": ranks.world,
-                "labeler_starts": starts, "git_commit": commit, **data_record}
+                "labeler_starts": starts, "git_commit": commit, **data_record,
+                "peer": peer.state_dict() if peer is not None else None, "method": args.method}
 
     if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
         args.init_from = utils.init_backbone(model, args.init)
@@ -497,13 +565,16 @@ def run(args, ranks, device):
     for epoch in range(start_epoch, args.epochs):
         t_epoch = time.time()
         row = {"epoch": epoch + 1}
-        if not args.supervised and (labels is None or epoch % args.label_every == 0):
+        otl_labels = not args.supervised and peer is None
+        if otl_labels and (labels is None or epoch % args.label_every == 0):
             labels, label_log, starts = make_labels(model, images, args, device, gen, ranks,
                                                     n_total, starts)
             row.update(label_log)
         row.update(train_one_epoch(net, opt, images, true_labels if args.supervised else labels,
-                                   epoch, args, device, gen, ranks, n_total))
+                                   epoch, args, device, gen, ranks, n_total, peer, model))
         row["epoch_s"] = round(time.time() - t_epoch, 3)
+        if ranks.main:          # every method's collapse signal (not counted in epoch_s)
+            row.update(collapse_signal(model, peer, images, args, device))
         if args.knn_monitor and (epoch + 1) % args.knn_monitor == 0 and ranks.main:
             row.update(knn_monitor(model, d, args, device))
         st = state(epoch + 1)
@@ -543,7 +614,8 @@ def training_split(args, ranks, device):
 
 def build(args, n_classes, manifest, ranks, device):
     """(config, model, the network the steps run through (DistributedDataParallel across
-    processes, compiled with --compile), SGD)."""
+    processes, compiled with --compile), the peer's own modules (--method; None for OTL), SGD on
+    both, one kernel a step on CUDA)."""
     cfg = otl.ModelConfig(arch=args.arch, k=n_classes if args.supervised else args.k,
                           small_stem=args.small_stem, width=args.width, heads=args.heads,
                           embed=args.embed,
@@ -558,10 +630,11 @@ def build(args, n_classes, manifest, ranks, device):
             model, device_ids=[ranks.local] if device.type == "cuda" else None)
     if args.compile:   # the training steps only (a label pass's other batch sizes would recompile)
         net = torch.compile(net)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.wd, nesterov=False,
-                          fused=True if device.type == "cuda" else None)  # one kernel a step
-    return cfg, model, net, opt
+    peer = peers.Peer(args.method, model, args.k).to(device) if args.method != "otl" else None
+    params = list(model.parameters()) + (peer.trainable() if peer is not None else [])
+    opt = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
+                          nesterov=False, fused=True if device.type == "cuda" else None)
+    return cfg, model, net, peer, opt
 
 
 def write_results(args, ranks, device, commit):
@@ -572,7 +645,8 @@ def write_results(args, ranks, device, commit):
     if os.path.isfile(log_path):
         with open(log_path) as fh:
             epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
-    results = {"epochs": args.epochs, "preset": args.preset_used, "arch": args.arch,
+    results = {"epochs": args.epochs, "preset": args.preset_used, "method": args.method,
+               "arch": args.arch,
                "device": str(device), "processes": ranks.world,
                "checkpoint": utils.rel_path(os.path.join(args.output, "checkpoint.pth")),
                "init_from": getattr(args, "init_from", None),
