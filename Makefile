@@ -32,6 +32,8 @@
 ##                            paper's CIFAR-10 scale, for a GPU)
 ##   ablation-splits          five divisions of SIRI-WHU from INIT's backbone
 ##   ablation-label-bn        the label pass's BatchNorm mode
+##   peers                    OTL beside SeLa, SimCLR, BYOL and SwAV, same network, data and
+##                            schedule (needs requirements-peers.txt), then results/peers.md
 ## Benchmarks
 ##   labeler-bench            the labelers on the same outputs: time, balance, memory
 ##   labeler-bench-gpu        the same on a CUDA GPU
@@ -72,7 +74,7 @@ STUDIES = $(LABELER_STUDIES) $(TRAINING_STUDIES) splits label-bn
 GPU_TABLES = eurosat-gpu $(addsuffix -gpu,$(TRANSFER_SETS)) cifar10-gpu
 
 .PHONY: help setup test eurosat eurosat-supervised eurosat-data data eval-run tables \
-        $(TRANSFER_SETS) $(SCRATCH_SETS) $(GPU_TABLES) ablations $(addprefix ablation-,$(STUDIES)) \
+        $(TRANSFER_SETS) $(SCRATCH_SETS) $(GPU_TABLES) ablations $(addprefix ablation-,$(STUDIES)) peers \
         labeler-bench labeler-bench-gpu labeler-matrix labeler-compare train-bench-gpu clean-runs
 .DELETE_ON_ERROR:
 
@@ -192,6 +194,10 @@ ablation-splits: $(STAMP)
 
 ablation-label-bn: eurosat-data
 	$(PY) ablations.py label-bn --data $(DATA)/eurosat --output $(RUNS)/label_bn --device $(DEVICE)
+
+# OTL and the methods a user would pick instead, on EuroSAT at the study scale, 3 seeds each
+peers: eurosat-data
+	$(PY) ablations.py peers --preset $(ABL_PRESET) --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
 
 # ---------------------------------------------------------------------------- benchmarks
 # The labelers on the same outputs (Gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh

@@ -34,6 +34,9 @@ cores; --preset paper: the paper's CIFAR-10 and AlexNet, for a GPU; see SCALES):
                     pretrained backbone (--init): mean and spread
   labeler-in-training  the same training with the published labeler, ours and Sinkhorn-Knopp
   lct               LCT with 1, 2 and 4 views, the loss averaged over view pairs or summed
+  peers             OTL beside SeLa, SimCLR, BYOL and SwAV on the same backbone, data and
+                    schedule (each peer also with OTL's augmentation): kNN, linear, seconds an
+                    epoch, peak memory, and kNN@10 against the minutes of training (`make peers`)
 Other:
   label-bn          the label pass's BatchNorm mode (docs/label_bn.md): writes
                     <output>/label_bn.json; its own flags (ablations.py label-bn --help)
@@ -776,6 +779,19 @@ def training_row(run, point, outs, balanced=False):
     secs = [r["labeler_s"] for r in lab if "labeler_s" in r]
     if secs:
         row["labeler_s_mean"] = round(sum(secs) / len(secs), 3)
+    epoch_s = sorted(r["epoch_s"] for r in log if report.is_number(r.get("epoch_s")))
+    if epoch_s:
+        row["epoch_s"] = round(epoch_s[len(epoch_s) // 2], 2)              # the median epoch
+    peak = [r["peak_mib"] for r in log if report.is_number(r.get("peak_mib"))]
+    if peak:
+        row["peak_mib"] = max(peak)
+    t, curve = 0.0, []      # the kNN monitor against the minutes of training so far
+    for r in log:
+        t += r.get("epoch_s", 0) if report.is_number(r.get("epoch_s")) else 0
+        if report.is_number(r.get("knn10")):
+            curve.append([round(t / 60, 3), r["knn10"]])
+    if curve:
+        row["curve"] = curve
     return row
 
 
@@ -795,7 +811,7 @@ def seed_means(rows):
         m = {k: v for k, v in g[0].items() if k not in ("run", "seed", "git_commit", "command",
                                                           "study_point")}
         m["seeds"] = [r.get("seed") for r in g]
-        for key in (*METRICS, "final_loss", "train_minutes"):
+        for key in (*METRICS, "final_loss", "train_minutes", "epoch_s", "peak_mib"):
             vals = [r[key] for r in g if r.get(key) is not None]
             if vals:
                 t = torch.tensor(vals, dtype=torch.float64)
@@ -807,7 +823,7 @@ def seed_means(rows):
 
 
 TABLE_KEYS = ("k", "x", "d", "subset", "n_train", "model", "seed", "seeds", "labeler", "views",
-              "reduction")
+              "reduction", "method")
 
 
 def training_table(study, rows):
@@ -817,10 +833,13 @@ def training_table(study, rows):
     metrics = [m for m in METRICS if any(m in r for r in rows)]
     cell = lambda r, m: (f"{r[m]:.1f} +- {r[m + '_sd']:.1f}" if m + "_sd" in r else f"{r[m]:.1f}") \
         if m in r else ""
-    lines = md_table(keys + metrics + ["final loss", "minutes"], [
+    costs = [(key, name) for key, name in (("epoch_s", "s / epoch"), ("peak_mib", "peak MiB"))
+             if any(key in r for r in rows)]
+    lines = md_table(keys + metrics + ["final loss", "minutes"] + [n for _, n in costs], [
         [",".join(map(str, r[k])) if k == "seeds" else str(r.get(k, "")) for k in keys]
         + [cell(r, m) for m in metrics]
         + [f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}"]
+        + [f"{r[key]:.0f}" if key in r else "" for key, _ in costs]
         for r in rows])
     if "seeds" in keys:
         lines += ["", "Each cell: the mean over the seeds +- their sample standard deviation; "
@@ -964,6 +983,49 @@ def lct_verdict(rows):
     return (", ".join(f"{r['views']} view(s) {r['reduction']} {_f_sd(r, m)}" for r in rows)
             + f" kNN@50; against {base['views']} view(s) {base['reduction']}: " + "; ".join(
                 f"{r['views']} {r['reduction']} {_judged(*_diff(r, base, m))}" for r in rows[1:]))
+
+
+@compares
+def peers_verdict(rows):
+    """OTL against each other method (one seed a point: the differences, without a verdict)."""
+    m = VERDICT_METRIC
+    base = next((r for r in rows if r["method"] == "otl"), None)
+    if base is None:
+        return "no OTL run to compare with"
+    return (", ".join(f"{r['method']} {_f_sd(r, m)}" for r in rows) + " kNN@50; OTL minus "
+            + "; ".join(f"{r['method']}: {_judged(*_diff(base, r, m))}" for r in rows
+                        if r is not base))
+
+
+def peers_plot(study, axes, rows, grid):
+    """kNN@10 against the minutes of training (the kNN monitor of each method's first seed),
+    and the final kNN@10 and linear probe of each method, mean +- sd over the seeds."""
+    for r in rows:
+        if r.get("curve"):
+            ax = axes[0]
+            ax.plot(*zip(*r["curve"]), "o-", label=r["method"])
+    axes[0].set(xlabel="minutes of training", ylabel="kNN@10 top-1 (%)")
+    axes[0].legend(fontsize=8)
+    names, x = [r["method"] for r in rows], torch.arange(len(rows)).tolist()
+    for off, metric in ((-0.2, "knn10"), (0.2, "linear")):
+        axes[1].bar([i + off for i in x], [r.get(metric, float("nan")) for r in rows], width=0.4,
+                    yerr=[r.get(metric + "_sd", 0.0) for r in rows], capsize=3, label=metric)
+    axes[1].set_xticks(x, names, rotation=30, fontsize=8)
+    axes[1].set(ylabel="top-1 (%)")
+    axes[1].legend(fontsize=8)
+
+
+def peers_points(grid, data, args):
+    """OTL, SeLa (OTL's loop with Sinkhorn-Knopp's labels) and the peers (train_otl.py --method),
+    a peer-otlaug point with OTL's augmentation instead of its own; the kNN monitor every two
+    epochs for the curves."""
+    flags = {"otl": [], "sela": ["--labeler", "sinkhorn"]}
+    out = []
+    for g in grid:
+        method, _, aug = g.partition("-")
+        f = flags.get(method, ["--method", method] + (["--peer-aug", "otl"] if aug else []))
+        out.append((g.replace("-", "_"), {"method": g}, data, [*f, "--knn-monitor", "2"]))
+    return out
 
 
 # The training studies' panels: (study, ax, rows, metric, grid), one metric on one axis.
@@ -1119,6 +1181,13 @@ STUDIES = {s.name: s for s in (
                   for v, red in (g.split("-") for g in grid)],
               panel=bars_panel, verdict=lct_verdict,
               paper="not in the paper (ours); the paper writes the LCT loss as a sum over view pairs"),
+    _training("peers", grid=("otl", "sela", "simclr", "byol", "swav", "simclr-otlaug",
+                             "byol-otlaug", "swav-otlaug"), evals=("knn", "linear"),
+              points=peers_points, plot=peers_plot, verdict=peers_verdict,
+              paper="not in the paper, whose tables set OTL beside other methods' published "
+                    "numbers only (ours: the same backbone, data, epochs and schedule for every "
+                    "method; published anchors, ResNet-18 on CIFAR-10, kNN: lightly's benchmark, "
+                    "200 epochs, SimCLR 84.8, SwAV 84.2, BYOL 86.8)"),
 )}
 
 

@@ -415,6 +415,16 @@ def peer_loss(peer, model, x, args, opts, device, epoch):
                          epoch).float()
 
 
+def peak_mib(device) -> float:
+    """The most memory the run has held so far, in MiB: the GPU's allocations on CUDA, else the
+    process's resident set (its high-water mark)."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
+    import resource
+    unit = 2 ** 20 if sys.platform == "darwin" else 1024       # macOS counts bytes, Linux KiB
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit, 1)
+
+
 def collapse_signal(model, peer, images, args, device, n: int = 1024):
     """The spread of the features of the first n training images (peers.feature_spread: about 1
     spread over the sphere, 0 collapsed to a point) and, for SwAV, the prototypes in use;
@@ -573,6 +583,7 @@ def run(args, ranks, device):
         row.update(train_one_epoch(net, opt, images, true_labels if args.supervised else labels,
                                    epoch, args, device, gen, ranks, n_total, peer, model))
         row["epoch_s"] = round(time.time() - t_epoch, 3)
+        row["peak_mib"] = peak_mib(device)
         if ranks.main:          # every method's collapse signal (not counted in epoch_s)
             row.update(collapse_signal(model, peer, images, args, device))
         if args.knn_monitor and (epoch + 1) % args.knn_monitor == 0 and ranks.main:

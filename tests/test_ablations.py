@@ -404,6 +404,20 @@ def test_lct_study(small_data, tmp_path, inline):
     assert ck["args"]["lct_reduction"] == "sum" and ck["args"]["views"] == 2 and ck["args"]["lct"]
 
 
+def test_peers_study(small_data, tmp_path, inline):
+    pytest.importorskip("lightly")
+    study("peers", tmp_path, small_data, "--grid", "otl,simclr-otlaug", "--seeds", "0",
+          "--train-args", TINY_TRAIN + " --epochs 2")
+    out, md = saved(tmp_path, "peers")
+    assert [r["method"] for r in out["rows"]] == ["otl", "simclr-otlaug"]
+    assert "OTL minus simclr-otlaug" in out["verdict"]
+    for r in out["rows"]:
+        assert r["epoch_s"] > 0 and r["peak_mib"] > 0 and r["curve"][0][1] >= 0
+    assert "| method |" in md and "s / epoch" in md and "peak MiB" in md
+    ck = utils.load_file(tmp_path / "runs" / "study" / "peers" / "simclr_otlaug" / "checkpoint.pth")
+    assert ck["args"]["method"] == "simclr" and ck["args"]["peer_aug"] == "otl"
+
+
 def test_bad_grid_fails(small_data, tmp_path):
     with pytest.raises(SystemExit, match="choose from"):
         study("labeler-in-training", tmp_path, small_data, "--grid", "kmeans")
