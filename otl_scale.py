@@ -31,7 +31,8 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import dijkstra
 
 import otl
-from otl import TranslateResult, check_finite, check_start, check_target, count_bounds, counts_std, worst_std
+from otl import (TranslateResult, check_finite, check_start, check_target, count_bounds, counts_std,
+                 worst_std)
 
 __all__ = ["translate", "StreamingTranslator", "sample_start_T", "ScaleResult"]
 
@@ -43,10 +44,10 @@ AUCTION_STALL = 6       # the auction stops when 6 rounds removed under a fifth 
 TABLE_AT_ONCE = 256     # whole rows at larger k: the finish's k x k table at once, no move list
 DENSE_SHARE, DENSE_PER_MOVE = 0.02, 8   # dense path: the rows to solve (2 % of N, 8 a row to move)
 DENSE_POOL = 0.5        # Newton steps go on with the rows near a boundary once at most half of N
-SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by shedding
+SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by a shed
 PAST_8 = 0.01           # full-row steps past 8 while sum |counts - target| > 1 % of N
 FEW_CHANGED = 0.01      # a failed dense solve retries from its own T when under 1 % of rows changed
-COLLAPSE_SAMPLE, COLLAPSE_EVERY = 1.0, 4   # excess over N at the start: first steps on every 4th row
+COLLAPSE_SAMPLE, COLLAPSE_EVERY = 1.0, 4   # excess over N at the start: steps on every 4th row
 KN_COPY_K_GPU, KN_COPY_K_CPU = 32, 63   # Newton passes on a k x N copy up to this k (GPU, host)
 R_ROWS, H_ROWS = 4096, 2048   # dense path: R and the step's bandwidth h from strided margins
 HOST_SOLVE = 1 << 18    # outputs on a GPU: the dense path's exact solve on the host up to rows x k
@@ -68,8 +69,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               patience: int = 10, max_iter: int = 10000, tie_eps=None, seed: int = 0,
               init: str = "median", method: str = "exact", candidates: int = 24,
               max_candidates: int = 48, full_rows_up_to: int = 128,
-              full_rows_bytes: int = 1 << 30, start=None, sample_start: bool = True, dense: bool = True,
-              n_init: int = 8192) -> TranslateResult:
+              full_rows_bytes: int = 1 << 30, start=None, sample_start: bool = True,
+              dense: bool = True, n_init: int = 8192) -> TranslateResult:
     """otl.translate's problem and guarantees: T with labels = argmax(O - T) and every count within
     1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to and N >= 64 k,
     the dense path runs first (`_dense_translate`); otherwise, or where it cannot finish, O is fed

@@ -97,7 +97,7 @@ def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--save-inputs", metavar="DIR", default=None, help="also keep each network "
                    "input (random_net, trained_net, trained_backbone: an (N, k) float32 tensor "
-                   "saved by torch.save as DIR/<input>_<k>.pt) for profile_labeler.py --input")
+                   "saved by torch.save as DIR/<input>_<k>.pt) for compare_labelers.py --pt")
     p.add_argument("--summary", metavar="JSON", nargs="+", help="print the tables of results "
                    "JSONs written by this script and stop; with --plot (one JSON), draw its plot. "
                    "With several, also one table over all of them: for each set of outputs and "
@@ -552,7 +552,7 @@ def summary(res):
     if fresh > 1:
         lines[-1:] = ["", f"Seconds: the median of {fresh} fresh processes per method, the "
                       "methods taking turns (every run's in the JSON).", ""]
-    host = any("seconds_cpu" in r for r in recs)     # --cpu-too: the same inputs on the host
+    host = any("seconds_cpu" in r for r in recs)     # older GPU runs (--cpu-too): on the host too
     methods = [m for m in METHODS if m != "reference" or any(r["method"] == m for r in recs)]
     head = "| input | N | k | " + " | ".join(f"{m} s (max-min, std)" for m in methods) + \
         " | published / ours | second call: exact s, published s, published / ours |" + \
