@@ -297,17 +297,10 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
                 res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
             if v == 0:
                 first[h] = res.T.cpu()
-        elif args.labeler == "sinkhorn":
-            t0 = time.perf_counter()
-            lab, _, iters = otl.sinkhorn_knopp(o)
-            counts, even = torch.bincount(lab, minlength=k).cpu(), otl.even_target(n, k)
-            res = otl.TranslateResult(   # T: none, Sinkhorn-Knopp scales instead of translating
-                labels=lab, T=torch.zeros(k, dtype=torch.float64), counts=counts, target=even,
-                iterations=iters, seconds=time.perf_counter() - t0,
-                std=(counts.double() - even).pow(2).mean().sqrt().item(),
-                std_max=n * (k - 1) ** 0.5 / k)           # all n rows in one cluster
+        elif args.labeler == "sinkhorn":        # SeLa's labels, the even target only
+            res = otl.translate(o, method="sinkhorn")
         else:
-            res = otl.translate_published(o, target=target, beta=args.beta, seed=seed)
+            res = otl.translate(o, target=target, method="published", beta=args.beta, seed=seed)
         labels.append(res.labels)
         raw_counts = ranks.sum(torch.bincount(o.argmax(1), minlength=k))
         hi_lo = ranks.gather((o.max().item(), o.min().item()))

@@ -14,7 +14,7 @@ Inputs (every labeler gets exactly the same (N, k) float32 outputs):
   gaussian        torch.randn from --seed, N = --n (50,000), k = --ks (50, 100, ..., 1000).
   random_net      N = --n images of --data (each of the 27,000 EuroSAT images, then each again
                   mirrored left-right, up to 50,000) through the --net preset's network (cpu)
-                  (utils.PRESETS), freshly initialised: backbone features computed once by
+                  (presets.PRESETS), freshly initialised: backbone features computed once by
                   otl.label_pass(head=False) (BatchNorm on each shuffled batch's statistics,
                   running statistics untouched), then for each k in --real-ks a fresh k-way
                   nn.Linear head (default init, seed --seed + k).  Skipped without --data.
@@ -76,6 +76,7 @@ from tqdm import tqdm
 
 import otl
 import otl_scale
+import presets
 import utils
 
 METHODS = ("exact", "published", "sinkhorn", "reference")
@@ -140,7 +141,7 @@ def get_args_parser():
     p.add_argument("--seed", type=int, default=0, help="seeds the gaussian inputs, the network, heads "
                    "and label-pass batches")
     p.add_argument("--data", default="data/eurosat", help="prepared EuroSAT (prepare_data.py --out)")
-    p.add_argument("--net", default="cpu", help="preset (utils.PRESETS) of random_net's network: cpu "
+    p.add_argument("--net", default="cpu", help="preset (presets.PRESETS) of random_net's network: cpu "
                    "(half-width ResNet-18, as training's cpu preset), or e.g. alexnet-cifar-cpu with "
                    "--data data/cifar10 (the inputs of ablations.py's labeler studies)")
     p.add_argument("--checkpoint", default="runs/eurosat/checkpoint.pth", help="trained network")
@@ -171,8 +172,8 @@ def resolve_args(args):
         raise SystemExit(f"--ks must lie in [2, --n={args.n}], got {args.ks}")
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         raise SystemExit(f"--device {args.device}: no CUDA GPU is visible to torch here; use --device cpu")
-    if args.net not in utils.PRESETS:
-        raise SystemExit(f"--net {args.net!r}: not a preset; choose from {', '.join(utils.PRESETS)}")
+    if args.net not in presets.PRESETS:
+        raise SystemExit(f"--net {args.net!r}: not a preset; choose from {', '.join(presets.PRESETS)}")
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     if args.fresh < 1:
