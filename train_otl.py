@@ -504,37 +504,14 @@ def run(args, ranks, device):
     data_record = utils.data_record(args.data)  # checked on resume and when evaluated
     cfg, model, net, peer, opt = build(args, len(d["classes"]), manifest, ranks, device)
 
-    # ---- resume from the run folder's checkpoint, if any
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
-    extras = {"labeler_starts": None,   # the exact labeler's last translations (per head)
-              "peer": None,             # a peer's own modules
-              "method": None}
-    start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
-                                                        utils.model_state(cfg), args, ranks, extras,
-                                                        data=data_record)
-    starts = extras["labeler_starts"]
-    if start_epoch and (extras["method"] or "otl") != args.method:
-        raise SystemExit(f"{ckpt_path} is a run of --method {extras['method'] or 'otl'}, not "
-                         f"{args.method}: use another --output")
-    if peer is not None and extras["peer"] is not None:
-        peer.load_state_dict(extras["peer"])
-    if labels is not None:
-        labels = labels[:, lo:lo + images.shape[0]]         # this process's rows
-    if start_epoch > args.epochs:
-        raise SystemExit(f"{ckpt_path} is at epoch {start_epoch}, past --epochs {args.epochs}: a "
-                         "run cannot be shortened; use another --output, or --epochs "
-                         f">= {start_epoch} to continue it")
-    results_path, log_path = (os.path.join(args.output, f) for f in ("results.json", "log.jsonl"))
-    if start_epoch == args.epochs and start_epoch > 0 and os.path.isfile(results_path):
-        if ranks.main:
-            print(f"{args.output} has finished its {args.epochs} epochs; nothing to do", flush=True)
-        try:
-            with open(results_path) as fh:
-                done = json.load(fh)
-            ranks.close()
-            return done
-        except ValueError:              # damaged since: written again below
-            pass
+    start_epoch, labels, starts = resume(args, ranks, device, model, opt, gen, cfg, peer,
+                                         data_record, slice(lo, lo + images.shape[0]))
+    log_path = os.path.join(args.output, "log.jsonl")
+    done = finished(args, ranks, start_epoch)
+    if done is not None:
+        ranks.close()
+        return done
     if ranks.main:
         utils.trim_log(log_path, start_epoch)    # epochs past the checkpoint are done again
 
@@ -598,6 +575,44 @@ def run(args, ranks, device):
     results = write_results(args, ranks, device, commit) if ranks.main else None
     ranks.close()
     return results
+
+
+def resume(args, ranks, device, model, opt, gen, cfg, peer, data_record, rows):
+    """(epoch reached, this process's pseudo-labels (its `rows` of them) or None, the exact
+    labeler's last translations) from the run folder's checkpoint, the model, optimiser, random
+    streams and a peer's own modules restored; (0, None, None) for a new run."""
+    ckpt_path = os.path.join(args.output, "checkpoint.pth")
+    extras = {"labeler_starts": None,   # the exact labeler's last translations (per head)
+              "peer": None,             # a peer's own modules
+              "method": None}
+    start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
+                                                        utils.model_state(cfg), args, ranks, extras,
+                                                        data=data_record)
+    if start_epoch and (extras["method"] or "otl") != args.method:
+        raise SystemExit(f"{ckpt_path} is a run of --method {extras['method'] or 'otl'}, not "
+                         f"{args.method}: use another --output")
+    if peer is not None and extras["peer"] is not None:
+        peer.load_state_dict(extras["peer"])
+    if start_epoch > args.epochs:
+        raise SystemExit(f"{ckpt_path} is at epoch {start_epoch}, past --epochs {args.epochs}: a "
+                         "run cannot be shortened; use another --output, or --epochs "
+                         f">= {start_epoch} to continue it")
+    return start_epoch, labels[:, rows] if labels is not None else None, extras["labeler_starts"]
+
+
+def finished(args, ranks, start_epoch):
+    """The run's results.json when it has finished its epochs (nothing to do), else None (also
+    where results.json was damaged since: the run writes it again)."""
+    path = os.path.join(args.output, "results.json")
+    if start_epoch != args.epochs or start_epoch == 0 or not os.path.isfile(path):
+        return None
+    if ranks.main:
+        print(f"{args.output} has finished its {args.epochs} epochs; nothing to do", flush=True)
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except ValueError:
+        return None
 
 
 def training_split(args, ranks, device):

@@ -489,6 +489,37 @@ def _newest_intact_snapshot(folder: str):
     return None, None
 
 
+def _resumable(path: str, folder: str, rank: int, fix: str):
+    """(checkpoint dict, the file it came from) to resume from: `path`, or where it is damaged or
+    missing the newest intact numbered snapshot, which the first process copies over `path`;
+    (None, None) for a new run.  A crafted file stops the run (SystemExit), as does a damaged
+    `path` with no intact snapshot beside it."""
+    src, why = path, None
+    try:
+        if os.path.isfile(path):
+            try:
+                ck = load_file(path)
+            except DamagedFile as e:
+                why = str(e)
+        else:
+            why = f"{path} is missing"
+        if why is not None:
+            ck, src = _newest_intact_snapshot(folder)
+    except ValueError as e:                                 # crafted: refused, never unpickled
+        raise SystemExit(f"{e}; or {fix}") from None
+    if why is None:
+        return ck, src
+    if ck is None and os.path.isfile(path):
+        raise SystemExit(f"{why}, and no intact snapshot is beside it; delete it to start over")
+    if ck is None or (not os.path.isfile(path) and ck.get("epoch") == 0):
+        return None, None       # a new run (from the random-init snapshot alone: the same start)
+    if rank == 0:
+        _atomic_write(path, lambda fh: _copy_into(src, fh))
+        print(f"warning: {why}; resuming from the newest intact snapshot, {src} (epoch "
+              f"{ck.get('epoch')}), copied over {os.path.basename(path)}", flush=True)
+    return ck, src
+
+
 def _copy_into(src: str, fh) -> None:
     with open(src, "rb") as f:
         shutil.copyfileobj(f, fh, 1 << 20)
@@ -511,29 +542,10 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
     rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
     if rank == 0:       # save_checkpoint's, cut short (an evaluation's, still writing, stay)
         remove_dead_temporaries(folder)
-    src, why = path, None
-    fix = f"delete it (or pass another {'--output'}) to start a new run"
-    try:
-        if os.path.isfile(path):
-            try:
-                ck = load_file(path)
-            except DamagedFile as e:
-                why = str(e)
-        else:
-            why = f"{path} is missing"
-        if why is not None:
-            ck, src = _newest_intact_snapshot(folder)
-    except ValueError as e:                                 # crafted: refused, never unpickled
-        raise SystemExit(f"{e}; or {fix}") from None
-    if why is not None:
-        if ck is None and os.path.isfile(path):
-            raise SystemExit(f"{why}, and no intact snapshot is beside it; delete it to start over")
-        if ck is None or (not os.path.isfile(path) and ck["epoch"] == 0):
-            return 0, None      # a new run (from the random-init snapshot alone: the same start)
-        if rank == 0:
-            _atomic_write(path, lambda fh: _copy_into(src, fh))
-            print(f"warning: {why}; resuming from the newest intact snapshot, {src} (epoch "
-                  f"{ck['epoch']}), copied over {os.path.basename(path)}", flush=True)
+    fix = "delete it (or pass another --output) to start a new run"
+    ck, src = _resumable(path, folder, rank, fix)
+    if ck is None:
+        return 0, None
     resumable = (("optimizer", dict), ("args", dict), ("epoch", int))
     problem = checkpoint_problem(ck) or next(
         (f"it has no {key!r} entry, so it is not a checkpoint of train_otl.py"
