@@ -1184,6 +1184,10 @@ STUDIES = {s.name: s for s in (
     _training("peers", grid=("otl", "sela", "simclr", "byol", "swav", "simclr-otlaug",
                              "byol-otlaug", "swav-otlaug"), evals=("knn", "linear"),
               points=peers_points, plot=peers_plot, verdict=peers_verdict,
+              note="; every method alike at this scale (the cpu preset's half-width "
+                   "ResNet-18 at 32 px for 8 epochs), where the published anchors train a full "
+                   "ResNet-18 for 200 epochs: compare the methods here, not their levels with "
+                   "the anchors'",
               paper="not in the paper, whose tables set OTL beside other methods' published "
                     "numbers only (ours: the same backbone, data, epochs and schedule for every "
                     "method; published anchors, ResNet-18 on CIFAR-10, kNN: lightly's benchmark, "
@@ -1282,7 +1286,9 @@ def study_notes(study, args, rows=()):
         note += f", OTL and supervised both from `{utils.rel_path(args.init)}`"
     else:
         note += f", {len(parse_seeds(args))} seed(s) a grid point"
-        if "cifar10" not in os.path.basename(os.path.normpath(data)):
+        if study.paper.startswith("not in the paper"):     # ours: nothing of the paper to scale
+            note += study.note
+        elif "cifar10" not in os.path.basename(os.path.normpath(data)):
             note += ("; the paper's study trained AlexNet on CIFAR-10, so its numbers are its own "
                      "scale's: compare the directions and the differences beyond 2 sd, not the "
                      "levels" + study.note)
