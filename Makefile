@@ -34,6 +34,8 @@
 ##   ablation-label-bn        the label pass's BatchNorm mode
 ##   peers                    OTL beside SeLa, SimCLR, BYOL and SwAV, same network, data and
 ##                            schedule (needs requirements-peers.txt), then results/peers.md
+##   peers-cpu                the same at the cpu preset's whole schedule, one seed a method
+##   peers-transfer           each method on SIRI-WHU from its own peers-cpu backbone
 ## Benchmarks
 ##   labeler-bench            the labelers on the same outputs: time, balance, memory
 ##   labeler-bench-gpu        the same on a CUDA GPU
@@ -75,6 +77,7 @@ GPU_TABLES = eurosat-gpu $(addsuffix -gpu,$(TRANSFER_SETS)) cifar10-gpu
 
 .PHONY: help setup test eurosat eurosat-supervised eurosat-data data eval-run tables \
         $(TRANSFER_SETS) $(SCRATCH_SETS) $(GPU_TABLES) ablations $(addprefix ablation-,$(STUDIES)) peers \
+        peers-cpu peers-transfer \
         labeler-bench labeler-bench-gpu labeler-matrix labeler-compare train-bench-gpu clean-runs
 .DELETE_ON_ERROR:
 
@@ -198,6 +201,16 @@ ablation-label-bn: eurosat-data
 # OTL and the methods a user would pick instead, on EuroSAT at the study scale, 3 seeds each
 peers: eurosat-data
 	$(PY) ablations.py peers --preset $(ABL_PRESET) --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
+
+# the same at the cpu preset's whole schedule (make eurosat's), one seed a method
+peers-cpu: eurosat-data
+	$(PY) ablations.py peers --preset cpu --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
+
+# the transfer protocol on SIRI-WHU (make data DATASET=siri_whu SRC=.. first) from each method's
+# own peers-cpu backbone, each method training on with its own loss
+peers-transfer: peers-cpu
+	@test -f $(DATA)/siri_whu/manifest.json || { echo "$(DATA)/siri_whu is not prepared: make data DATASET=siri_whu SRC=<the SIRI-WHU folder> first (docs/datasets.md says where it is)"; exit 1; }
+	$(PY) ablations.py peers-transfer --preset cpu --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
 
 # ---------------------------------------------------------------------------- benchmarks
 # The labelers on the same outputs (Gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh

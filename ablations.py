@@ -24,7 +24,8 @@ network on CIFAR-10's training split, the paper's other input):
   sinkhorn          OTL (published and ours) against Sinkhorn-Knopp for k = 50, 100, .., 1000:
                     final std and seconds (paper: OTL more even for every k)
 Training studies (--preset study: EuroSAT, 8-epoch cpu runs, 3 seeds a point, sized for 2 CPU
-cores; --preset paper: the paper's CIFAR-10 and AlexNet, for a GPU; see SCALES):
+cores; --preset cpu: the cpu preset's whole schedule, one seed a point; --preset paper: the
+paper's CIFAR-10 and AlexNet, for a GPU; see SCALES):
   k                 k in 10 .. 1024: kNN and linear accuracy against k (the paper: 32 .. 1024)
   uneven            target n_i ~ i^x, x = 0 .. 10, k = 128: kNN against the target's evenness
   imbalanced        the paper's D_d subsets (0, d, .., 9d images deleted from classes 0 .. 9;
@@ -36,7 +37,10 @@ cores; --preset paper: the paper's CIFAR-10 and AlexNet, for a GPU; see SCALES):
   lct               LCT with 1, 2 and 4 views, the loss averaged over view pairs or summed
   peers             OTL beside SeLa, SimCLR, BYOL and SwAV on the same backbone, data and
                     schedule (each peer also with OTL's augmentation): kNN, linear, seconds an
-                    epoch, peak memory, and kNN@10 against the minutes of training (`make peers`)
+                    epoch, peak memory, and kNN@10 against the minutes of training (`make peers`;
+                    `make peers-cpu`: the whole cpu schedule, the grid's own methods once)
+  peers-transfer    each method on SIRI-WHU from its own peers run's backbone (the transfer
+                    protocol; `make peers-transfer`): does EuroSAT's ranking hold?
 Other:
   label-bn          the label pass's BatchNorm mode (docs/label_bn.md): writes
                     <output>/label_bn.json; its own flags (ablations.py label-bn --help)
@@ -76,14 +80,15 @@ def get_args_parser():
 
 def _study_flags(s, study):
     s.add_argument("--preset", default="study", choices=list(SCALES), help="study: sized for "
-                   "2 CPU cores (see SCALES in ablations.py: what it gives up); paper: the "
+                   "2 CPU cores (see SCALES in ablations.py: what it gives up); cpu: the cpu "
+                   "preset's whole schedule, one seed a point; paper: the "
                    "paper's networks and main-run schedules with its studies' changes (one "
                    "view, simple augmentation, no LCT), for a GPU; the paper trained its "
                    "studies for fewer epochs but does not say how many")
     s.add_argument("--runs", default="runs/ablations", help="folder of the study's runs "
                    "(<runs>/<preset>/<study>/<point>); a finished run there is skipped")
     s.add_argument("--out", default="results/ablations", help="folder of <study>.json, .md "
-                   "and .png (<study>_paper.* with --preset paper)")
+                   "and .png (<study>_<preset>.* with --preset cpu or paper)")
     data = study.data or f"{SCALES['study'].data}; --preset paper: {SCALES['paper'].data}"
     s.add_argument("--data", help=f"prepared data folder (default {data}; the labeler "
                    "studies use its training split as the network's input)")
@@ -105,6 +110,8 @@ def _study_flags(s, study):
     s.add_argument("--rewrite", action="store_true", help="train nothing: write the "
                    "table, verdict and plot again from the rows of the study's results "
                    "JSON as they are (after a change to how studies are summarised)")
+    if study.backbones:     # each grid point from its own run of another study: one run each
+        return
     if study.pretrained:    # its grid is its seeds: no --seeds
         s.add_argument("--init", default="runs/eurosat/checkpoint.pth", help="the "
                        "pretrained backbone both models of every division start from "
@@ -172,10 +179,13 @@ class Scale:
 # three seeds a point, every grid within about 4 hours.  "paper" is the paper's data and networks
 # (CIFAR-10, alexnet-cifar) with the studies' changes; the paper says its studies trained for
 # fewer epochs but not for how many, so its presets' epochs stand (--train-args "--epochs N"
-# changes them).
+# changes them).  "cpu" is the cpu preset's whole schedule (`make eurosat`'s run), one seed a
+# point: the scale where a study's finding is checked once at a user's length of training.
 SCALES = {
     "study": Scale(train=("--preset", "cpu", "--epochs", "8"), transfer=("--preset", "transfer-cpu"),
                    data="data/eurosat", seeds=(0, 1, 2), labeler_net="alexnet-cifar-cpu"),
+    "cpu": Scale(train=("--preset", "cpu"), transfer=("--preset", "transfer-cpu"),
+                 data="data/eurosat", seeds=(0,), labeler_net="alexnet-cifar-cpu"),
     "paper": Scale(train=("--preset", "alexnet-cifar", "--aug", "simple", "--views", "1",
                           "--label-views", "1", "--lct", "false"), transfer=("--preset", "transfer"),
                    data="data/cifar10", seeds=(0,), labeler_net="alexnet-cifar"),
@@ -237,6 +247,8 @@ class Study:
     evals: tuple = ()           # each run's evaluations: knn, linear
     scale_grid: dict = field(default_factory=dict)  # {scale: grid} where its data need their own
     pretrained: bool = False    # from --init at the scale's transfer flags; the grid is the seeds
+    backbones: str = ""         # pretrained from this study's same-named runs at the same scale
+                                # (each grid point its own backbone), not from one --init
     note: str = ""              # added to the table's note where the data are not CIFAR-10
     # rows -> notes on the targets the labeler balanced; each row then keeps the N and k it
     # balanced (read from its checkpoint)
@@ -582,6 +594,13 @@ def training_points(study, args):
             for name, point, folder, flags in pts for s in parse_seeds(args)]
 
 
+def backbone_of(study, args, point):
+    """The checkpoint a `backbones` study's grid point starts from: the same-named run of that
+    study at the same scale."""
+    return os.path.join(args.runs, args.preset, study.backbones, str(point).replace("-", "_"),
+                        "checkpoint.pth")
+
+
 def study_data(study, args):
     return args.data or study.data or SCALES[args.preset].data
 
@@ -620,7 +639,16 @@ def training_study(study, args):
     later checkout) but whose row is in the study's results JSON with the same data and flags is
     taken from there: so a study spans interruptions and machines through its committed results.
     The results are written after every run made, marked partial until the last point is in."""
-    if study.pretrained and not os.path.isfile(args.init):
+    if study.backbones:
+        missing = [f for f in (backbone_of(study, args, g)
+                               for g in parse_grid(study, args.grid, args.preset))
+                   if not os.path.isfile(f)]
+        if missing:
+            raise SystemExit(f"{study.name} starts each point from its {study.backbones} run at "
+                             f"--preset {args.preset}, and these are not there: "
+                             f"{', '.join(missing)}; run `python ablations.py {study.backbones} "
+                             f"--preset {args.preset}` first (same --runs)")
+    elif study.pretrained and not os.path.isfile(args.init):
         raise SystemExit(f"--init {args.init}: no such checkpoint; the {study.name} study starts every "
                          "division from a pretrained backbone: run `make eurosat` first, or pass "
                          "--init with another run's checkpoint.pth")
@@ -633,8 +661,8 @@ def training_study(study, args):
         run = os.path.join(folder, name)
         ident = {"data": utils.rel_path(data), "train_flags": [*flags, *extra]}
         outs = {e: os.path.join(run, f"{e}.json") for e in study.evals}
-        if i == 0:      # the random-init network of the first point: the table's floor
-            outs["knn_init"] = os.path.join(run, "knn_init.json")
+        if i == 0 or study.backbones:   # the first point's random or --init network: the
+            outs["knn_init"] = os.path.join(run, "knn_init.json")  # floor; each backbone's own
         old = recorded.get(name)
         if (not os.path.isdir(run) and old and old["study_point"] == ident
                 and all(("linear" if e == "linear" else f"{e}10") in old for e in outs)):
@@ -831,11 +859,14 @@ def training_table(study, rows):
     over the seeds), final loss and minutes; then the random-init floor."""
     keys = [k for k in TABLE_KEYS if any(k in r for r in rows) and (k != "seed" or study.pretrained)]
     metrics = [m for m in METRICS if any(m in r for r in rows)]
+    if study.backbones:     # each point's backbone on this set before any training on it
+        metrics.append("knn_init10")
     cell = lambda r, m: (f"{r[m]:.1f} +- {r[m + '_sd']:.1f}" if m + "_sd" in r else f"{r[m]:.1f}") \
         if m in r else ""
     costs = [(key, name) for key, name in (("epoch_s", "s / epoch"), ("peak_mib", "peak MiB"))
              if any(key in r for r in rows)]
-    lines = md_table(keys + metrics + ["final loss", "minutes"] + [n for _, n in costs], [
+    heads = [{"knn_init10": "knn10 before"}.get(m, m) for m in metrics]
+    lines = md_table(keys + heads + ["final loss", "minutes"] + [n for _, n in costs], [
         [",".join(map(str, r[k])) if k == "seeds" else str(r.get(k, "")) for k in keys]
         + [cell(r, m) for m in metrics]
         + [f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}"]
@@ -845,7 +876,11 @@ def training_table(study, rows):
         lines += ["", "Each cell: the mean over the seeds +- their sample standard deviation; "
                   "minutes and loss are means."]
     init = [r for r in rows if "knn_init10" in r]
-    if init:
+    if study.backbones:
+        lines += ["", f"knn10 before: each point's {study.backbones} backbone on this set before "
+                  "any training on it (its run's checkpoint0000.pth): the backbone transferred "
+                  "frozen."]
+    elif init:
         what = ("The --init backbone before any training on this set" if study.pretrained
                 else "Random-init network")
         lines += ["", f"{what} (the first run's checkpoint0000.pth): kNN@10 "
@@ -987,14 +1022,16 @@ def lct_verdict(rows):
 
 @compares
 def peers_verdict(rows):
-    """OTL against each other method (one seed a point: the differences, without a verdict)."""
+    """OTL against each other method by the 2-sd rule (one seed a point: the differences alone),
+    and the methods ranked."""
     m = VERDICT_METRIC
     base = next((r for r in rows if r["method"] == "otl"), None)
     if base is None:
         return "no OTL run to compare with"
+    ranked = " > ".join(r["method"] for r in sorted(rows, key=lambda r: -r[m]))
     return (", ".join(f"{r['method']} {_f_sd(r, m)}" for r in rows) + " kNN@50; OTL minus "
             + "; ".join(f"{r['method']}: {_judged(*_diff(base, r, m))}" for r in rows
-                        if r is not base))
+                        if r is not base) + f"; ranked: {ranked}")
 
 
 def peers_plot(study, axes, rows, grid):
@@ -1005,7 +1042,8 @@ def peers_plot(study, axes, rows, grid):
             ax = axes[0]
             ax.plot(*zip(*r["curve"]), "o-", label=r["method"])
     axes[0].set(xlabel="minutes of training", ylabel="kNN@10 top-1 (%)")
-    axes[0].legend(fontsize=8)
+    if any(r.get("curve") for r in rows):
+        axes[0].legend(fontsize=8)
     names, x = [r["method"] for r in rows], torch.arange(len(rows)).tolist()
     for off, metric in ((-0.2, "knn10"), (0.2, "linear")):
         axes[1].bar([i + off for i in x], [r.get(metric, float("nan")) for r in rows], width=0.4,
@@ -1026,6 +1064,15 @@ def peers_points(grid, data, args):
         f = flags.get(method, ["--method", method] + (["--peer-aug", "otl"] if aug else []))
         out.append((g.replace("-", "_"), {"method": g}, data, [*f, "--knn-monitor", "2"]))
     return out
+
+
+def peers_transfer_points(grid, data, args):
+    """Each method on SIRI-WHU from its own EuroSAT peers run, trained further by the same method
+    at the transfer flags (the paper's protocol for a small set); the kNN monitor every 8 of its
+    64 epochs."""
+    study = STUDIES["peers-transfer"]
+    return [(name, point, folder, [*flags[:-1], "8", "--init", backbone_of(study, args, point["method"])])
+            for name, point, folder, flags in peers_points(grid, data, args)]
 
 
 # The training studies' panels: (study, ax, rows, metric, grid), one metric on one axis.
@@ -1183,15 +1230,23 @@ STUDIES = {s.name: s for s in (
               paper="not in the paper (ours); the paper writes the LCT loss as a sum over view pairs"),
     _training("peers", grid=("otl", "sela", "simclr", "byol", "swav", "simclr-otlaug",
                              "byol-otlaug", "swav-otlaug"), evals=("knn", "linear"),
+              scale_grid={"cpu": ("otl", "sela", "simclr", "byol", "swav")},
               points=peers_points, plot=peers_plot, verdict=peers_verdict,
-              note="; every method alike at this scale (the cpu preset's half-width "
-                   "ResNet-18 at 32 px for 8 epochs), where the published anchors train a full "
-                   "ResNet-18 for 200 epochs: compare the methods here, not their levels with "
-                   "the anchors'",
+              note="; every method alike (the cpu preset's half-width ResNet-18 at 32 px), where "
+                   "the published anchors train a full ResNet-18 at 32 px for 200 epochs: "
+                   "compare the methods here, not their levels with the anchors'",
               paper="not in the paper, whose tables set OTL beside other methods' published "
                     "numbers only (ours: the same backbone, data, epochs and schedule for every "
                     "method; published anchors, ResNet-18 on CIFAR-10, kNN: lightly's benchmark, "
                     "200 epochs, SimCLR 84.8, SwAV 84.2, BYOL 86.8)"),
+    _training("peers-transfer", grid=("otl", "sela", "simclr", "byol", "swav"),
+              data="data/siri_whu", pretrained=True, backbones="peers", evals=("knn", "linear"),
+              points=peers_transfer_points, plot=peers_plot, verdict=peers_verdict,
+              note="; every method alike, as in the peers study",
+              paper="not in the paper (ours: the transfer protocol on SIRI-WHU from each "
+                    "method's own EuroSAT backbone, the paper's protocol for its small sets, each method "
+                    "training on with its own loss: is the ranking on EuroSAT the ranking on a "
+                    "set none of them was pretrained on?)"),
 )}
 
 
@@ -1282,7 +1337,10 @@ def study_notes(study, args, rows=()):
     scale = SCALES[args.preset]
     flags = " ".join(scale.transfer if study.pretrained else scale.train)
     note = f"Trained on `{utils.rel_path(data)}` with `{flags}`"
-    if study.pretrained:
+    if study.backbones:
+        note += (f", each point from its own `{study.backbones}` run's backbone at this scale "
+                 f"(`{utils.rel_path(os.path.join(args.runs, args.preset, study.backbones))}`)")
+    elif study.pretrained:
         note += f", OTL and supervised both from `{utils.rel_path(args.init)}`"
     else:
         note += f", {len(parse_seeds(args))} seed(s) a grid point"

@@ -418,6 +418,28 @@ def test_peers_study(small_data, tmp_path, inline):
     assert ck["args"]["method"] == "simclr" and ck["args"]["peer_aug"] == "otl"
 
 
+def test_peers_at_the_cpu_scale_then_on_another_set_from_each_backbone(small_data, tmp_path, inline):
+    pytest.importorskip("lightly")
+    with pytest.raises(SystemExit, match="run `python ablations.py peers --preset cpu` first"):
+        study("peers-transfer", tmp_path, small_data, "--preset", "cpu", "--grid", "otl,byol")
+    study("peers", tmp_path, small_data, "--preset", "cpu", "--grid", "otl,byol", "--train-args",
+          TINY_TRAIN)
+    out, _ = saved(tmp_path, "peers_cpu")
+    assert [r["method"] for r in out["rows"]] == ["otl", "byol"] and out["rows"][1]["seed"] == 0
+    assert "(no sd)" in out["verdict"] and "ranked: " in out["verdict"]
+    runs = tmp_path / "runs" / "cpu"
+    assert utils.load_file(runs / "peers" / "otl" / "checkpoint.pth")["args"]["epochs"] == 1
+    study("peers-transfer", tmp_path, small_data, "--preset", "cpu", "--grid", "otl,byol",
+          "--train-args", TINY_TRAIN)
+    out, md = saved(tmp_path, "peers-transfer_cpu")
+    for r in out["rows"]:       # each method from its own backbone, trained on by its own loss
+        ck = utils.load_file(runs / "peers-transfer" / r["method"] / "checkpoint.pth")
+        assert ck["args"]["init"].endswith(os.path.join("cpu", "peers", r["method"], "checkpoint.pth"))
+        assert ck["args"]["method"] == r["method"] and ck["args"]["preset"] == "transfer-cpu"
+        assert 0 <= r["knn_init10"] <= 100      # the backbone frozen, before training on this set
+    assert "knn10 before" in md and "each point from its own `peers` run" in md
+
+
 def test_bad_grid_fails(small_data, tmp_path):
     with pytest.raises(SystemExit, match="choose from"):
         study("labeler-in-training", tmp_path, small_data, "--grid", "kmeans")

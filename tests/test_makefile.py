@@ -117,6 +117,12 @@ def test_each_gpu_table_is_one_command():
     assert flag(t[0], "--output") == "runs/cifar10_fast"
 
 
+def test_peers_transfer_chains_the_cpu_schedule_first():
+    cmds = [c for c in dry_run("peers-transfer", "DEVICE=cpu") if len(c) > 2 and c[1] == "ablations.py"]
+    assert [c[2] for c in cmds] == ["peers", "peers-transfer"]
+    assert all(flag(c, "--preset") == "cpu" and flag(c, "--device") == "cpu" for c in cmds)
+
+
 def _targets():
     """Every target of the Makefile, from make's own database."""
     db = subprocess.run(["make", "-pnq", "-f", str(ROOT / "Makefile")], cwd=ROOT,
