@@ -575,32 +575,43 @@ def test_rewrite_trains_nothing(small_data, tmp_path, inline):
         study("k", tmp_path, small_data, "--rewrite")
 
 
+def _committed(name):
+    """(stem, scale) of each committed results JSON of the study: results/ablations/<study> (make
+    ablation-<study>) or results/<study> (make peers), at any scale (<study>_<scale>)."""
+    return [(stem, scale) for folder in (os.path.join("results", "ablations"), "results")
+            for scale in ablations.SCALES
+            for stem in [os.path.join(ablations.HERE, folder, name + ("" if scale == "study" else f"_{scale}"))]
+            if os.path.isfile(stem + ".json")]
+
+
 @pytest.mark.parametrize("name", sorted(ablations.STUDIES))
 def test_committed_results_are_what_their_rows_give(name, tmp_path):
-    """Each committed results/ablations/<study>.json: its verdict, table and the .md from its
-    verdict on are what the study makes of its rows again (training studies by --rewrite, the
-    labeler studies from a measurement store of their rows), so a change to how a study is
-    summarised shows here until its results are written again."""
-    src = os.path.join(ablations.HERE, "results", "ablations", name)
-    if not os.path.isfile(src + ".json"):
+    """Each committed results JSON of a study: its verdict, table and the .md from its verdict on
+    are what the study makes of its rows again (training studies by --rewrite, the labeler
+    studies from a measurement store of their rows), so a change to how a study is summarised
+    shows here until its results are written again."""
+    found = _committed(name)
+    if not found:
         pytest.skip(f"no committed {name}.json")
-    with open(src + ".json") as fh:
-        committed = json.load(fh)
-    out = tmp_path / "out"
-    out.mkdir()
-    if ablations.STUDIES[name].kind == "labeler":   # every measurement from the store
-        store = tmp_path / "runs" / "study" / "labeler"
-        store.mkdir(parents=True)
-        (store / "measurements.jsonl").write_text("".join(json.dumps(r) + "\n" for r in committed["rows"]))
-        made = run(name, "--runs", str(tmp_path / "runs"), "--out", str(out), "--device", "cpu",
-                   "--no-plot", "--no-progress")
-    else:
-        (out / f"{name}.json").write_text(json.dumps(committed))
-        made = run(name, "--rewrite", "--out", str(out), "--no-plot", "--no-progress")
-    assert made["rows"] == committed["rows"] and made["verdict"] == committed["verdict"]
-    assert made.get("grid") == committed.get("grid") or ablations.STUDIES[name].kind == "labeler"
-    with open(src + ".md") as fh:
-        want = fh.read().splitlines()
-    got = (out / f"{name}.md").read_text().splitlines()
-    ours = f"Ours: {committed['verdict']}."
-    assert got[got.index(ours):-1] == want[want.index(ours):-1]     # all but the Made by line
+    for src, scale in found:
+        with open(src + ".json") as fh:
+            committed = json.load(fh)
+        out = tmp_path / scale / "out"
+        out.mkdir(parents=True)
+        if ablations.STUDIES[name].kind == "labeler":   # every measurement from the store
+            store = tmp_path / scale / "runs" / "study" / "labeler"
+            store.mkdir(parents=True)
+            (store / "measurements.jsonl").write_text("".join(json.dumps(r) + "\n" for r in committed["rows"]))
+            made = run(name, "--runs", str(tmp_path / scale / "runs"), "--out", str(out), "--device",
+                       "cpu", "--no-plot", "--no-progress")
+        else:
+            (out / (os.path.basename(src) + ".json")).write_text(json.dumps(committed))
+            made = run(name, "--rewrite", "--preset", scale, "--out", str(out), "--no-plot",
+                       "--no-progress")
+        assert made["rows"] == committed["rows"] and made["verdict"] == committed["verdict"], src
+        assert made.get("grid") == committed.get("grid") or ablations.STUDIES[name].kind == "labeler"
+        with open(src + ".md") as fh:
+            want = fh.read().splitlines()
+        got = (out / (os.path.basename(src) + ".md")).read_text().splitlines()
+        ours = f"Ours: {committed['verdict']}."
+        assert got[got.index(ours):-1] == want[want.index(ours):-1], src   # all but Made by
