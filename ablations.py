@@ -847,8 +847,8 @@ def seed_means(rows):
             if vals:
                 t = torch.tensor(vals, dtype=torch.float64)
                 m[key] = round(t.mean().item(), 4 if key == "final_loss" else 2)
-                if key in METRICS:
-                    m[f"{key}_sd"] = round(t.std().item(), 2) if len(vals) > 1 else 0.0
+                if key in METRICS and len(vals) > 1:    # one run (a study's `once`): no sd
+                    m[f"{key}_sd"] = round(t.std().item(), 2)
         means.append(m)
     return means
 
