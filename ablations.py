@@ -1076,16 +1076,16 @@ def peers_plot(study, axes, rows, grid):
     axes[1].legend(fontsize=8)
 
 
-def peers_points(grid, data, args):
+def peers_points(grid, data, args, monitor=2):
     """OTL, SeLa (OTL's loop with Sinkhorn-Knopp's labels) and the peers (train_otl.py --method),
-    a peer-otlaug point with OTL's augmentation instead of its own; the kNN monitor every two
-    epochs for the curves."""
+    a peer-otlaug point with OTL's augmentation instead of its own; the kNN monitor every
+    `monitor` epochs for the curves."""
     flags = {"otl": [], "sela": ["--labeler", "sinkhorn"]}
     out = []
     for g in grid:
         method, _, aug = g.partition("-")
         f = flags.get(method, ["--method", method] + (["--peer-aug", "otl"] if aug else []))
-        out.append((g.replace("-", "_"), {"method": g}, data, [*f, "--knn-monitor", "2"]))
+        out.append((g.replace("-", "_"), {"method": g}, data, [*f, "--knn-monitor", str(monitor)]))
     return out
 
 
@@ -1094,8 +1094,8 @@ def peers_transfer_points(grid, data, args):
     at the transfer flags (the paper's protocol for a small set); the kNN monitor every 8 of its
     64 epochs."""
     study = STUDIES["peers-transfer"]
-    return [(name, point, folder, [*flags[:-1], "8", "--init", backbone_of(study, args, point["method"])])
-            for name, point, folder, flags in peers_points(grid, data, args)]
+    return [(name, point, folder, [*flags, "--init", backbone_of(study, args, point["method"])])
+            for name, point, folder, flags in peers_points(grid, data, args, monitor=8)]
 
 
 # The training studies' panels: (study, ax, rows, metric, grid), one metric on one axis.
@@ -1267,9 +1267,9 @@ STUDIES = {s.name: s for s in (
               points=peers_transfer_points, plot=peers_plot, verdict=peers_verdict,
               note="; every method alike, as in the peers study",
               paper="not in the paper (ours: the transfer protocol on SIRI-WHU from each "
-                    "method's own EuroSAT backbone, the paper's protocol for its small sets, each method "
-                    "training on with its own loss: is the ranking on EuroSAT the ranking on a "
-                    "set none of them was pretrained on?)"),
+                    "method's own EuroSAT backbone, the paper's protocol for its small sets, "
+                    "each method training on with its own loss: is the ranking on EuroSAT the "
+                    "ranking on a set none of them was pretrained on?)"),
 )}
 
 
