@@ -591,17 +591,22 @@ def training_points(study, args):
     if study.pretrained:
         return [(name, point, folder, [*scale.transfer, *flags]) for name, point, folder, flags in pts]
     # one run per seed: seed 0 keeps the point's plain folder name, another seed s adds _seed<s>
-    seeds, once = parse_seeds(args), {str(g).replace("-", "_") for g in study.once}
+    seeds, once = parse_seeds(args), {run_name(g) for g in study.once}
     return [(name if s == 0 else f"{name}_seed{s}", {**point, "point": name, "seed": s}, folder,
              [*scale.train, *flags, "--seed", str(s)])
             for name, point, folder, flags in pts for s in (seeds[:1] if name in once else seeds)]
 
 
+def run_name(point):
+    """The run folder's name of a grid value whose name is its own (peers: simclr-otlaug ->
+    simclr_otlaug), which `once` and `backbones` name by grid value."""
+    return str(point).replace("-", "_")
+
+
 def backbone_of(study, args, point):
     """The checkpoint a `backbones` study's grid point starts from: the same-named run of that
     study at the same scale."""
-    return os.path.join(args.runs, args.preset, study.backbones, str(point).replace("-", "_"),
-                        "checkpoint.pth")
+    return os.path.join(args.runs, args.preset, study.backbones, run_name(point), "checkpoint.pth")
 
 
 def study_data(study, args):
@@ -1085,7 +1090,7 @@ def peers_points(grid, data, args, monitor=2):
     for g in grid:
         method, _, aug = g.partition("-")
         f = flags.get(method, ["--method", method] + (["--peer-aug", "otl"] if aug else []))
-        out.append((g.replace("-", "_"), {"method": g}, data, [*f, "--knn-monitor", str(monitor)]))
+        out.append((run_name(g), {"method": g}, data, [*f, "--knn-monitor", str(monitor)]))
     return out
 
 
