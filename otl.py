@@ -149,20 +149,18 @@ def translate_published(outputs: torch.Tensor, target=None, beta: float = 1.5,
 
 
 def translation_steps(assign, range_of, T, labels, counts, target, std_max, history,
-                      beta=1.5, alpha0=1e-15, patience=10, max_iter=10000, stop_std=0.0,
-                      speed_up=False, stop=None):
+                      beta=1.5, alpha0=1e-15, patience=10, max_iter=10000):
     """Algorithm 1's step loop with the published rule, for any way of labelling: T += alpha C,
     C = (counts - target) / its largest entry, alpha = (std / std_max) x range_of(T) / f; a step
     that makes the std worse is undone and f *= beta.  assign(T) -> (labels, counts) at O - T;
-    range_of(T) -> max - min of O - T (or a bound on it).  Stops at std <= stop_std, alpha <=
-    alpha0, `patience` accepted steps with the same std, max_iter steps, or stop() -> True.  The
-    std after each step tried is appended to `history`.  speed_up (otl_scale): after a step that
-    removed under 30 % of the std (ratio r), f *= max(1 - r, 0.5).  Returns (T, labels, counts,
-    std, steps tried, stop reason) at the last accepted step."""
+    range_of(T) -> max - min of O - T (or a bound on it).  Stops at std 0, alpha <= alpha0,
+    `patience` accepted steps with the same std, or max_iter steps.  The std after each step
+    tried is appended to `history`.  Returns (T, labels, counts, std, steps tried, stop reason)
+    at the last accepted step."""
     target_d = target.to(T.device)
     std, f, still, it, reason = counts_std(counts, target), 1.0, 0, 0, "max_iter"
     while it < max_iter:
-        if std <= stop_std:
+        if std == 0:
             reason = "balanced"
             break
         C = counts.to(torch.float64) - target_d     # > 0: the cluster wins too often
@@ -176,15 +174,10 @@ def translation_steps(assign, range_of, T, labels, counts, target, std_max, hist
         std_new = counts_std(counts_new, target)
         it += 1
         history.append(std_new)
-        if stop is not None and stop():
-            reason = "stop"
-            break
         if std_new > std:                           # worse: undo, and take smaller steps
             f *= beta
             continue
         still = still + 1 if std_new == std else 0
-        if speed_up and 0.7 < std_new / std < 1:
-            f *= max(1 - std_new / std, 0.5)
         T, labels, counts, std = T_new, labels_new, counts_new, std_new
         if still >= patience:
             reason = "patience"

@@ -11,12 +11,11 @@ k x k tables travel), with one in-memory fast path for small k:
         st.add(net(batch))
     res = st.result(refetch=lambda rows: net(images[rows]))
 
-Imports `otl` (never the other way), numpy and scipy (its Dijkstra finishes the solve).  The
-stages in the order a call runs them: the start and candidate lists (`StreamingTranslator`), the
-solver on them (`_ExactSolver`: the published step far from balance, an ascending auction, the
-exact finish by shortest paths in `_Finish`, strict ties), and the dense path for small k held in
-memory (`_dense_translate`: Newton steps on the counts, then the solver on the rows near a
-boundary).  Design and measurements: docs/labeler.md."""
+Imports `otl` (never the other way), numpy and scipy (its Dijkstra finishes the solve).  In the
+order a call runs them: each row's candidate clusters (`StreamingTranslator`, `_Store`), the
+solver on them (`_Solver`: an ascending auction, then the exact finish by shortest paths in
+`_Finish`, then strict ties), and the dense path for small k held in memory (`_Dense`: Newton
+steps on the counts, then the solver on the rows near a boundary).  Design: docs/labeler.md."""
 from __future__ import annotations
 
 import math
@@ -38,10 +37,12 @@ __all__ = ["translate", "StreamingTranslator", "sample_start_T", "ScaleResult"]
 
 # ---- Tuning: the constants the labeler's speed rests on (docs/labeler.md says how each was set)
 BLOCK = 8192            # rows per pass on the CPU, so that a pass's temporaries stay in cache
-RADIUS_ROWS = 2048      # the first radius and the window from the first this many rows
-APPROACH_SHARE = 0.02   # the published step first while the excess is over this share of the rows
+WINDOW_ROWS = 2048      # the candidates' window from the first this many rows
 AUCTION_STALL = 6       # the auction stops when 6 rounds removed under a fifth of the excess
-TABLE_AT_ONCE = 256     # whole rows at larger k: the finish's k x k table at once, no move list
+UNSURE_SHARE = 0.01     # rows unsure of their best past this share are read again before the finish
+READS = 40              # rounds of reading rows again before the solve takes whole rows
+APPROACH_SHARE, APPROACH_STEPS = 0.02, 8   # published steps first while the excess is over 2 %
+TABLE_SHARE = 0.25      # the finish's k x k table of every move once a list would hold a quarter
 DENSE_SHARE, DENSE_PER_MOVE = 0.02, 8   # dense path: the rows to solve (2 % of N, 8 a row to move)
 DENSE_POOL = 0.5        # Newton steps go on with the rows near a boundary once at most half of N
 SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by a shed
@@ -52,6 +53,7 @@ KN_COPY_K_GPU, KN_COPY_K_CPU = 32, 63   # Newton passes on a k x N copy up to th
 R_ROWS, H_ROWS = 4096, 2048   # dense path: R and the step's bandwidth h from strided margins
 HOST_SOLVE = 1 << 18    # outputs on a GPU: the dense path's exact solve on the host up to rows x k
 F32_INF = 2.0 ** 128 - 2.0 ** 103   # float64 values from here on round to inf in float32
+BIG = torch.iinfo(torch.int64).max  # no row
 
 
 @dataclass
@@ -73,9 +75,9 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               dense: bool = True, n_init: int = 8192) -> TranslateResult:
     """otl.translate's problem and guarantees: T with labels = argmax(O - T) and every count within
     1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to and N >= 64 k,
-    the dense path runs first (`_dense_translate`); otherwise, or where it cannot finish, O is fed
-    in chunks to `StreamingTranslator`, whose settings these are (tie_eps defaults to 2**-26).
-    start: a T to start from instead of the column medians (the other view's, the last epoch's).
+    the dense path runs first (`_Dense`); otherwise, or where it cannot finish, O is fed in chunks
+    to `StreamingTranslator`, whose settings these are (tie_eps defaults to 2**-26).  start: a T
+    to start from instead of the column medians (the other view's, the last epoch's).
     sample_start: without a start, for k > 2 x full_rows_up_to and outputs far from balance at
     their medians, start from the exact T of every 4th row (`sample_start_T`).  method=
     "published" (beta, alpha0, patience, max_iter, tie_eps default 1e-6, seed, init) and
@@ -93,7 +95,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     otl.check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
     n, k = outputs.shape
     tie_eps = 2.0 ** -26 if tie_eps is None else tie_eps
-    if dense and 2 <= k <= full_rows_up_to and n >= 64 * k:
+    if dense and 2 <= k <= full_rows_up_to and n >= 32 * k:
         res = _dense_translate(outputs, target, seed, tie_eps, start, n_init)
         if res is not None:
             return res
@@ -111,37 +113,44 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
 
 
 def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 2048, **kw):
-    """A start T for the exact labeler on outputs held whole: the exact T of every `every`-th row
-    (default 4; 8 on a GPU where N >= 8 k, as a round there costs its launches whatever its rows),
-    the target scaled to them.  None where it would not pay: k <= 2 x full_rows_up_to, fewer than
-    every x k rows, or the first `probe` rows near balance at their column medians (`_far`).  On
-    real networks' outputs the medians are far from the answer and many candidate lists fall short
-    and are read again; from the sample's T few do.  kw: translate's settings for the sample."""
+    """A start T for the exact labeler on outputs held whole: the exact T of a seeded random
+    1 / `every` of the rows (default 4; 8 on a GPU where N >= 8 k, as a round there costs its
+    launches whatever its rows; random, as a stride can alias with rows in a cycle), the target
+    scaled to them.  None where it would not pay: k <= 2 x full_rows_up_to, fewer than
+    every x k rows, or the first `probe` rows near balance at their column medians (their mean
+    squared deviation from the target at most 4 x the mean count, sampling noise being about 1).
+    On real networks' outputs the medians are far from the answer and many candidate lists fall
+    short and are read again; from the sample's T few do.  kw: translate's settings for it."""
     n, k = outputs.shape
     if every is None:
         every = 8 if _launch_bound(outputs.device) and n >= 8 * k else 4
     if k <= 2 * kw.get("full_rows_up_to", 128) or n < every * k:
         return None
-    head = outputs[:probe].to(torch.float32).contiguous()    # (median is wrong on expanded rows)
-    cnt = torch.bincount((head - _column_medians(head)).argmax(1), minlength=k)
-    if not _far(cnt.to(torch.float64), target):
+    target = check_target(target, n, k)
+    head = _working(outputs[:probe]).contiguous()    # (median is wrong on expanded rows)
+    cnt = torch.bincount((head - _column_medians(head)).argmax(1), minlength=k).cpu()
+    m = head.shape[0]
+    if float(((cnt - target * (m / n)) ** 2).mean()) <= 4 * m / k:
         return None
-    sub = outputs[::every]
-    if target is not None:    # the same shares of the sample's rows
-        target = check_target(target, n, k).to(torch.float64) * (sub.shape[0] / n)
+    rows = torch.randperm(n, generator=torch.Generator().manual_seed(kw.get("seed", 0)))
+    sub = outputs.index_select(0, rows[:n // every].sort().values.to(outputs.device))
     kw = {key: val for key, val in kw.items() if val is not None}
-    try:
-        return translate(sub, target=target, sample_start=False, **kw).T
-    except ValueError:     # bad outputs or target: the whole call says so, with its own row numbers
+    try:     # the target's shares of the sample's rows
+        return translate(sub, target=target * (sub.shape[0] / n), sample_start=False, **kw).T
+    except ValueError:     # bad outputs: the whole call says so, with its own row numbers
         return None
+
+
+def _working(X):
+    """X in the precision the labeler reads it in: float64 as it is, any other float as float32."""
+    return X if X.dtype == torch.float64 else X.to(torch.float32)
 
 
 def _column_medians(A):
     """A.median(dim=0).values (the lower middle value) of a float (n, k) tensor, by numpy's
     partition of a host copy's columns: several times cheaper than torch's median on a CPU."""
     i = (A.shape[0] - 1) // 2
-    B = np.array(A.detach().cpu().to(torch.float64 if A.dtype == torch.float64 else torch.float32)
-                 .numpy().T, order="C")
+    B = np.array(_working(A.detach()).cpu().numpy().T, order="C")
     B.partition(i, axis=-1)
     return torch.from_numpy(np.array(B[:, i])).to(A.device)
 
@@ -183,6 +192,11 @@ def _tie_jitter(rows: torch.Tensor, cols: torch.Tensor, seed: int) -> torch.Tens
     return x.to(torch.float64).mul_(1.0 / float(1 << 53))
 
 
+def _jittered(V, rows, cols, eps, seed):
+    """V + eps u(rows, cols) in place: the one sum every stored candidate value is made by."""
+    return V.add_(_tie_jitter(rows, cols, seed).mul_(eps))
+
+
 class _Comm:
     """All-reduce over torch.distributed when it is initialised and asked for, else nothing.
     Tensors travel on the backend's device (CUDA for NCCL, else the CPU) and back."""
@@ -196,370 +210,161 @@ class _Comm:
         nccl = self.on and dist.get_backend() == "nccl"
         self.dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def _on_backend(self, x, collective):
-        """collective(y) in place on x, moved to the backend's device and back."""
+    def _on_backend(self, x, op):
+        """The collective `op` in place on x, moved to the backend's device and back."""
         if not self.on:
             return x
         y = x.to(self.dev)
-        collective(y)
+        if op == "broadcast":
+            self.dist.broadcast(y, src=0)
+        else:
+            self.dist.all_reduce(y, op=getattr(self.dist.ReduceOp, op))
         return y if y is x else y.to(x.device)
 
     def sum(self, x):
-        return self._on_backend(x, lambda y: self.dist.all_reduce(y, op=self.dist.ReduceOp.SUM))
+        return self._on_backend(x, "SUM")
 
     def max(self, x):
-        return self._on_backend(x, lambda y: self.dist.all_reduce(y, op=self.dist.ReduceOp.MAX))
+        return self._on_backend(x, "MAX")
 
     def min(self, x):
-        return self._on_backend(x, lambda y: self.dist.all_reduce(y, op=self.dist.ReduceOp.MIN))
+        return self._on_backend(x, "MIN")
 
     def broadcast(self, x):
-        return self._on_backend(x, lambda y: self.dist.broadcast(y, src=0))
+        return self._on_backend(x, "broadcast")
 
     def total(self, n: int) -> int:
         """A count summed over ranks."""
         return int(self.sum(torch.tensor([n]))[0])
 
 
-# ---- Streaming: the start, the candidate lists, the working set
-
-@dataclass
-class _Start:
-    """What the first rows fix, rank 0's for every rank."""
-    T0: torch.Tensor              # (k,) float64, the start translation (column medians or start=)
-    eps: float = 0.0              # the tie-break's size (_tie_scale)
-    window: float = 0.0           # a row keeps the columns within this of its best at T0
-    radius0: float = 0.0          # the first solve's radius (_first_radius)
-    whole: bool = False           # keep whole rows though k > full_rows_up_to (far outputs)
-    far: bool = False             # the first rows' counts far from the target (_far)
-
-    def broadcast(self, comm):
-        """Rank 0's start on every rank: T0 and the numbers after it in one broadcast."""
-        if not comm.on:
-            return self
-        k = self.T0.numel()
-        v = torch.cat([self.T0.cpu(), torch.tensor(
-            [self.eps, self.window, self.radius0, self.whole, self.far],
-            dtype=torch.float64)])
-        v = comm.broadcast(v)
-        eps, window, radius0, whole, far = v[k:].tolist()
-        return _Start(v[:k].to(self.T0.device), eps, window, radius0, whole > 0, far > 0)
-
-
-def _first_radius(rows, T):
-    """The first radius: the 0.2 quantile of the leads (best - runner-up) of 2048 rows at T."""
-    top2 = (rows[:RADIUS_ROWS] - T.to(rows.dtype)).topk(2, dim=1).values
-    return (top2[:, 0] - top2[:, 1]).to(torch.float64).quantile(0.2)
-
-
-def _head_target(target_arg, n, k):
-    """The target's shares scaled to n rows (the even target without one; result() checks the
-    target itself)."""
-    if target_arg is not None:
-        try:
-            t = torch.as_tensor(target_arg, dtype=torch.float64).flatten().cpu()
-            if t.numel() == k and bool(torch.isfinite(t).all()) and t.sum() > 0:
-                return t / t.sum() * n
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    return otl.even_target(n, k)
-
-
-def _far(cnt, target_arg=None):
-    """Whether the first rows' counts at the column medians are far from the target: their mean
-    squared deviation over the mean count (about 1 for sampling noise) is over 4.  Far outputs
-    also skip result()'s narrow first solve, as their translation moves most rows."""
-    n, k = int(cnt.sum()), cnt.numel()
-    target = _head_target(target_arg, n, k)
-    return float(((cnt - target.to(cnt.device)) ** 2).mean()) > 4 * n / k
-
-
-def _hits(W, fw, kp):
-    """(rows, columns) of the hits in the int64 words fw (ascending) of the int8 mask W, in
-    row-major order; kp columns a row."""
-    hit = W.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # (c,) word * 8 + byte
-    g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)  # flat positions in M, ascending
-    rr = torch.div(g, kp, rounding_mode="floor")            # rows, ascending
-    return rr, g.sub_(rr * kp)
-
+# ---- Streaming: each row's candidates, then the solve
 
 class _Store:
-    """The candidate lists of the rows added: per stored piece vals (n, w) O - T0 of each row's
+    """The candidate lists of the rows added, piece by piece: vals (n, w) O - T0 at each row's
     candidates (-inf in empty slots), cols (n, w) their clusters, theta (n,) a bound at T0 on the
-    columns dropped.  `kept`: the local rows still stored (None: all), once the rows to solve
-    have been taken out (`take`), so that no row is held twice."""
+    columns dropped (-inf: none).  Whole rows (w = k) keep every column in order; otherwise a row
+    keeps the columns within `window` of its best at T0, or its best w of them by exact value with
+    the tie-break where it has more (on collapsed outputs every column is that close)."""
 
-    def __init__(self, k, width, cdtype, start: _Start, seed, device, block):
-        self.k, self.width, self.cdtype, self.seed = k, width, cdtype, seed
-        self.dev, self.block = device, block
-        self.vals, self.cols, self.theta, self.n, self.kept = [], [], [], 0, None
-        self._diff = self._mask = None      # extraction buffers, reused block after block
-        self.recentre(start.T0)
-        self.eps, self.window = start.eps, start.window
-
-    def recentre(self, T0):
-        """T0 as float64, float32 (exact for float32 outputs: medians of them) and its largest
-        |entry| (float64 outputs: the float32 T0 errs by 2^-24 of it)."""
+    def __init__(self, k, width, T0, eps, window, seed):
+        self.k, self.width, self.eps, self.window, self.seed = k, width, eps, window, seed
         self.T0, self.T0f, self.T0abs = T0, T0.to(torch.float32), float(T0.abs().max())
+        self.cdtype = torch.int16 if k < 32768 else torch.int32
+        self.parts, self.n, self._buf = [], 0, None
 
-    def append(self, vals, cols, theta):
-        self.vals.append(vals)
-        self.cols.append(cols if cols.dtype == self.cdtype else cols.to(self.cdtype))
-        self.theta.append(theta)
-        self.n += vals.shape[0]
+    def add(self, X, first):
+        """The rows X (float32 or float64), whose global numbers start at `first`."""
+        n, k = X.shape
+        if self.width == k:
+            check_finite(X, self.n)
+            part = (X.to(torch.float64) - self.T0,
+                    torch.arange(k, device=X.device).to(self.cdtype).expand(n, k),
+                    torch.full((n,), -math.inf, dtype=torch.float64, device=X.device))
+        else:
+            part = self._cut(X, first)
+        self.parts.append(part)
+        self.n += n
 
-    def add_whole(self, X):
-        """Rows kept whole: every column, in order (the tie-break is added in add_jitter)."""
-        check_finite(X, self.n)
-        n = X.shape[0]
-        cols = torch.arange(self.k, device=self.dev).expand(n, self.k)
-        self.append(X.to(torch.float64) - self.T0, cols,
-                    torch.full((n,), -math.inf, dtype=torch.float64, device=self.dev))
-
-    def add_block(self, X, first):
-        """Candidates of one block of rows X (float32 or float64; global row numbers from
-        `first`), in passes that write nothing N x k sized."""
-        n, w, k = X.shape[0], self.width, self.k
-        thr, M, rr, cc, pos, cnt, many, oi, whole = self._window_hits(X)
-        # fl(X - T0) errs by at most 2^-24 |S| (float64 outputs: T0f errs by 2^-24 |T0| too): a
-        # per-row allowance keeps theta a true bound on every dropped column, whatever the blocks
-        thr64 = thr.to(torch.float64)
-        t0abs = self.T0abs if X.dtype == torch.float64 else 0.0
-        theta = thr64 + 2.0 ** -22 * (thr64.abs() + t0abs) + self.eps
-        theta[cnt >= k] = -math.inf                             # nothing was dropped
-        # flat (n * w) tables with one spare slot at the end for the entries not kept
-        vals = torch.full((n * w + 1,), -math.inf, dtype=torch.float64, device=self.dev)
-        cols = torch.zeros(n * w + 1, dtype=self.cdtype, device=self.dev)
-        at = rr * w + pos
-
-        def exact(r, c):   # O - T0 in float64 at rows r, columns c
-            return X.reshape(-1).index_select(0, r * k + c).to(torch.float64) - self.T0.index_select(0, c)
-
-        val = exact(rr, cc)
-        if oi.numel() > 0:   # more than w near the top: keep the best w of them, bound the rest
-            # exact values with the tie-break, so that exactly tied outputs (a collapsed network)
-            # keep different columns on different rows
-            if whole:                                           # most of these rows' columns
-                PC = torch.arange(k, device=self.dev).expand(oi.numel(), k)
-                P = self.whole_rows(X.index_select(0, oi), oi + first)
-            else:
-                P, PC = self._crowded(val, rr, cc, pos, cnt, many, oi, first)
-            tv, ti = P.topk(w + 1, dim=1)                      # (o, w + 1) among the candidates
-            theta[oi] = torch.maximum(theta[oi], tv[:, w])    # the same sum as result() makes
-            kept_cols = PC.gather(1, ti[:, :w]).reshape(-1)         # (o * w,)
-            om = (oi[:, None] * w + torch.arange(w, device=self.dev)).view(-1)
-            vals.index_copy_(0, om, exact(oi.repeat_interleave(w), kept_cols))
-            cols.index_copy_(0, om, kept_cols.to(self.cdtype))
-            if not whole:
-                at = torch.where(many.index_select(0, rr), n * w, at)   # the rest: the spare slot
-        vals.index_copy_(0, at, val)                                    # exact
-        cols.index_copy_(0, at, cc.to(self.cdtype))
-        self.append(vals[:n * w].view(n, w), cols[:n * w].view(n, w), theta)
-
-    def _window_hits(self, X):
-        """The columns within the window of each row's best at T0: S = X - T0 into a reused
-        buffer, its row maxima, a reused int8 mask S >= max - window, read 8 columns at a time as
-        int64 words (almost every word is 0).  Returns (threshold, mask, rows and columns of the
-        listed hits, each hit's place in its row, hits per row, rows with over `width` hits,
-        their indices, whether those are taken whole)."""
-        n, k, w, dev = X.shape[0], self.k, self.width, self.dev
-        kp = (k + 7) // 8 * 8
-        # S = X - T0 a few rows at a time (on the CPU small enough to stay in cache), then
-        # D = S - (row max - window) in place; the mask D >= 0 is int8 -1 / 0 from D's sign bit,
-        # cheaper than a comparison writing bool.  fl(S - thr) >= 0 exactly when S >= thr.
-        sub = n if _launch_bound(dev) else max(1, (4 << 20) // (4 * kp))
-        if self._mask is None or self._mask.shape[0] < n:
-            self._diff = torch.full((min(max(n, self.block), sub), kp), -math.inf,
-                                    dtype=torch.float32, device=dev)   # columns >= k stay -inf
-            self._mask = torch.empty((max(n, self.block), kp), dtype=torch.int8, device=dev)
-        M, rmax = self._mask[:n], torch.empty(n, dtype=torch.float32, device=dev)
-        for s in range(0, n, sub):
-            e = min(s + sub, n)
-            D = self._diff[:e - s]
-            torch.sub(X[s:e], self.T0f, out=D[:, :k])
-            torch.amax(D, 1, out=rmax[s:e])
-            torch.sub(D, (rmax[s:e] - self.window)[:, None], out=D)
-            M[s:e].copy_(D.view(torch.int32).bitwise_right_shift_(31)).bitwise_not_()
-            if kp > k:   # the shift turned the -inf padding into NaN
-                D[:, k:] = -math.inf
+    def _cut(self, X, first):
+        """(vals, cols, theta) of the rows X: the hits S >= max(S) - window of S = X - T0, found in
+        passes over a few rows at a time into a reused buffer (in cache), then listed in row
+        order from the mask read 8 columns at a time as int64 words (almost every word is 0)."""
+        n, k, w, dev = X.shape[0], self.k, self.width, X.device
+        T0 = self.T0 if X.dtype == torch.float64 else self.T0f
+        kp, step = (k + 7) // 8 * 8, n if _launch_bound(dev) else max(1, (4 << 20) // (4 * k))
+        if (self._buf is None or self._buf[0].dtype != X.dtype or self._buf[1].shape[0] < n
+                or self._buf[0].shape[0] < min(step, n)):
+            m = max(n, BLOCK)
+            self._buf = (torch.empty(min(step, m), k, dtype=X.dtype, device=dev),
+                         torch.zeros(m, kp, dtype=torch.bool, device=dev))
+        rmax = torch.empty(n, dtype=X.dtype, device=dev)
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            S = torch.sub(X[s:e], T0, out=self._buf[0][:e - s])
+            torch.amax(S, 1, out=rmax[s:e])
+            torch.ge(S, (rmax[s:e] - self.window)[:, None], out=self._buf[1][s:e, :k])
         if not bool(torch.isfinite(rmax).all()):   # NaN and +inf show here (amax keeps NaN);
             check_finite(X, self.n)                 # -inf never makes a candidate, so it may stay
-        # Rows with a hit in 9 / 10 of their words or more ("dense") are counted by a sum over
-        # their mask and listed only if not taken whole.  Rows with more than w hits keep their
-        # best w by exact value with the tie-break; where those rows hold most of their columns
-        # they are taken whole, unlisted (on collapsed outputs every column is a hit).
-        W = M.view(-1).view(torch.int64)
-        kw = kp // 8
-        fw = W.nonzero()[:, 0]                                  # the words with a hit, ascending
-        frow = torch.div(fw, kw, rounding_mode="floor")
-        dense = torch.bincount(frow, minlength=n) * 10 >= 9 * kw
-        di = dense.nonzero()[:, 0]
-        if di.numel():
-            fw = fw[~dense.index_select(0, frow)]
-        rr, cc = _hits(W, fw, kp)
-        cnt = torch.bincount(rr, minlength=n)                   # hits per row
-        if di.numel():
-            cnt.index_copy_(0, di, M.index_select(0, di).sum(1, dtype=torch.int32).neg_().long())
-        many = cnt > w
-        oi = many.nonzero()[:, 0]
-        whole = oi.numel() > 0 and int(cnt.index_select(0, oi).sum()) > 0.3 * oi.numel() * k
-        if whole:                                               # rows taken whole: not listed
-            keep = ~many.index_select(0, rr)
-            if not bool(keep.all()):
-                rr, cc = rr[keep], cc[keep]
-        back = di if not whole else di[~many.index_select(0, di)]   # dense rows still to list
-        if back.numel():
-            d_rr, d_cc = _hits(W, (back[:, None] * kw + torch.arange(kw, device=dev)).view(-1), kp)
-            order = torch.cat([rr * kp + cc, d_rr * kp + d_cc]).sort().indices
-            rr, cc = torch.cat([rr, d_rr])[order], torch.cat([cc, d_cc])[order]
-        listed = torch.bincount(rr, minlength=n)                # hits per row listed
-        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(listed, 0) - listed).index_select(0, rr)
-        return rmax - self.window, M, rr, cc, pos, cnt, many, oi, whole
+        # fl(X - T0) errs by 2^-24 of |S| and |T0| in float32: theta bounds every dropped column
+        thr = (rmax - self.window).to(torch.float64)
+        rel = 2.0 ** -50 if X.dtype == torch.float64 else 2.0 ** -22
+        theta = thr + rel * (thr.abs() + self.T0abs) + self.eps
+        words = self._buf[1][:n].view(torch.int8).view(-1).view(torch.int64)
+        fw = words.nonzero()[:, 0]                  # the words with a hit, ascending
+        hit = words.index_select(0, fw).view(torch.int8).nonzero()[:, 0]   # word * 8 + byte
+        g = fw.index_select(0, hit >> 3).mul_(8).add_(hit & 7)             # flat, ascending
+        rr = torch.div(g, kp, rounding_mode="floor")
+        cc = g.sub_(rr * kp)
+        cnt = torch.bincount(rr, minlength=n)
+        theta[cnt >= k] = -math.inf                 # nothing dropped
+        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt).index_select(0, rr)
+        val = X.reshape(-1).index_select(0, rr * k + cc).to(torch.float64) - self.T0.index_select(0, cc)
+        # flat (n * w + 1) tables, with a spare slot at the end for the hits past a row's w-th
+        at = torch.where(pos < w, rr * w + pos, n * w)
+        vals = torch.full((n * w + 1,), -math.inf, dtype=torch.float64, device=dev)
+        cols = torch.zeros(n * w + 1, dtype=self.cdtype, device=dev)
+        vals.index_copy_(0, at, val)
+        cols.index_copy_(0, at, cc.to(self.cdtype))
+        vals, cols, many = vals[:n * w].view(n, w), cols[:n * w].view(n, w), cnt > w
+        if bool(many.any()):   # those rows' best w by exact value with the tie-break
+            oi, e = many.nonzero()[:, 0], many.index_select(0, rr).nonzero()[:, 0]
+            if e.numel() > 0.3 * oi.numel() * k:     # most of their columns: all of them
+                Xo = X.index_select(0, oi)
+                tv, ti = self.whole(Xo, oi + first).topk(w + 1, dim=1)
+                ti = ti[:, :w]
+                vals[oi] = Xo.gather(1, ti).to(torch.float64) - self.T0[ti]
+                cols[oi] = ti.to(self.cdtype)
+            else:                                     # a table of their hits
+                at = ((torch.cumsum(many, 0) - 1).index_select(0, rr[e]), pos[e])
+                P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64,
+                               device=dev)
+                P0, PC = P.clone(), torch.zeros(P.shape, dtype=torch.int64, device=dev)
+                P0[at], PC[at] = val[e], cc[e]
+                P[at] = _jittered(val[e, None], rr[e] + first, cc[e, None], self.eps, self.seed)[:, 0]
+                tv, ti = P.topk(w + 1, dim=1)
+                vals[oi], cols[oi] = P0.gather(1, ti[:, :w]), PC.gather(1, ti[:, :w]).to(self.cdtype)
+            theta[oi] = torch.maximum(theta[oi], tv[:, w])     # the rest
+        return vals, cols, theta
 
-    def _crowded(self, val, rr, cc, pos, cnt, many, oi, first):
-        """The listed hits of the rows with over `width` of them, with the tie-break, as an
-        (o, most hits) table of values (-inf in empty slots) and one of their columns."""
-        e = many.index_select(0, rr).nonzero()[:, 0]    # their entries
-        re, ce, pe = rr.index_select(0, e), cc.index_select(0, e), pos.index_select(0, e)
-        slot = torch.cumsum(many, 0).index_select(0, re) - 1
-        P = torch.full((oi.numel(), int(cnt.max())), -math.inf, dtype=torch.float64, device=self.dev)
-        PC = torch.zeros(P.shape, dtype=torch.int64, device=self.dev)
-        ae = slot * P.shape[1] + pe
-        P.view(-1).index_copy_(0, ae, val.index_select(0, e) + self.eps * _tie_jitter(
-            re + first, ce[:, None], self.seed)[:, 0])
-        PC.view(-1).index_copy_(0, ae, ce)
-        return P, PC
+    def whole(self, X, grows):
+        """O - T0 + eps u for every column of the rows X (global numbers `grows`): the values the
+        candidates hold once the tie-break is added."""
+        cols = torch.arange(self.k, device=X.device).expand(X.shape[0], self.k)
+        return _jittered(X.to(torch.float64) - self.T0, grows, cols, self.eps, self.seed)
 
-    def add_jitter(self, offset):
-        """The tie-break eps * u(global row, column) added to every stored value (-inf stays)."""
-        start = 0
-        for vals, cols in zip(self.vals, self.cols):
-            for s in range(0, vals.shape[0], self.block):
-                vs, cs = vals[s:s + self.block], cols[s:s + self.block].long()
-                rows = torch.arange(start + s, start + s + vs.shape[0], device=self.dev)
-                vs.add_(_tie_jitter(rows + offset, cs, self.seed), alpha=self.eps)
-            start += vals.shape[0]
-
-    def chunks(self):
-        """(first row, vals, cols, theta) of every stored piece of at most `block` rows."""
-        s = 0
-        for vals, cols, theta in zip(self.vals, self.cols, self.theta):
-            for t in range(0, vals.shape[0], self.block):
-                yield s + t, vals[t:t + self.block], cols[t:t + self.block], theta[t:t + self.block]
+    def take(self, offset):
+        """The stored pieces, handed over (so that no row is held twice), the tie-break added now
+        that this rank's first global row, `offset`, is known."""
+        parts, self.parts, self._buf, s = self.parts, [], None, offset
+        for vals, cols, _ in parts:
+            _jittered(vals, torch.arange(s, s + vals.shape[0], device=vals.device), cols,
+                      self.eps, self.seed)
             s += vals.shape[0]
+        return parts
 
-    def take(self, rows, prev=None):
-        """vals, cols, theta, epoch and cuts (see _ExactSolver) of the local rows `rows`
-        (ascending), moved out of the store piece by piece, so that they are never held twice.
-        prev: (rows, solver) of an earlier solve on some of them, whose newer candidates are taken
-        instead (cut back to the store's width if it took whole rows)."""
-        w, dev, n_out = self.width, self.dev, rows.numel()
-        out = (torch.empty(n_out, w, dtype=torch.float64, device=dev),
-               torch.empty(n_out, w, dtype=self.cdtype, device=dev),
-               torch.empty(n_out, dtype=torch.float64, device=dev))
-        epoch = torch.zeros(n_out, dtype=torch.int64, device=dev)    # the store's rows: chosen at T0
-        cuts = torch.zeros(1, self.k, dtype=torch.float64, device=dev)
-        dst = None                       # where the store's rows go in `out` (None: in order)
-        if prev is not None:
-            prows, sv = prev
-            at = torch.searchsorted(rows, prows)
-            parts, cuts, ep = (sv.vals, sv.cols, sv.theta), sv.cuts, sv.epoch
-            if sv.vals.shape[1] != w:       # whole rows (the fallback): their best w at its T
-                bound = sv.theta - sv.rise().index_select(0, sv.epoch)
-                parts = self.cut(sv.vals, sv.dT, sv.cols, bound)
-                cuts = torch.cat([sv.cuts, sv.dT[None, :]])
-                ep = torch.full_like(sv.epoch, cuts.shape[0] - 1)
-            for o, p in zip(out, parts):
-                o.index_copy_(0, at, p.to(o.dtype))
-            epoch.index_copy_(0, at, ep)
-            new = torch.ones(n_out, dtype=torch.bool, device=dev)
-            new[at] = False
-            dst = new.nonzero()[:, 0]
-            rows = rows.index_select(0, dst)
-        self._move_out(rows, out, dst)
-        return (*out, epoch, cuts)
-
-    def _move_out(self, rows, out, dst):
-        """The stored rows `rows` into `out` (at dst, or in order), each piece freed once split."""
-        pos = rows if self.kept is None else torch.searchsorted(self.kept, rows)   # in the store
-        left = torch.ones(sum(v.shape[0] for v in self.vals), dtype=torch.bool, device=self.dev)
-        left[pos] = False
-        self.kept = (torch.arange(left.numel(), device=self.dev) if self.kept is None
-                     else self.kept)[left]
-        pieces, self.vals, self.cols, self.theta = list(zip(self.vals, self.cols, self.theta)), [], [], []
-        start = 0
-        for i in range(len(pieces)):
-            parts, pieces[i] = pieces[i], None
-            end = start + parts[0].shape[0]
-            lo, hi = torch.searchsorted(pos, torch.tensor([start, end], device=self.dev)).tolist()
-            idx = pos[lo:hi] - start
-            for o, p in zip(out, parts):
-                if dst is None:
-                    torch.index_select(p, 0, idx, out=o[lo:hi])
-                else:
-                    o.index_copy_(0, dst[lo:hi], p.index_select(0, idx))
-            if hi - lo < parts[0].shape[0]:          # the rows that stay
-                keep = left[start:end]
-                for store, p in zip((self.vals, self.cols, self.theta), parts):
-                    store.append(p if hi == lo else p[keep])
-            start = end
-
-    def whole_rows(self, X, grows):
-        """O - T0 + eps u for every column of the rows X, whose global numbers are `grows`: the
-        values the candidates hold once the tie-break is added."""
-        cols = torch.arange(self.k, device=self.dev).expand(X.shape[0], self.k)
-        V = X.to(torch.float64).sub_(self.T0)     # in place: the same sums, fewer n x k buffers
-        return V.add_(_tie_jitter(grows, cols, self.seed).mul_(self.eps))
-
-    def full_rows(self, X, grows, dT):
-        """Candidates of the rows X (global numbers `grows`) from their full outputs, chosen
-        against the current translation T0 + dT, so that the dropped columns cannot win."""
-        # the best `width` + 1 columns without the tie-break (hashing every column is costly), then
-        # the kept columns' exact values; a dropped column scores at most the (w+1)-th plus eps
-        w = self.width
-        S = X.to(torch.float64) - (self.T0 + dT)
-        tv, ti = S.topk(w + 1, dim=1)
-        del S
-        ti = ti[:, :w]
-        vals = (X.gather(1, ti).to(torch.float64) - self.T0.index_select(0, ti.reshape(-1)).view(ti.shape)
-                + self.eps * _tie_jitter(grows, ti, self.seed))
-        b, scale = tv[:, w], float(self.T0.abs().max()) + float(dT.abs().max()) + self.eps
-        slack = 2.0 ** -50 * (b.abs() + scale)
-        theta = torch.where(torch.isfinite(b), b + self.eps + slack, b)
-        # Where the w-th best leads the (w+1)-th by more than eps, these are the best w with the
-        # tie-break too.  Elsewhere (within eps, as on collapsed rows) the tie-break decides: those
-        # rows' best w are chosen on their exact values with it, as the stream chose them
-        tied = (tv[:, w - 1] - b <= self.eps + 2 * slack).nonzero()[:, 0]
-        if tied.numel():
-            V = self.whole_rows(X.index_select(0, tied), grows.index_select(0, tied))
-            vals[tied], c2, b2 = self.cut(V, dT)
-            ti[tied] = c2.long()
-            theta[tied] = torch.where(torch.isfinite(b2), b2 + 2.0 ** -50 * (b2.abs() + scale), b2)
-        return vals, ti.to(self.cdtype), theta
-
-    def cut(self, S, dT, cols=None, theta=None):
-        """(vals, cols, theta) of each row's best `width` entries of S at the translation dT, theta
-        a bound on the rest at dT.  cols: the columns of S's entries (None: every column); theta: an
-        earlier bound, at dT, on the columns S lacks."""
-        w = self.width
-        dT_at = dT if cols is None else dT.index_select(0, cols.reshape(-1).long()).view(cols.shape)
-        tv, ti = (S - dT_at).topk(w + 1, dim=1)
-        ti = ti[:, :w]
-        bound = tv[:, w]
-        return (S.gather(1, ti), (ti if cols is None else cols.gather(1, ti)).to(self.cdtype),
-                bound if theta is None else torch.maximum(theta, bound))
+    def recut(self, X, grows, dT, force):
+        """(vals, cols, theta) of the rows X (global numbers `grows`) read again, their best w
+        chosen at the translation T0 + dT, with the clusters in the (k,) mask `force` (fewer than
+        w) among them, theta bounding the rest there."""
+        V = self.whole(X, grows)
+        tv, ti = (V - dT).masked_fill_(force, math.inf).topk(self.width + 1, dim=1)
+        ti = ti[:, :self.width]
+        return V.gather(1, ti), ti.to(self.cdtype), tv[:, self.width]
 
 
 class StreamingTranslator:
     """Output translation fed batch by batch, never holding the N x k outputs: `st.add(batch)` for
     each (n_b, k) batch in row order, then `st.result(refetch)` once; refetch(global rows) gives
     rows' outputs again where their candidate lists fell short.  The first `n_init` rows fix the
-    start (`_Start`).  Rows are kept whole when k <= full_rows_up_to (or k <= 2 x that, far from
-    balance, and rows_hint x k x 10 bytes <= full_rows_bytes); else each keeps the columns within
-    a window of its best at T0 (about `candidates`, at most `max_candidates`) and a bound on the
-    rest.  Distributed: each rank adds its shard in rank order (row_offset: its first row's global
-    number) and gets its rows' labels; only k-vectors and k x k tables travel.  NaN and +-inf
-    raise.  Design: docs/labeler.md, 'Streaming'."""
+    start: T0 (their column medians, or `start`), the tie-break's size and the candidates' window.
+    Rows are kept whole when k <= max(full_rows_up_to, 2 x max_candidates), or k <= 2 x
+    full_rows_up_to, rows_hint x k x 10 bytes <= full_rows_bytes and the first rows are far from
+    balance at T0 (their counts' mean squared deviation from N / k over 4 x N / k); else each
+    keeps the columns within a window of its best at T0 (about `candidates`, at most
+    `max_candidates`) and a bound on the rest.  Distributed: each rank adds its shard in rank order (row_offset: its first row's
+    global number) and gets its rows' labels; only k-vectors and k x k tables travel.  NaN and
+    +-inf raise.  Design: docs/labeler.md, 'Streaming'."""
 
     def __init__(self, k: int, target=None, seed: int = 0, candidates: int = 24,
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
@@ -579,14 +384,12 @@ class StreamingTranslator:
         # global number of this rank's first row (0 in one process); result() checks it
         self.row_offset = int(row_offset) if row_offset is not None else 0
         self.row_offset_given = row_offset is not None or not self.comm.on
-        self.full_rows_up_to = int(full_rows_up_to)
-        # whole rows by k alone, or by _far (_start_from)
-        self.small_k = self.k <= max(2 * self.max_candidates, self.full_rows_up_to)
-        self.rows_hint = None if rows_hint is None else int(rows_hint)
-        self.full_rows_bytes = int(full_rows_bytes)
+        self.all_cols = self.k <= max(2 * self.max_candidates, int(full_rows_up_to))
+        self.fits = rows_hint is not None and self.k <= 2 * int(full_rows_up_to) and (
+            int(rows_hint) * self.k * 10 <= int(full_rows_bytes))     # whole rows, if far
         self.start = None if start is None else check_start(start, self.k)
         self.buffer, self.nbuf = [], 0
-        self.store, self.s, self.device, self.t0, self.used = None, None, None, None, False
+        self.store, self.device, self.t0, self.used = None, None, None, False
 
     # -- feeding ---------------------------------------------------------------------------
     def add(self, outputs: torch.Tensor) -> None:
@@ -611,62 +414,42 @@ class StreamingTranslator:
             self._extract(outputs[s:s + self.chunk])
 
     def _start(self):
-        """The start from the first n_init rows (rank 0's on every rank), then those rows stored."""
+        """The start from the first n_init rows (rank 0's on every rank), then those rows stored:
+        T0, the tie-break's size eps and the window, a typical row's `candidates`-th largest gap
+        at T0 (at least 2 eps: columns within eps of a row's best can still win by the
+        tie-break, so they must be candidates; on collapsed outputs the gaps are 0)."""
         pieces, self.buffer, self.nbuf = self.buffer, [], 0
-        parts, got = [], 0     # the head: a copy of the first n_init rows only
-        for p in pieces:
-            if got >= self.n_init:
-                break
-            parts.append(p[:self.n_init - got])
-            got += parts[-1].shape[0]
-        head = torch.cat(parts).contiguous() if parts else torch.zeros(0, self.k)
-        self.device = head.device
-        head = head if head.dtype == torch.float64 else head.to(torch.float32)
-        s = (self._start_from(head) if head.shape[0] > 0 else
-             _Start(torch.zeros(self.k, dtype=torch.float64, device=self.device)))
-        self.s = s = s.broadcast(self.comm)
-        self.all_cols = self.small_k or s.whole
-        # at least 2 eps: columns within eps of a row's best can still win by the tie-break, so they
-        # must be candidates (on collapsed outputs the gaps, and so the window, are 0)
-        s.window = math.inf if self.all_cols else max(s.window, 2 * s.eps)
-        s.radius0 = max(s.radius0, s.eps)
-        width = self.k if self.all_cols else self.max_candidates
-        cdtype = torch.int16 if self.k < 32768 else torch.int32
-        # rows per pass: BLOCK on the CPU, so a pass's temporaries stay in cache; `chunk` on a GPU
-        block = self.chunk if _launch_bound(self.device) else BLOCK
-        self.store = _Store(self.k, width, cdtype, s, self.seed, self.device, block)
+        head = (_working(torch.cat([p[:self.n_init] for p in pieces])[:self.n_init]).contiguous()
+                if pieces else torch.zeros(0, self.k))
+        self.device, k = head.device, self.k
+        T0, eps, window = torch.zeros(k, dtype=torch.float64, device=self.device), 0.0, 0.0
+        if head.shape[0]:
+            check_finite(head)
+            T0 = (_column_medians(head).to(torch.float64) if self.start is None
+                  else self.start.to(self.device))
+            eps, m = _tie_scale(head, self.tie_eps), head.shape[0]
+            if self.fits and not self.all_cols:
+                cnt = torch.bincount((head - T0.to(head.dtype)).argmax(1), minlength=k)
+                self.all_cols = float(((cnt - m / k) ** 2).mean()) > 4 * m / k
+            if not self.all_cols:
+                S = head[:WINDOW_ROWS] - T0.to(head.dtype)
+                gaps = S.amax(1, keepdim=True) - S
+                window = float(gaps.kthvalue(min(self.candidates, k), dim=1).values.median())
+        v = self.comm.broadcast(torch.cat([T0.cpu(), torch.tensor(
+            [eps, window, self.all_cols], dtype=torch.float64)]))
+        T0, (eps, window, whole) = v[:k].to(self.device), v[k:].tolist()
+        self.all_cols = whole > 0
+        self.eps, width = eps, k if self.all_cols else self.max_candidates
+        self.store = _Store(k, width, T0, eps, math.inf if self.all_cols else max(window, 2 * eps),
+                            self.seed)
         for p in pieces:
             for i in range(0, p.shape[0], self.chunk):
                 self._extract(p[i:i + self.chunk])
 
-    def _start_from(self, head):
-        """This rank's start from its first rows `head` (float32, or float64 as given)."""
-        k = self.k
-        check_finite(head)
-        T0 = (_column_medians(head).to(torch.float64) if self.start is None
-              else self.start.to(self.device))
-        cnt = torch.bincount((head - T0.to(head.dtype)).argmax(1), minlength=k).to(torch.float64)
-        far = _far(cnt, self.target_arg)
-        whole = self.small_k or (far and k <= 2 * self.full_rows_up_to and self.rows_hint is not None
-                                 and self.rows_hint * k * 10 <= self.full_rows_bytes)
-        window = 0.0
-        if not whole:   # the window: a typical row's `candidates`-th largest gap
-            S = head[:RADIUS_ROWS] - T0.to(head.dtype)
-            gaps = S.amax(1, keepdim=True) - S
-            window = gaps.kthvalue(min(self.candidates, k), dim=1).values.median().item()
-        return _Start(T0, _tie_scale(head, self.tie_eps), window, _first_radius(head, T0).item(),
-                      whole and not self.small_k, far)
-
     def _extract(self, X: torch.Tensor):
-        X = X.to(self.device)
-        if X.shape[0] == 0:
-            return
-        if X.dtype != torch.float64:
-            X = X.to(torch.float32)
-        if self.all_cols:
-            return self.store.add_whole(X)
-        for s in range(0, X.shape[0], self.store.block):
-            self.store.add_block(X[s:s + self.store.block], self.store.n + self.row_offset)
+        X, step = _working(X.to(self.device)), _rows_per_pass(self.device)
+        for s in range(0, X.shape[0], step):
+            self.store.add(X[s:s + step], self.store.n + self.row_offset)
 
     # -- solving ---------------------------------------------------------------------------
     def result(self, refetch=None, max_rounds: int = 200) -> TranslateResult:
@@ -693,13 +476,12 @@ class StreamingTranslator:
             raise ValueError(f"need at least as many outputs as clusters (N >= k), got N={n_total}, k={k}")
         target = check_target(self.target_arg, n_total, k)
         lo, hi = (b.to(dev) for b in count_bounds(target))
-        self.store.add_jitter(self.offset)   # now the global row numbers are known
-        self.store._diff = self.store._mask = None        # the extraction buffers
-        solver, ic, n_act, refetched, history = self._solve_growing(
-            n_total, target, lo, hi, refetch, max_rounds)
-        labels = solver.lab0
-        labels[solver.act] = solver.labels
-        counts = ic + solver.counts
+        rows = torch.arange(self.offset, self.offset + self.store.n, device=dev)
+        solver = _Solver(self.store.take(self.offset), k, target.to(dev), lo, hi, comm, rows,
+                         self.store.width)
+        history = [solver.std()]
+        solver, refetched = self._solve(solver, refetch, history, max_rounds)
+        counts = solver.counts
         ok = _within(counts, lo, hi)
         if not ok:
             warnings.warn(
@@ -707,131 +489,79 @@ class StreamingTranslator:
                 "outside the target's bounds (stop_reason 'max_iter'); the labels are usable but "
                 "not balanced.  With tie_eps=0 identical rows cannot be split; otherwise please "
                 "report the outputs that did this", RuntimeWarning)
-        return ScaleResult(labels=labels, T=self.store.T0 + solver.dT, counts=counts, target=target,
-                           iterations=solver.rounds + solver.phases, std_history=history,
-                           std=counts_std(counts.cpu(), target), std_max=worst_std(target, n_total),
+        return ScaleResult(labels=solver.labels, T=self.store.T0 + solver.dT, counts=counts,
+                           target=target, iterations=solver.rounds + solver.phases,
+                           std_history=history, std=counts_std(counts.cpu(), target),
+                           std_max=worst_std(target, n_total),
                            seconds=time.perf_counter() - self.t0,
                            stop_reason="balanced" if ok else "max_iter", refetched=refetched,
-                           ties=solver.ties, ties_left=solver.ties_left, active=n_act)
+                           ties=solver.ties, ties_left=solver.ties_left, active=self.store.n)
 
-    def _solve_growing(self, n_total, target, lo, hi, refetch, max_rounds):
-        """The working set: at T0 every row leads by a margin over its runner-up (or theta).  While
-        no T_j moves by more than `radius` relative to another, rows with a larger margin keep their
-        column, so only the others are solved; the radius grows until the translation found fits.
-        Returns (solver, counts of the rows not solved, rows solved, rows refetched, history)."""
-        comm, k, dev, n = self.comm, self.k, self.device, self.store.n
-        lab0 = torch.empty(n, dtype=torch.int64, device=dev)
-        margin = torch.empty(n, dtype=torch.float64, device=dev)
-        for s, vals, cols, theta in self.store.chunks():
-            best, arg, second = _top2_(vals.clone())
-            lab0[s:s + vals.shape[0]] = cols.long().gather(1, arg)[:, 0]
-            margin[s:s + vals.shape[0]] = best - torch.maximum(second, theta)
-        # Outputs far from the target (real networks') move most rows: one solve on all of them;
-        # from a given start (near the answer) a narrow first solve, however far the counts are
-        radius = math.inf if self.s.far and self.start is None else self.s.radius0
-        history, refetched, solver = [], 0, None
-        while True:
-            act = (margin <= radius).nonzero()[:, 0]
-            n_act = comm.total(act.numel())
-            ic = comm.sum(torch.bincount(lab0[margin > radius], minlength=k))   # counts of the rest
-            if n_act < n_total and bool((ic > hi).any()):
-                # the rest already overfill a cluster: widen first, by at least one more row
-                nxt = margin[margin > radius].min() if bool((margin > radius).any()) else torch.tensor(math.inf)
-                radius = max(4 * radius, float(comm.min(nxt.to(torch.float64).reshape(1).cpu())[0]))
-                continue
-            # the rows to solve leave the store (those of an earlier, narrower solve come from
-            # its solver); at T0 (first solve) their labels are known already
-            prev = None if solver is None else (solver.rows_global - self.offset, solver)
-            got = self.store.take(act, prev)
-            solver, more = self._solve(*got, act, target.to(dev) - ic, (lo - ic).clamp(min=0),
-                                       hi - ic, solver, refetch, history, max_rounds,
-                                       labels=lab0.index_select(0, act) if solver is None else None)
-            refetched += more
-            span = float(solver.dT.max() - solver.dT.min())
-            if n_act == n_total or span < radius:
-                solver.lab0, solver.act = lab0, act
-                return solver, ic, n_act, refetched, history
-            radius = max(2 * radius, 2 * span)
-
-    def _solve(self, vals, cols, theta, epoch, cuts, rows, target, lo, hi, prev, refetch, history,
-               max_rounds, labels=None):
-        """The exact solver on the rows `rows` (local indices; vals, cols, theta are theirs), from
-        the earlier solver `prev`'s translation, reading again the rows whose candidates fall short.
-        Returns (solver, rows refetched)."""
-        k, comm = self.k, self.comm
-        rows_global = rows + self.offset
-        carry = {} if prev is None else dict(dT=prev.dT, rounds=prev.rounds, phases=prev.phases)
-        solver = _ExactSolver(vals, cols, theta, k, target, lo, hi, comm, self.store.block,
-                              rows_global, labels=labels, epoch=epoch, cuts=cuts, **carry)
-        # reverse auction rounds on candidate lists far from balance, once the rows are spread over
-        # half of the clusters (an empty cluster is in few rows' candidates)
-        wide_far = self.s.far and vals.shape[1] < k
-        solver.reverse = wide_far and int((solver.counts > 0).sum()) >= 0.5 * k
-        pending = wide_far and not solver.reverse
-        history.append(solver.std())
-        # Rows whose candidates fell short are read again, their candidates chosen at the current T,
-        # while that helps (past 6 times only while each solve gains a fifth).  Then every row's
-        # candidates are chosen again once; only after that does the solver take whole rows.
-        refetched, width, recut_all, rereads = 0, vals.shape[1], False, 0
-        best, last_unsafe, progress = math.inf, math.inf, True
-        for attempt in range(40):
-            if pending and width < k and int((solver.counts > 0).sum()) >= 0.5 * k:
-                solver.reverse, pending = True, False
-            balanced = solver.run(max_rounds, history, self.s.radius0,
-                                  check_rows=rereads < 6 or progress)
-            unsafe = solver.unsafe_rows()
-            n_unsafe = comm.total(unsafe.numel())
-            std = solver.std()
-            progress = std < 0.8 * best or n_unsafe < 0.8 * last_unsafe
-            best, last_unsafe = min(best, std), n_unsafe
-            if (balanced and not n_unsafe) or width >= k:
-                break
-            _need_refetch(refetch, n_unsafe)
-            if n_unsafe and (rereads < 6 or progress):
-                rereads += 1
-                refetched += self._recut(solver, unsafe, refetch)
-            elif not recut_all:
-                recut_all = True
-                refetched += self._recut(solver, solver.all_rows, refetch)
-            else:   # whole rows: the candidates could not hold the answer
-                solver, width = self._whole_solver(solver, rows, target, lo, hi, refetch), k
-                refetched += rows.numel()
-        solver.strictify(keep_balance=self.s.eps > 0)
+    def _solve(self, solver, refetch, history, max_rounds):
+        """Published steps far from balance and the auction, then the finish once few rows are
+        unsure of their best candidate (a dropped column could beat it at the current T).
+        Candidates are chosen again at the current T from the rows read again: the unsure rows',
+        and every row's, with (some of) the clusters that no move reached, where the finish finds
+        no path to them (the lists, chosen around T0, miss them).  Where that happens twice, or
+        after READS rounds, whole rows.  Returns (solver, rows read again)."""
+        comm, n_total, refetched, failed = self.comm, int(solver.counts.sum()), 0, 0
+        for attempt in range(READS + 1):
+            if (attempt == READS or failed == 2) and not solver.whole:
+                solver = self._whole_solver(solver, refetch)
+                refetched += solver.labels.numel()
+            solver.approach(history)
+            solver.auction(max_rounds, history)
+            rows, force = solver.unsure_rows(), torch.zeros(self.k, dtype=torch.bool, device=self.device)
+            n_unsure = comm.total(rows.numel())
+            if n_unsure <= UNSURE_SHARE * n_total or attempt >= READS - 1:
+                finish = _Finish(solver)     # (on stale lists it would be wasted)
+                balanced = finish.run(history)
+                rows = solver.unsure_rows()
+                n_unsure = comm.total(rows.numel())
+                if (balanced and not n_unsure) or solver.whole:
+                    break
+                if not balanced:     # up to w / 2 of the clusters that no move reached
+                    failed, force = failed + 1, finish.unreached
+                    rows, force = solver.all_rows, force & (force.cumsum(0) <= solver.width // 2)
+            _need_refetch(refetch, n_unsure)
+            if failed < 2:
+                refetched += self._recut(solver, rows, refetch, force)
+        solver.strictify(keep_balance=self.eps > 0)
         return solver, refetched
 
-    def _whole_solver(self, solver, rows, target, lo, hi, refetch):
-        """A solver on the whole rows of `rows`, read again, from `solver`'s translation."""
-        k, dev = self.k, self.device
-        vals = torch.empty(rows.numel(), k, dtype=torch.float64, device=dev)
-        for s in range(0, rows.numel(), self.chunk):
-            r = rows[s:s + self.chunk]
-            X = refetch((r + self.offset).cpu()).to(dev)
-            vals[s:s + r.numel()] = self.store.whole_rows(X, r + self.offset)
-        cols = torch.arange(k, device=dev).to(self.store.cdtype).expand(rows.numel(), k).contiguous()
-        theta = torch.full((rows.numel(),), -math.inf, dtype=torch.float64, device=dev)
-        return _ExactSolver(vals, cols, theta, k, target, lo, hi, self.comm, self.store.block,
-                            solver.rows_global, dT=solver.dT, rounds=solver.rounds,
-                            phases=solver.phases)
+    def _read(self, rows_global, refetch):
+        """The rows' outputs read again, in the labeler's precision, on this rank's device."""
+        return _working(refetch(rows_global.cpu()).to(self.device))
 
-    def _recut(self, solver, pos, refetch):
-        """Re-choose the candidates of the solver's rows `pos` at its dT from their outputs, read in
-        pieces of at most 256 MB; returns how many were read (every rank calls it)."""
+    def _whole_solver(self, solver, refetch):
+        """A solver on every row whole, read again, from `solver`'s translation."""
+        parts, rows = [], solver.rows_global
+        for s in range(0, rows.numel(), self.chunk):
+            grows = rows[s:s + self.chunk]
+            parts += _whole_parts(self.store.whole(self._read(grows, refetch), grows))
+        return _Solver(parts, self.k, solver.target, solver.lo, solver.hi, self.comm, rows,
+                       dT=solver.dT, rounds=solver.rounds, phases=solver.phases)
+
+    def _recut(self, solver, pos, refetch, force):
+        """Re-choose the candidates of the solver's rows `pos` at its dT from their outputs (read
+        in pieces of at most 256 MB), the clusters in `force` among them; returns how many were
+        read (every rank calls it)."""
         step = max(1, min(self.chunk, (1 << 28) // (8 * self.k)))
         for s in range(0, pos.numel(), step):
             grows = solver.rows_global.index_select(0, pos[s:s + step])
-            X = refetch(grows.cpu()).to(self.device)
-            solver.replace_rows(pos[s:s + step], *self.store.full_rows(X, grows, solver.dT))
-        solver.recount()
+            solver.replace_rows(pos[s:s + step], *self.store.recut(
+                self._read(grows, refetch), grows, solver.dT, force))
+        solver.counts = solver.count()
         return pos.numel()
 
 
-def _need_refetch(refetch, n_unsafe):
+def _need_refetch(refetch, n_unsure):
     """Raise where the candidate lists fell short and no refetch was given."""
     if refetch is not None:
         return
-    if n_unsafe:
+    if n_unsure:
         raise RuntimeError(
-            f"{n_unsafe} rows' best candidate could be beaten by a column they dropped; pass "
+            f"{n_unsure} rows' best candidate could be beaten by a column they dropped; pass "
             "refetch=fn(rows) -> outputs of those rows, or use more candidates")
     raise RuntimeError(
         "the candidate lists are too short for these outputs (no cheap move reaches an under-full "
@@ -840,6 +570,19 @@ def _need_refetch(refetch, n_unsafe):
 
 
 # ---- The solver on candidate lists
+
+def _rows_per_pass(device):
+    """Rows a pass takes at once: BLOCK on the CPU (in cache), many more on a GPU (launches)."""
+    return 65536 if _launch_bound(device) else BLOCK
+
+
+def _whole_parts(vals):
+    """Whole rows (n, k) as the solver's pieces: every column in order, no bound on others."""
+    block, k = _rows_per_pass(vals.device), vals.shape[1]
+    cols = torch.arange(k, device=vals.device).expand(block, k)
+    return [(v, cols[:v.shape[0]], torch.full((v.shape[0],), -math.inf, dtype=torch.float64,
+                                               device=v.device)) for v in vals.split(block)]
+
 
 def _cat(parts):
     """torch.cat of a non-empty list of tensors; a single one as it is (no copy, and on a GPU no
@@ -857,43 +600,29 @@ def _top2_(S):
     return best, arg, second
 
 
-class _ExactSolver:
-    """The translation solved on candidate lists: vals (n, w) O - T0 of each row's candidates, cols
-    (n, w) their clusters, rows_global (n,) ascending, dT (k,) = T - T0.  theta (n,) bounds the
-    dropped columns at the translation cuts[epoch[i]] the row's candidates were chosen at: at any
-    dT a dropped column scores at most theta_i - min(dT - cuts[epoch_i]).  run(): the published
-    step far from balance (`_Approach`), an ascending auction with reverse rounds (`_auction`,
-    `_attract`), the exact finish (`_Finish`); strictify() makes every label a strict argmax."""
+class _Solver:
+    """The translation solved on candidate lists: vals (n, w) O - T0 + eps u of each row's
+    candidates, cols (n, w) their clusters, rows_global (n,) ascending, dT (k,) = T - T0.  theta
+    (n,) bounds the dropped columns at the translation cuts[epoch[i]] the row's candidates were
+    chosen at, so at any dT a dropped column scores at most theta_i - min(dT - cuts[epoch_i]).
+    auction() comes near the target, `_Finish` ends it exactly, strictify() makes every label a
+    strict argmax."""
 
-    def __init__(self, vals, cols, theta, k, target, lo, hi, comm, chunk, rows_global, dT=None,
-                 rounds=0, phases=0, labels=None, epoch=None, cuts=None):
-        if _launch_bound(vals.device) and cols.dtype != torch.int32:
-            # int32 once: gathers of dT by column take int32 indices, and on a GPU a conversion per
-            # round is a launch (the CPU keeps int16's memory)
-            cols = cols.to(torch.int32)
-        self.vals, self.cols, self.theta, self.k = vals, cols, theta, k
-        self.epoch = (torch.zeros(vals.shape[0], dtype=torch.int64, device=vals.device)
-                      if epoch is None else epoch)
-        self.cuts = torch.zeros(1, k, dtype=torch.float64, device=vals.device) if cuts is None else cuts
-        self.rows_global = rows_global
-        self.target, self.lo, self.hi, self.comm, self.chunk = target, lo, hi, comm, chunk
-        self.dev = vals.device
+    def __init__(self, parts, k, target, lo, hi, comm, rows_global, width=None, dT=None, rounds=0,
+                 phases=0):
+        self.parts, self.k, self.dev = parts, k, rows_global.device
+        self.width = k if width is None else width     # (the same on every rank)
+        self.whole = self.width >= k      # whole rows: no column dropped
+        self.starts = torch.tensor([0] + [v.shape[0] for v, _, _ in parts]).cumsum(0).tolist()
+        self.target, self.lo, self.hi, self.comm = target, lo, hi, comm
+        self.rows_global, self.block = rows_global, _rows_per_pass(self.dev)
+        self.epoch = torch.zeros(rows_global.numel(), dtype=torch.int64, device=self.dev)
+        self.cuts = torch.zeros(1, k, dtype=torch.float64, device=self.dev)
         self.dT = torch.zeros(k, dtype=torch.float64, device=self.dev) if dT is None else dT
         self.rounds, self.phases, self.ties, self.ties_left = rounds, phases, 0, 0
-        self.reverse = False   # reverse auction rounds (_attract) on candidate lists
-        self._last_eval = self._last_rise = None
-        self.all_rows = torch.arange(vals.shape[0], device=self.dev)
-        self.natural = self._natural(cols)
-        # labels: the rows' argmax at dT when the caller has it (the same _top2_ on the same values)
-        self.labels = self.evaluate(self.all_rows)[1] if labels is None else labels
+        self.all_rows = torch.arange(rows_global.numel(), device=self.dev)
+        self.labels = self.evaluate(self.all_rows)[1]
         self.counts = self.count()
-
-    def _natural(self, cols):
-        """Whether cols holds every column in order (whole rows): then a slot's column is its
-        position, with no gathers of dT by column, and moves fill the k x k table by row."""
-        k = self.k
-        return cols.shape[1] == k and bool((cols == torch.arange(k, device=cols.device)
-                                            .to(cols.dtype)).all())
 
     def count(self):
         return self.comm.sum(torch.bincount(self.labels, minlength=self.k))
@@ -901,137 +630,153 @@ class _ExactSolver:
     def std(self):
         return counts_std(self.counts.cpu(), self.target)
 
-    def gathered(self, d, cols):
-        """d[cols] for a (n, w) block of cluster numbers, by index_select on int32 (cheaper than
-        advanced indexing with int64)."""
-        return d.index_select(0, cols.reshape(-1).to(torch.int32)).view(cols.shape)
-
-    def rise(self, d=None):
-        """(E,) at least how far T has risen since each epoch's cut, min(d - cuts[e]): a row of
-        epoch e bounds its dropped columns by theta - rise(d)[e] at d (default: the current dT)."""
-        d = self.dT if d is None else d
-        last = self._last_rise    # (kept for the same d and cuts: a round's blocks share them)
-        if last is None or last[0] is not d or last[1] is not self.cuts:
-            self._last_rise = last = (d, self.cuts, (d[None, :] - self.cuts).amin(1))
-        return last[2]
+    def _split(self, rows):
+        """(piece, rows of it as indices into it, the rows) for the ascending local `rows`."""
+        cut = torch.searchsorted(rows.contiguous(), torch.tensor(self.starts, device=self.dev)).tolist()
+        for p, (a, b) in enumerate(zip(cut, cut[1:])):
+            if b > a:
+                yield p, rows[a:b] - self.starts[p], rows[a:b]
 
     def blocks(self, rows):
-        """(vals, cols, bound) of `rows` in pieces of at most `chunk` (slices when rows are all
-        rows); bound: the most a dropped column of the row scores at the current dT."""
-        m = self.rise()
-        one = self.cuts.shape[0] == 1      # one epoch (no row read again): m[0] for every row
-        for s in range(0, rows.numel(), self.chunk):
-            if rows is self.all_rows:
-                sl = slice(s, s + self.chunk)
-                yield self.vals[sl], self.cols[sl], self.theta[sl] - (
-                    m if one else m.index_select(0, self.epoch[sl]))
-            else:
-                r = rows[s:s + self.chunk]
-                yield (self.vals.index_select(0, r), self.cols.index_select(0, r),
-                       self.theta.index_select(0, r) - (
-                           m if one else m.index_select(0, self.epoch.index_select(0, r))))
+        """(rows, their vals, cols as int64, bound) of the ascending local `rows`, piece by piece
+        (slices where rows are all rows); bound: the most a dropped column of the row scores at
+        the current dT.  Whole rows' cols: every column in order, as an expanded view."""
+        rise = (self.dT[None, :] - self.cuts).amin(1)    # (epochs,) how far T rose since each cut
+        for p, r, rr in self._split(rows):
+            v, c, t = self.parts[p]
+            if rows is not self.all_rows:
+                v, c, t = v.index_select(0, r), c.index_select(0, r), t.index_select(0, r)
+            c = (torch.arange(self.k, device=self.dev).expand(v.shape[0], self.k) if self.whole
+                 else c.long())
+            yield rr, v, c, t - rise.index_select(0, self.epoch.index_select(0, rr))
+
+    def at(self, cols):
+        """dT at each entry of a block of cluster numbers (whole rows: dT itself, broadcast)."""
+        return self.dT if self.whole else self.dT.index_select(0, cols.reshape(-1)).view(cols.shape)
 
     def evaluate(self, rows):
-        """best score, its column, the runner-up (or the bound on dropped columns), unsafe."""
+        """(best score, its column, the runner-up or the dropped columns' bound, unsure: the
+        bound is not below the best) of `rows` at the current dT."""
         out = [[], [], [], []]
-        for vr, cr, thb in self.blocks(rows):
-            if self.natural:
-                best, arg, second = _top2_(vr - self.dT)
-                out[1].append(arg[:, 0])
-            else:
-                best, arg, second = _top2_(vr - self.gathered(self.dT, cr))
-                out[1].append(cr.gather(1, arg)[:, 0].long())
-            out[0].append(best)
-            out[2].append(torch.maximum(second, thb))
-            out[3].append(best <= thb)
+        for _, vr, cr, bound in self.blocks(rows):
+            best, arg, second = _top2_(vr - self.at(cr))
+            for o, x in zip(out, (best, cr.gather(1, arg)[:, 0], torch.maximum(second, bound),
+                                  best <= bound)):
+                o.append(x)
         if not out[0]:
             e = torch.zeros(0, dtype=torch.float64, device=self.dev)
             return e, torch.zeros(0, dtype=torch.int64, device=self.dev), e, e.bool()
         return tuple(_cat(o) for o in out)
 
-    def evaluate_all(self):
-        """evaluate() of every row, kept while dT and the rows stay (run(check_rows=True), then
-        unsafe_rows(), then strictify() all look at the same dT)."""
-        last = self._last_eval
-        if last is None or last[0] is not self.dT:
-            self._last_eval = last = (self.dT, self.evaluate(self.all_rows))
-        return last[1]
-
-    def unsafe_rows(self):
-        if self.vals.shape[1] >= self.k:   # whole rows drop no column: none can be unsafe
+    def unsure_rows(self):
+        if self.whole:
             return torch.zeros(0, dtype=torch.int64, device=self.dev)
-        return self.evaluate_all()[3].nonzero()[:, 0]
+        return self.evaluate(self.all_rows)[3].nonzero()[:, 0]
 
     def replace_rows(self, rows, vals, cols, theta):
         """New candidates for `rows`, chosen at the current dT (theta: their bound there); the
-        counts are stale until recount() (on every rank: it sums over ranks)."""
-        self._last_eval = None
-        self.vals[rows], self.cols[rows], self.theta[rows] = vals, cols.to(self.cols.dtype), theta
-        self.natural = self.natural and self._natural(cols)
+        counts are stale until the caller counts again (on every rank: it sums over ranks)."""
+        at = torch.searchsorted(rows, torch.tensor(self.starts, device=self.dev)).tolist()
+        for p, r, _ in self._split(rows):
+            for x, y in zip(self.parts[p], (vals, cols, theta)):
+                x.index_copy_(0, r, y[at[p]:at[p + 1]].to(x.dtype))
         if not bool((self.cuts[-1] == self.dT).all()):
             self.cuts = torch.cat([self.cuts, self.dT[None, :]])
         self.epoch[rows] = self.cuts.shape[0] - 1
         self.labels[rows] = self.evaluate(rows)[1]
 
-    def recount(self):
+    def relabel(self, rows):
+        """The labels of `rows` at the current dT, and the counts again."""
+        self.labels[rows] = self.evaluate(rows)[1]
         self.counts = self.count()
 
-    def relabel(self, rows=None):
-        """The labels of `rows` (all: None) at the current dT, and the counts again."""
-        if rows is None:
-            self.labels = self.evaluate(self.all_rows)[1]
-        else:
-            self.labels[rows] = self.evaluate(rows)[1]
-        self.counts = self.count()
+    def approach(self, history):
+        """Published steps (Algorithm 1's loop, otl.translation_steps, APPROACH_STEPS at most)
+        while the excess is over APPROACH_SHARE of the rows: they move every cluster at once,
+        where the auction, raising over-full clusters only, is slow (far from balance, with
+        clusters that no row's best candidate is)."""
+        n = int(self.counts.sum())
+        if float((self.counts - self.hi).clamp(min=0).sum()) <= APPROACH_SHARE * n:
+            return
+        ends = [torch.zeros((), dtype=torch.float64, device=self.dev)] * 2
+        for v, _, _ in self.parts:
+            ends = [torch.maximum(ends[0], v.amax()),
+                    torch.maximum(ends[1], -torch.where(torch.isfinite(v), v, math.inf).amin())]
+        spread = float(self.comm.max(torch.stack(ends)).sum())    # the range of vals, at most
+        dT = self.dT
 
-    def run(self, max_rounds, history, tau0, check_rows=False):
-        """Balance: True, or False when no cheap move reaches a cluster that needs rows.
-        check_rows: None before the finish when over 1 % of the rows' candidates fell short (the
-        caller reads them again; the finish on them would be mostly wasted)."""
-        n = float(self.counts.sum())
-        E = float((self.counts - self.hi).clamp(min=0).sum())
-        if E > APPROACH_SHARE * n:
-            _approach(self, history)
-        _auction(self, max_rounds, history)
-        if check_rows and self.comm.total(self.unsafe_rows().numel()) > 0.01 * n:
-            return None
-        return _Finish(self).run(history, tau0)
+        def assign(T):
+            self.dT = T
+            labels = self.evaluate(self.all_rows)[1]
+            return labels, self.comm.sum(torch.bincount(labels, minlength=self.k))
+
+        T, self.labels, self.counts, _, steps, _ = otl.translation_steps(
+            assign, lambda T: spread + float(T.max() - T.min()), dT, self.labels, self.counts,
+            self.target.to(self.dev), worst_std(self.target, n), history, patience=3,
+            max_iter=APPROACH_STEPS)
+        self.dT, self.rounds = T, self.rounds + steps
+
+    def auction(self, max_rounds, history):
+        """Ascending auction rounds: every over-full cluster raises T_j just past its excess_j-th
+        smallest margin (`_shed`), so that that many of its rows would leave it if no other T
+        rose, until 6 rounds removed under a fifth of the excess (the rest is a slow random walk,
+        which the exact finish does faster)."""
+        excesses = []
+        for _ in range(max_rounds):
+            excess = (self.counts - self.hi).clamp(min=0)
+            excesses.append(int(excess.sum()))
+            if excesses[-1] == 0 or (len(excesses) > AUCTION_STALL and
+                                     excesses[-1] > 0.8 * excesses[-1 - AUCTION_STALL]):
+                return
+            self.rounds += 1
+            over = excess > 0
+            rows = over.index_select(0, self.labels).nonzero()[:, 0]
+            best, _, second, _ = self.evaluate(rows)
+            # a row whose best a dropped column could beat (margin < 0) cannot be shed by moving
+            # T: it counts as margin 0 here and is read again later
+            margin = (best - second).clamp(min=0)
+            lab = self.labels.index_select(0, rows)
+            r = _shed(self, margin, lab, excess, over)
+            self.dT = self.dT + r
+            self.relabel(rows[margin < r.index_select(0, lab)])
+            history.append(self.std())
 
     def strictify(self, keep_balance=True):
         """Moved rows sit on exact ties.  Order the clusters so that every tie a -> b (a row of a
-        with an equal score in b) has pi[b] > pi[a], and add eta * pi to T with eta under half of
-        every other margin over (max pi + 1): ties resolve to the current labels, nothing else
-        changes.  Only the rows near a tie are looked at column by column.  Equal is within 64 ulps
-        of the largest |value| at first, raised while eta would not clear it.  keep_balance: where
+        with an equal score in b) has pi[b] > pi[a], and add eta * pi to T, eta under half of what
+        keeps every other lead: ties resolve to the current labels, nothing else changes.  Only
+        the rows near a tie are looked at column by column.  Equal is within 64 ulps of the
+        largest |value| at first, raised while the shift would not clear it.  keep_balance: where
         the shift would unbalance balanced counts, keep the labels and T (ties_left)."""
         k, dev = self.k, self.dev
         # ties are equal up to float64 rounding of the values involved
         parts = [self.dT.abs().max()]    # one wait for the device, not two a block
-        for v in self.vals.split(self.chunk):
+        for v, _, _ in self.parts:
             parts += [v.amax(), -torch.where(torch.isfinite(v), v, 0.0).amin()]
         scale = float(torch.stack(parts).max())
         scale = float(self.comm.max(torch.tensor([scale], dtype=torch.float64))[0]) or 1.0
         tol = 64 * 2.0 ** -52 * scale
-        best, arg, second, _ = self.evaluate_all()
+        best, arg, second, _ = self.evaluate(self.all_rows)
         margin = best - second          # over the runner-up and the dropped columns' bound
         for _ in range(64):
-            key, tied, rmin, gap = self._ties(margin, arg, tol)
+            key, tied, rmin, gap, near = self._ties(margin, arg, tol)
             self.ties = key.numel()
             if self.ties == 0:
                 return
             pi, cycle = _tie_order(key // k, key % k, k)
-            r = min(rmin, gap)
-            # (gap is a margin over a dropped column's bound, not a pair that could be a tie)
-            if rmin >= gap or _ties_clear(pi, cycle, rmin, tol):
+            # (a cycle of ties, such as identical rows without the tie-break have, has no order:
+            # the rows then take their argmax at the shift of k + 1 steps; gap is a margin over
+            # a dropped column's bound, not a pair that could be a tie)
+            if cycle or rmin >= gap or rmin > 4 * (float(pi.max()) + 1) * tol:   # (inf: no such)
                 break
             tol = rmin      # the nearest pair that was not a tie is one now
-        # (a cycle of ties, such as identical rows without the tie-break have, has no order:
-        # the rows then take their argmax at the shift of k + 1 steps)
+        eta = self._eta(pi.to(dev), margin, tied, near, tol)
+        if not math.isfinite(eta):     # no lead to keep: any shift
+            eta = scale * 1e-6 / (float(pi.max()) + 1)
         dT, old = self.dT, self.labels.index_select(0, tied)
         balanced = _within(self.counts, self.lo, self.hi)   # (global counts: all ranks alike)
-        self.dT = self.dT + _tie_shift(pi, r, scale).to(dev)
-        # a row outside `tied` leads by at least r > 2 eta max(pi): it keeps its label
-        self.relabel(tied)
+        self.dT = self.dT + eta / 2 * pi.to(dev)
+        self.relabel(tied)      # a row outside `tied` loses at most half of its lead
         if keep_balance and balanced and not _within(self.counts, self.lo, self.hi):
             # Scores closer than float64 resolves at their size: no shift orders these ties.
             # Balance comes first: the rows keep their labels, on a tie.
@@ -1043,27 +788,23 @@ class _ExactSolver:
     def _ties(self, margin, arg, tol):
         """strictify's look at the rows at tolerance tol: the tied pairs a * k + b (ascending, all
         ranks), the tied rows (local), the least score difference over tol to another candidate
-        (rmin) and the least margin over a dropped column's bound (gap)."""
+        (rmin), the least lead over a dropped column's bound (gap), and the tied rows' labels,
+        candidates, leads over them (inf: none) and over the dropped columns, for _eta."""
         k, dev = self.k, self.dev
         near = (margin <= tol) | (arg != self.labels)
         rmin = float(torch.where(near, math.inf, margin).amin()) if margin.numel() else math.inf
         tied = near.nonzero()[:, 0]     # the rest: every other score is more than tol below
-        ta, tb, gmin = [], [], math.inf
-        for s, (vr, cr, thb) in zip(range(0, tied.numel(), self.chunk), self.blocks(tied)):
-            cr, lab = cr.long(), self.labels.index_select(0, tied[s:s + self.chunk])
-            S = vr - self.gathered(self.dT, cr)
+        ta, tb, out = [], [], [[], [], [], []]
+        for rows, vr, cr, thb in self.blocks(tied):
+            lab = self.labels.index_select(0, rows)
+            S = vr - self.at(cr)
             own = S.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
-            valid = (cr != lab[:, None]) & torch.isfinite(S)
-            R = own - S
-            tight = valid & (R <= tol)
+            R = torch.where((cr != lab[:, None]) & torch.isfinite(S), own - S, math.inf)
+            tight = R <= tol
             ta.append(lab[:, None].expand_as(R)[tight])
             tb.append(cr[tight])
-            if R.numel():
-                rmin = min(rmin, float(torch.where(valid & ~tight, R, math.inf).amin()))
-            g = (own[:, 0] - thb)          # over the dropped columns: score <= thb
-            g = g[torch.isfinite(g)]
-            if g.numel():
-                gmin = min(gmin, float(g.min()))
+            for o, x in zip(out, (lab, cr, torch.where(tight, math.inf, R), own[:, 0] - thb)):
+                o.append(x)
         # the tied pairs a * k + b, ascending, of all ranks (across ranks as a k x k sum; in one
         # process without any k x k array)
         key = (torch.cat(ta) * k + torch.cat(tb) if ta else
@@ -1072,8 +813,30 @@ class _ExactSolver:
             adj = torch.zeros(k * k, dtype=torch.int64, device=dev)
             adj[key] = 1
             key = (self.comm.sum(adj) > 0).nonzero()[:, 0]
+        near = [torch.cat(o) for o in out] if ta else None
+        if near is not None and near[2].numel():
+            rmin = min(rmin, float(near[2].amin()))
+        g = near[3][torch.isfinite(near[3])] if near is not None else near
+        gmin = float(g.min()) if g is not None and g.numel() else math.inf
         rmin, gmin = self.comm.min(torch.tensor([rmin, gmin], dtype=torch.float64)).tolist()
-        return key.unique().cpu(), tied, rmin, gmin
+        return key.unique().cpu(), tied, rmin, gmin, near
+
+    def _eta(self, pi, margin, tied, near, tol):
+        """The shift eta * pi keeps every lead that is not a tie while eta is under this, over all
+        ranks: a row of cluster a loses eta (pi_a - pi_b) of its lead over b, at most eta pi_a
+        of its lead over its runner-up or a dropped column."""
+        free = margin.clone()
+        free[tied] = math.inf       # the rows near a tie: column by column below
+        pl = pi.index_select(0, self.labels)
+        lims = [torch.where(pl > 0, free / pl, math.inf)]
+        if near is not None:
+            lab, cr, R, g = near
+            pa = pi.index_select(0, lab)
+            drop = pa[:, None] - pi.index_select(0, cr.reshape(-1)).view(cr.shape)
+            lims += [torch.where((drop > 0) & (R > tol), R / drop, math.inf).view(-1),
+                     torch.where(pa > 0, g / pa, math.inf)]
+        lim = min((float(x.amin()) for x in lims if x.numel()), default=math.inf)
+        return float(self.comm.min(torch.tensor([lim], dtype=torch.float64))[0])
 
 
 def _tie_order(a, b, k):
@@ -1087,115 +850,6 @@ def _tie_order(a, b, k):
             return pi, False
         pi = new
     return pi, True
-
-
-def _ties_clear(pi, cycle, rmin, tol):
-    """strictify's test that tol may stay: the shift eta = rmin / (2 (max pi + 1)) clears the ties'
-    rounding tol with room, or raising tol would not help (a cycle, or no margin that is a tie)."""
-    return cycle or not math.isfinite(rmin) or rmin > 4 * (float(pi.max()) + 1) * tol
-
-
-def _tie_shift(pi, r, scale):
-    """The shift eta * pi of T that resolves the ties _tie_order ordered: eta = r / (2 (max pi +
-    1)), r the least margin that is not a tie (any shift where there is none)."""
-    if not math.isfinite(r):
-        r = scale * 1e-6
-    return r / (2 * (float(pi.max()) + 1)) * pi
-
-
-# ---- The solver's stages: the published step far from balance, the auction, the finish
-
-class _Approach:
-    """The published step rule (`otl.translation_steps`), which moves every cluster at once, where
-    the auction, raising over-full clusters only, is slow: far from balance.  Each step is an
-    argmax over float32 copies of every row's best `top` candidates at a reference T `ref` and
-    theta bounding the rest, in one reused scratch block (fresh blocks cost page faults), scaled by
-    their scores' range plus dT's span.  Past 1 % of rows unsure, the copies are taken again at the
-    current T; still past 1 %, the candidates are stale: it stops, the caller reads the rows again.
-    It stops at std <= 1 too, then takes the exact labels."""
-
-    def __init__(self, solver, top=16):
-        s = self.s = solver
-        self.top, self.n_total = top, int(s.counts.sum())
-        self.blocks, self.ref = self._blocks(s.dT), s.dT
-        vmax = max((float(v.amax()) for v, _, _ in self.blocks), default=0.0)
-        vmin = min((float(torch.where(torch.isfinite(v), v, math.inf).amin())
-                    for v, _, _ in self.blocks), default=0.0)
-        self.vr_sum = float(s.comm.max(torch.tensor([vmax, -vmin], dtype=torch.float64)).sum())
-        self.scratch = torch.empty(min(s.chunk, s.vals.shape[0]) * s.vals.shape[1],
-                                   dtype=torch.float32, device=s.dev)
-        self.stale = self.near = False
-
-    def _blocks(self, ref):
-        s, top, out = self.s, self.top, []
-        moved = bool(ref.any())      # at T0 (ref = 0) the scores are vals itself
-        rise = s.rise(ref)           # theta's shift at ref, per epoch
-        for v, c, th, ep in zip(s.vals.split(s.chunk), s.cols.split(s.chunk),
-                                s.theta.split(s.chunk), s.epoch.split(s.chunk)):
-            v = v - s.gathered(ref, c) if moved else v
-            b = th - rise.index_select(0, ep)       # the dropped columns, at ref
-            if v.shape[1] > top + 1:
-                tv, i = v.topk(top + 1, dim=1)
-                v, c, b = tv[:, :top], c.gather(1, i[:, :top]), torch.maximum(tv[:, top], b)
-            b = b.to(torch.float32) if bool(torch.isfinite(b).any()) else None
-            out.append((v.to(torch.float32), c.to(torch.int32), b))
-        return out
-
-    def _labels_at(self, dT):
-        """(labels, rows whose truncated candidates may miss their argmax) at dT, all ranks."""
-        s = self.s
-        d32, out = (dT - self.ref).to(torch.float32), []
-        unsure, dmin = torch.zeros((), dtype=torch.int64, device=s.dev), d32.min()
-        for v, c, b in self.blocks:
-            S = self.scratch[:v.numel()].view(v.shape)
-            torch.index_select(d32, 0, c.view(-1), out=S.view(-1))
-            torch.sub(v, S, out=S)
-            if b is not None:   # a dropped candidate scores at most b - min dT
-                best, arg = S.max(1, keepdim=True)   # (one launch: not argmax, gather)
-                unsure = unsure + (best[:, 0] < b - dmin).sum()
-            else:
-                arg = S.argmax(1, keepdim=True)
-            out.append(c.gather(1, arg)[:, 0])
-        lab = _cat(out).long() if out else torch.zeros(0, dtype=torch.int64, device=s.dev)
-        return lab, int(s.comm.sum(unsure.reshape(1))[0])
-
-    def assign(self, dT):
-        lab, unsure = self._labels_at(dT)
-        if unsure > 0.01 * self.n_total:
-            self.blocks, self.ref = self._blocks(dT), dT
-            lab, unsure = self._labels_at(dT)
-            self.stale = unsure > 0.01 * self.n_total
-        counts = self.s.comm.sum(torch.bincount(lab, minlength=self.s.k))
-        self.near = float((counts - self.s.hi).clamp(min=0).sum()) <= 0.02 * self.n_total
-        return lab, counts
-
-    def range_of(self, dT):
-        """A bound on the range of the candidates' scores at dT."""
-        lo, hi = torch.aminmax(dT)
-        return self.vr_sum + float(hi - lo)
-
-    def run(self, history, beta=1.5, patience=3, max_iter=500):
-        s, h0 = self.s, len(history)
-
-        def stop():
-            """Stale candidates, or the last 8 steps bettered the best std before them by under a
-            tenth, near the target or with reverse rounds on: the auction and finish do better."""
-            own = history[h0:]
-            return self.stale or ((self.near or s.reverse) and len(own) > 8
-                                  and min(own[-8:]) > 0.9 * min(own[:-8]))
-
-        dT, _, _, _, steps, _ = otl.translation_steps(
-            self.assign, self.range_of, s.dT, s.labels, s.counts, s.target,
-            worst_std(s.target, self.n_total), history, beta=beta, patience=patience,
-            max_iter=max_iter, stop_std=1.0, speed_up=True, stop=stop)
-        s.rounds += steps
-        if dT is not s.dT:   # exact labels at the T reached
-            s.dT = dT
-            s.relabel()
-
-
-def _approach(solver, history):
-    _Approach(solver).run(history)
 
 
 def _shed(s, margin, lab, excess, over):
@@ -1249,80 +903,6 @@ def _bisect_gap(s, margin, lab, excess, over):
     return torch.where(done, a, b), b
 
 
-def _auction(s, max_rounds, history):
-    """Ascending auction rounds: every over-full cluster raises T_j just past its excess_j-th
-    smallest margin (`_shed`), until 6 rounds removed under a fifth of the excess; with
-    s.reverse, a reverse round after each (`_attract`)."""
-    E_hist, start = [], s.rounds     # max_rounds of its own, after the approach's steps
-    while s.rounds - start < max_rounds:
-        excess = (s.counts - s.hi).clamp(min=0)
-        over = excess > 0
-        E_hist.append(int(excess.sum()))
-        if E_hist[-1] == 0:     # (excess >= 0: no cluster over)
-            return
-        if len(E_hist) > AUCTION_STALL and E_hist[-1] > 0.8 * E_hist[-1 - AUCTION_STALL]:
-            return     # the tail is a slow random walk: the exact finish is faster
-        s.rounds += 1
-        rows = over[s.labels].nonzero()[:, 0]
-        best, _, second, _ = s.evaluate(rows)
-        # a row whose best could be beaten by a dropped column (margin < 0) cannot be shed
-        # by moving T; it counts as margin 0 here and is re-read in full later
-        margin = (best - second).clamp(min=0)
-        lab = s.labels[rows]
-        r = _shed(s, margin, lab, excess, over)
-        s.dT = s.dT + r
-        s.relabel(rows[margin < r[lab]])
-        history.append(s.std())
-        if s.reverse:
-            _attract(s)
-            history.append(s.std())
-
-
-def _attract(s):
-    """Reverse round: every under-full cluster c pulls in its deficit d_c, T_c falling to the
-    middle of the gap after the d_c-th smallest loss (best - score in c) among rows of clusters
-    not under-full; done as a rise of all the others, since T only rises."""
-    deficit = (s.lo - s.counts).clamp(min=0)
-    total = int(deficit.sum())      # (read once: each read is a wait on a GPU)
-    if total == 0:
-        return
-    under = deficit > 0
-    rows = (~under).index_select(0, s.labels).nonzero()[:, 0]
-    gl, gc, gr = [], [], []
-    for i0, (vr, cr, _) in zip(range(0, rows.numel(), s.chunk), s.blocks(rows)):
-        S = vr - s.gathered(s.dT, cr)
-        loss = S.amax(1, keepdim=True) - S       # the row's own score (its label) - S
-        # (below inf is isfinite in one operation, not four; loss >= 0 or NaN)
-        m = s.gathered(under, cr) & (loss < math.inf)
-        i, j = m.nonzero(as_tuple=True)
-        gl.append(loss[i, j])
-        gc.append(cr[i, j].long())
-        gr.append(rows[i0:i0 + s.chunk].index_select(0, i))
-    if not gl:          # a rank may hold no such row
-        e = torch.zeros(0, dtype=torch.int64, device=s.dev)
-        gl, gc, gr = [e.to(torch.float64)], [e], [e]
-    loss, c, r = (_cat(x) for x in (gl, gc, gr))
-    # a cluster with fewer such rows than its deficit pulls in all of them; if that is under
-    # half the deficit, the candidates are stale: the forward auction and re-reads go on alone
-    cnt = s.comm.sum(torch.bincount(c, minlength=s.k))
-    want = torch.minimum(deficit, cnt)
-    if int(want.sum()) < 0.5 * total:
-        s.reverse = False
-        return
-    d = _shed(s, loss, c, want, under & (cnt > 0))   # (k,) how far each T_c falls, >= 0
-    dmax = d.max()
-    if not float(dmax) > 0:      # the same on every rank: the counts are global
-        return
-    s.rounds += 1
-    s.dT = s.dT + (dmax - d)
-    # the rows that can change: those with a loss below the fall, and every row of an
-    # under-full cluster (another under-full cluster may have fallen further than its own)
-    mine = under.index_select(0, s.labels).nonzero()[:, 0]
-    s.relabel(torch.cat([r[loss < d.index_select(0, c)], mine]).unique())
-    if int((s.lo - s.counts).clamp(min=0).sum()) >= total:
-        s.reverse = False      # it did not help: the forward auction goes on alone
-
-
 def _gap_after(margin, lab, excess, k):
     """(a, b) per cluster j with excess_j > 0: the excess_j-th smallest margin among the rows
     labelled j and the next one (b = inf where excess_j is not below its rows); the other entries
@@ -1358,233 +938,189 @@ def _gap_after(margin, lab, excess, k):
 
 class _Finish:
     """The exact finish: rounds of shortest paths from over- to under-full clusters.  Moving row i
-    from its cluster a to b costs (V_ia - dT_a) - (V_ib - dT_b) >= 0; the edge a -> b is the
-    cheapest such row.  The graph: a list of the moves that cost at most tau while they are few
-    (scipy's Dijkstra), or, once they are over a quarter of all moves, the k x k table of each
-    pair's cheapest move and its row (`_table_paths`), whose rows are redone only for clusters
-    that gained or lost a row.  A round moves one row along each of disjoint paths."""
+    from its cluster a to b costs (V_ia - dT_a) - (V_ib - dT_b) >= 0; the edge a -> b of the
+    cluster graph is the cheapest such move (the lowest global row id among equal ones, so that
+    any split of the rows picks the same), searched by scipy's Dijkstra from the clusters that
+    must give.  One row moves along each of disjoint paths, nearest first, and T of every cluster
+    nearer the sources than the last path rises by how much nearer it is, so every lead stays
+    >= 0.  The edges come from a list of the moves that cost at most tau when listed (a moved
+    row's moves listed again from its new cluster): T only rises, so a move left out costs at
+    least trust = tau - how far any T_j rose since, and a distance up to trust is exact; tau
+    doubles while the clusters that need rows lie beyond it.  Where the list would hold over a
+    quarter of all moves (crowded outputs), from a k x k table of every pair's cheapest move
+    instead, whose rows are redone for the clusters a round touched."""
 
     def __init__(self, solver):
         s = self.s = solver
-        k, BIG = s.k, torch.iinfo(torch.int64).max
-        self.W = torch.full((k * k,), math.inf, dtype=torch.float64, device=s.dev)
-        self.arg = torch.full((k * k,), BIG, dtype=torch.int64, device=s.dev)
-        self.pairs, self.dT_built, self.table = None, None, False
-        self.n_moves = s.comm.total(s.vals.numel())   # candidate slots, all ranks
+        self.W = torch.full((s.k * s.k,), math.inf, dtype=torch.float64, device=s.dev)
+        self.arg = torch.full((s.k * s.k,), BIG, dtype=torch.int64, device=s.dev)
 
-    def run(self, history, tau0):
-        """True when balanced; False when no move reaches a cluster that needs rows."""
-        s = self.s
-        max_phases = s.phases + 2 * int(s.counts.sum()) + 1000      # a guard
-        lo, hi, tau = s.lo.cpu().numpy(), s.hi.cpu().numpy(), float(tau0)
+    def run(self, history):
+        """True when balanced; False when no move reaches a cluster that needs rows.  First the
+        clusters over ceil(t) give to those under it, then those over floor(t)."""
+        s, k, n = self.s, self.s.k, int(self.s.counts.sum())
+        first, pairs = s.phases, None
+        max_phases = first + 2 * n + 1000      # a guard
+        lo, hi, self.table = s.lo.cpu().numpy(), s.hi.cpu().numpy(), False
+        best, _, second, _ = s.evaluate(s.all_rows[::max(1, s.labels.numel() // 4096)])
+        lead = (best - second).clamp(min=0)     # tau at first: the 0.2 quantile of rows' leads
+        tau = float(s.comm.max(lead.quantile(0.2).reshape(1) if lead.numel() else
+                               torch.zeros(1, dtype=torch.float64, device=s.dev))[0])
         while s.phases < max_phases:
             counts = s.counts.cpu().numpy()
-            if bool((counts > hi).any()):
-                give, take = np.maximum(counts - hi, 0), np.maximum(hi - counts, 0)
-            elif bool((counts < lo).any()):
-                give, take = np.maximum(counts - lo, 0), np.maximum(lo - counts, 0)
-            else:
+            if not ((counts > hi).any() or (counts < lo).any()):
                 return True
-            if not self.table and self.pairs is None:
-                self._build(tau)
-            # (the table holds every move: a distance up to tau is exact; the list every move
-            # cheaper than tau less how far T has moved since it was built)
-            trust = tau if self.table else tau - float((s.dT - self.dT_built).max())
-            d, pred, row_of = self._search(give > 0, take > 0, tau)
-            moves, D = _route(d, pred, row_of, give, take, trust, self.table)
+            bound = hi if (counts > hi).any() else lo
+            give, take = np.maximum(counts - bound, 0), np.maximum(bound - counts, 0)
+            if pairs is None and not self.table:
+                pairs, built = self._listed(s.all_rows, tau), s.dT
+                if s.comm.total(pairs[0].numel()) > TABLE_SHARE * s.comm.total(s.labels.numel() * s.width):
+                    self.table, pairs, tau = True, None, math.inf     # every move, in the table
+                    self._table(s.all_rows)
+            e, base, rid = self._edges(pairs)
+            if self.table and s.phases == first:    # clusters that need rows and no move reaches
+                self.unreached = torch.from_numpy(take > 0).to(s.dev)
+                self.unreached[e % k] = False
+                if bool(self.unreached.any()):
+                    return False
+            d, pred = _shortest_paths(e, base, s.dT, k, give > 0)
+            at = torch.searchsorted(e, torch.from_numpy(pred).to(s.dev) * k
+                                    + torch.arange(k, device=s.dev)).clamp(max=max(e.numel() - 1, 0))
+            row_of = rid.index_select(0, at).cpu() if e.numel() else torch.zeros(k, dtype=torch.int64)
+            trust = tau - float((s.dT - built).max()) if pairs is not None else tau
+            moves, D = _route(d, pred, row_of, give, take, trust)
             if D is None:
                 needy = d[take > 0]
-                if math.isinf(tau) or not len(needy):
-                    return False     # no move reaches a cluster that needs rows
-                # the needy clusters lie beyond tau: let in costlier moves and try again
-                near = float(needy.min())
+                if math.isinf(tau) or not len(needy):    # no move reaches a cluster that needs rows
+                    self.unreached = torch.from_numpy((take > 0) & np.isinf(d)).to(s.dev)
+                    return False
+                near = float(needy.min())   # (its distance on the listed moves, or inf)
                 grown = 2 * max(tau, near) if math.isfinite(near) else math.inf
                 tau = grown if grown > tau else math.inf     # tau = 0 (exact ties, no tie-break)
-                self.pairs = None
+                pairs = None
                 continue
-            self._apply(moves, d, D, tau)
+            moved = self._apply(moves, d, D)
+            if pairs is not None:
+                gone = torch.zeros(s.labels.numel(), dtype=torch.bool, device=s.dev)
+                gone[moved] = True
+                keep = ~gone.index_select(0, pairs[0])
+                pairs = tuple(torch.cat([p[keep], q]) for p, q in zip(pairs, self._listed(moved, tau)))
             history.append(s.std())
         return False
 
-    def _build(self, tau):
-        """The list of moves up to tau, or the table where most moves are kept (whole rows in one
-        process: the table at once where tau = inf keeps every move, and at k > TABLE_AT_ONCE,
-        where listing the moves under a growing tau costs more)."""
-        s, k = self.s, self.s.k
-        every = s.vals.shape[1] == k and not s.comm.on and (math.isinf(tau) or k > TABLE_AT_ONCE)
-        if not every:
-            self.pairs, self.dT_built = self._pairs(s.all_rows, tau), s.dT.clone()
-        n_pairs = self.n_moves if every else s.comm.total(self.pairs[0].numel())
-        if n_pairs > self.n_moves // 4:      # most moves kept: the table is cheaper per round
-            self.table, self.pairs = True, None
-            self._edge_table()
-
-    def _search(self, sources, needs, tau):
-        """Dijkstra from the clusters that give: (d, pred) numpy (k,) and the row of each edge
-        pred[x] -> x, (k,) int64."""
-        s, k = self.s, self.s.k
-        if self.table:
-            # (the search reads every entry, dearer moves too: a distance up to tau runs over
-            # cheaper moves only, so only those distances are routed)
-            W, arg = self.W, self.arg
-            if s.comm.on:   # ranks agree on the global cheapest move, then its lowest row id
-                W = s.comm.min(self.W.clone())
-                arg = s.comm.min(torch.where(self.W == W, self.arg, torch.iinfo(torch.int64).max))
-            # (on a GPU the table comes to the host each round: 8 bytes an entry, once)
-            d, pred = _table_paths(W.view(k, k).cpu().numpy(), s.dT.cpu().numpy(), sources, needs)
-            at = torch.from_numpy(np.maximum(pred, 0) * k + np.arange(k))
-            return d, pred, arg.index_select(0, at.to(s.dev)).cpu()
-        ek, er, eb, ew, indptr = self._list_edges()
-        d, pred = _shortest_paths(k, eb, ew, indptr, sources)
-        if not ek.numel():
-            return d, pred, torch.zeros(k, dtype=torch.int64)
-        # the row of edge pred[x] -> x, looked up where the edges are
-        at = torch.searchsorted(ek, torch.from_numpy(pred).to(s.dev) * k + torch.arange(k, device=s.dev))
-        return d, pred, er.index_select(0, at.clamp(max=ek.numel() - 1)).cpu()
-
-    def _apply(self, moves, d, D, tau):
-        """Raise the potentials (every cluster closer than D by D - d: the tree edges become ties)
-        and move the rows; then update the table rows or the list of the clusters touched."""
+    def _apply(self, moves, d, D):
+        """Raise the potentials (every cluster closer than D by D - d: the tree edges become ties),
+        move the rows and redo the table's rows of the clusters touched; returns the moved rows
+        that live here (local, ascending)."""
         s, k, dev = self.s, self.s.k, self.s.dev
         s.phases += 1
         s.dT = s.dT + torch.from_numpy(np.where(d < D, D - d, 0.0)).to(dev)
-        ids = torch.tensor([i for i, _, _ in moves], dtype=torch.int64, device=dev)
-        to = torch.tensor([b for _, _, b in moves], dtype=torch.int64, device=dev)
+        ids, a, b = (torch.tensor(x, dtype=torch.int64, device=dev) for x in zip(*moves))
         li = torch.searchsorted(s.rows_global, ids).clamp(max=max(s.rows_global.numel() - 1, 0))
-        here = ((s.rows_global[li] == ids) if s.rows_global.numel()
+        here = ((s.rows_global.index_select(0, li) == ids) if s.rows_global.numel()
                 else torch.zeros_like(ids, dtype=torch.bool))
-        moved = li[here].unique()            # the moved rows that live here (ascending ids)
-        s.labels[li[here]] = to[here]
+        s.labels[li[here]] = b[here]
         s.counts = s.count()
-        if self.table:   # the clusters that lost or gained a row (on any rank): their table rows
+        if self.table:      # (the clusters touched on any rank)
             touched = torch.zeros(k, dtype=torch.bool, device=dev)
-            touched[torch.tensor([a for _, a, _ in moves] + [b for _, _, b in moves], device=dev)] = True
-            self._edge_table(touched)
-            return
-        # the moved rows' moves are relative to their new cluster: replace them, kept up to tau
-        # (from now on T only rises, so a move left out costs more than trust then too)
-        gone = torch.zeros(s.vals.shape[0], dtype=torch.bool, device=dev)
-        gone[moved] = True
-        keep = ~gone.index_select(0, self.pairs[0])
-        new = self._pairs(moved, tau)
-        self.pairs = tuple(torch.cat([p[keep], q]) for p, q in zip(self.pairs, new))
+            touched[torch.cat([a, b])] = True
+            self._table(touched.index_select(0, s.labels).nonzero()[:, 0], touched)
+        return li[here].unique()
 
-    def _moves(self, rows):
-        """Every candidate move of `rows` (local, ascending, or all rows), block by block:
-        (rows, candidate clusters, labels, base V_ia - V_ib, valid: another cluster, finite)."""
+    def _moves(self, rows, tau):
+        """(rows, pair a * k + b, V_ia - V_ib) of the moves a -> b of the local `rows` that cost at
+        most tau at the current dT (every valid move where tau is inf), block by block."""
         s = self.s
-        for i0, (vr, cr, _) in zip(range(0, rows.numel(), s.chunk), s.blocks(rows)):
-            r = rows[i0:i0 + s.chunk]
+        for r, vr, cr, _ in s.blocks(rows):
             lab = s.labels.index_select(0, r)
-            if s.natural:    # (cr: one (1, k) row of column numbers, broadcast)
-                cr = torch.arange(s.k, device=s.dev)[None, :]
-                own = vr.gather(1, lab[:, None])
-            else:
-                cr = cr.long()
-                own = vr.gather(1, (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
-            base = own - vr                                  # +inf for empty slots (vals = -inf)
-            # (base is finite or +inf: below inf is isfinite in one operation)
-            yield r, cr.expand_as(base), lab, base, (cr != lab[:, None]) & (base < math.inf)
+            at = (lab[:, None] if s.whole else
+                  (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
+            base = vr.gather(1, at) - vr                    # +inf for empty slots (vals = -inf)
+            ok = (cr != lab[:, None]) & (base < math.inf)
+            if tau < math.inf:
+                ok &= base + s.at(cr) - s.dT.index_select(0, lab)[:, None] <= tau
+            i, j = ok.nonzero(as_tuple=True)
+            yield r.index_select(0, i), lab.index_select(0, i) * s.k + cr[i, j], base[i, j]
 
-    def _pairs(self, rows, tau):
-        """(row, cluster b, V_ia - V_ib) of every candidate move of `rows` that costs at most tau
-        at the current dT."""
-        s, out = self.s, [[], [], []]
-        for r, cr, lab, base, valid in self._moves(rows):
-            dTc = s.dT[None, :] if s.natural else s.gathered(s.dT, cr)
-            cost = base + dTc - s.dT.index_select(0, lab)[:, None]
-            i, j = ((cost <= tau) & valid).nonzero(as_tuple=True)
-            out[0].append(r.index_select(0, i))
-            out[1].append(cr[i, j])
-            out[2].append(base[i, j])
-        if not out[0]:
-            z = torch.zeros(0, dtype=torch.int64, device=s.dev)
-            return z, z, torch.zeros(0, dtype=torch.float64, device=s.dev)
+    def _listed(self, rows, tau):
+        out = list(zip(*self._moves(rows, tau)))
+        if not out:
+            z = torch.zeros(0, dtype=torch.int64, device=self.s.dev)
+            return z, z, torch.zeros(0, dtype=torch.float64, device=self.s.dev)
         return tuple(torch.cat(o) for o in out)
 
-    def _list_edges(self):
-        """The cluster graph on the listed moves: per edge a -> b its cheapest move and, among
-        equal ones, the lowest global row id (the same row in any split or chunking); _graph's
-        five arrays.  W, arg serve as scratch and are left as they were found."""
-        s, k, BIG = self.s, self.s.k, torch.iinfo(torch.int64).max
-        W0, arg = self.W, self.arg
-        prow, pb, pbase = self.pairs
-        key = s.labels.index_select(0, prow) * k + pb
-        W0.scatter_reduce_(0, key, pbase, "amin")
-        rid = s.rows_global.index_select(0, prow)
-        if s.comm.on:   # ranks agree on the global cheapest move first
-            w = s.comm.min(W0.clone())
-            hit = pbase == w.index_select(0, key)
-            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
-            a = s.comm.min(arg.clone())
-            W0[key], arg[key] = math.inf, BIG
-            e = torch.isfinite(w).nonzero()[:, 0]
-            ew, er = w.index_select(0, e), a.index_select(0, e)
+    def _scatter(self, rows, key, base, second):
+        """Moves into the table: their least V_ia - V_ib per pair (first), then the lowest global
+        row id among those at it (second)."""
+        if not second:
+            self.W.scatter_reduce_(0, key, base, "amin")
         else:
-            hit = pbase == W0.index_select(0, key)
-            arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
-            one = hit & (rid == arg.index_select(0, key))   # one entry per edge
-            e, ew, er = key[one], pbase[one], rid[one]
-            W0[key], arg[key] = math.inf, BIG
-        e, order = e.sort()                       # row-major: a csr matrix as it stands
-        ew, er = ew.index_select(0, order), er.index_select(0, order)
-        return self._graph(e, self._at_dT(e, ew), er)
+            hit = base == self.W.index_select(0, key)
+            self.arg.scatter_reduce_(0, key[hit], self.s.rows_global.index_select(0, rows[hit]),
+                                     "amin")
 
-    def _at_dT(self, e, base):
-        """The cost at the current dT of moves e = a * k + b with base `base`:
-        (base + dT[b]) - dT[a], summed in that order wherever the finish costs a move."""
-        dT, k = self.s.dT, self.s.k
-        return base + dT.index_select(0, e % k) - dT.index_select(0, e // k)
-
-    def _graph(self, e, cost, er):
-        """The cluster graph for _shortest_paths from its edges a * k + b (ascending), their costs
-        and rows: (e, er) where they are (to look up the few edges on the paths) and, on the host,
-        what the search reads: b (int32), cost (float64, >= 0), csr row pointers (int32)."""
-        k = self.s.k
-        indptr = torch.searchsorted(e // k, torch.arange(k + 1, device=e.device))
-        return (e, er, (e % k).to(torch.int32).cpu().numpy(), cost.clamp(min=0).cpu().numpy(),
-                indptr.to(torch.int32).cpu().numpy())
-
-    def _edge_table(self, clusters=None):
-        """Per move a -> b among this process's rows, the cheapest base V_ia - V_ib (W, k*k, inf:
-        none) and its row (arg: the lowest global row id among equal ones), for the source clusters
-        in the (k,) mask `clusters` (None: all), whose entries are reset first."""
-        s, k, BIG, W, arg = self.s, self.s.k, torch.iinfo(torch.int64).max, self.W, self.arg
-        if clusters is None:
-            rows = s.all_rows
-            W.fill_(math.inf)
-            arg.fill_(BIG)
-        else:
-            rows = clusters.index_select(0, s.labels).nonzero()[:, 0]
-            W.view(k, k)[clusters] = math.inf
-            arg.view(k, k)[clusters] = BIG
-        for second in (False, True):     # the minima first, then the lowest row id at each
-            for r, cr, lab, base, ok in self._moves(rows):
-                # every slot scattered, invalid ones as inf / BIG (no minimum changes): cheaper than
-                # picking the valid ones; whole rows in order scatter along dim 0 of the k x k view
-                key = None if s.natural else lab[:, None] * k + cr
+    def _table(self, rows, touched=None):
+        """The table's entries of the clusters in the (k,) mask `touched` (None: all) again, from
+        the moves of their rows `rows`, and the list of its entries, `keys`."""
+        k, keys = self.s.k, []
+        if touched is not None:
+            self.W.view(k, k)[touched], self.arg.view(k, k)[touched] = math.inf, BIG
+        for second in (False, True):
+            for moves in self._moves(rows, math.inf):
+                self._scatter(*moves, second)
                 if not second:
-                    src = torch.where(ok, base, math.inf)
-                else:
-                    least = (W.view(k, k).index_select(0, lab) if key is None else
-                             W.index_select(0, key.view(-1)).view(key.shape))
-                    rid = s.rows_global.index_select(0, r)[:, None].expand_as(base)
-                    src = torch.where(ok & (base == least), rid, BIG)
-                dst = arg if second else W
-                if key is None:
-                    dst.view(k, k).scatter_reduce_(0, lab[:, None].expand_as(src), src, "amin")
-                else:
-                    dst.scatter_reduce_(0, key.view(-1), src.reshape(-1), "amin")
+                    keys.append(moves[1])
+        keys = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+        if touched is not None:
+            keys = torch.cat([self.keys[~touched.index_select(0, self.keys // k)], keys])
+        self.keys = keys.to(self.s.dev).unique()
+
+    def _edges(self, pairs):
+        """The cluster graph, all ranks: its edges a * k + b (ascending), each one's cheapest
+        V_ia - V_ib and its row, from the table or from the listed moves `pairs` (scattered into
+        the table and cleared from it after)."""
+        s, W, arg = self.s, self.W, self.arg
+        if pairs is not None:
+            self._scatter(*pairs, False)
+            self._scatter(*pairs, True)
+        if s.comm.on:   # ranks agree on the global cheapest move, then its lowest row id
+            W = s.comm.min(self.W.clone())
+            arg = s.comm.min(torch.where(self.W == W, self.arg, BIG))
+            e = torch.isfinite(W).nonzero()[:, 0]
+        elif pairs is not None:    # the entry of each edge's row, one an edge
+            rows, key, base = pairs
+            e = key[(base == W.index_select(0, key))
+                    & (s.rows_global.index_select(0, rows) == arg.index_select(0, key))].sort().values
+        else:
+            e = self.keys
+        out = e, W.index_select(0, e), arg.index_select(0, e)
+        if pairs is not None:     # (every listed pair, on this rank, is an edge)
+            self.W[e], self.arg[e] = math.inf, BIG
+        return out
 
 
-def _route(d, pred, row_of, give, take, trust, table):
+def _shortest_paths(e, base, dT, k, sources):
+    """Distances from the nearest `sources` cluster and predecessors (-1: none), numpy (k,) each,
+    by scipy's Dijkstra on the edges e = a * k + b (ascending) of k clusters, an edge costing
+    max((base + dT[b]) - dT[a], 0)."""
+    a, b = e // k, e % k
+    cost = ((base + dT.index_select(0, b)) - dT.index_select(0, a)).clamp_(min=0)
+    indptr = torch.zeros(k + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.bincount(a, minlength=k).cpu(), 0)
+    graph = csr_matrix((cost.cpu().numpy(), b.cpu().numpy(), indptr.numpy()), shape=(k, k))
+    d, pred, _ = dijkstra(graph, directed=True, indices=np.flatnonzero(sources), min_only=True,
+                          return_predecessors=True)
+    return d, np.where(pred < 0, -1, pred).astype(np.int64)
+
+
+def _route(d, pred, row_of, give, take, trust):
     """One row along each path to a needy cluster, nearest first, no row on two paths: the moves
     (row id, from, to) and the distance D of the last path taken (None: no path within trust)."""
     dl, pl, rl = d.tolist(), pred.tolist(), row_of.tolist()
     gl, tl = give.tolist(), take.tolist()
     used, moves, D = set(), [], None
     for b in np.argsort(d, kind="stable").tolist():
-        if not (dl[b] <= trust if table else dl[b] < trust):   # beyond: an edge may be left out
+        if not dl[b] <= trust:      # beyond it a move may be left out
             break
         if tl[b] <= 0 or pl[b] < 0:
             continue
@@ -1604,54 +1140,6 @@ def _route(d, pred, row_of, give, take, trust, table):
         moves += path
         D = dl[b]
     return moves, D
-
-
-def _table_paths(W, dT, sources, needy):
-    """Dijkstra on the finish's k x k table itself (numpy): W[a, b] the cheapest base of a move
-    a -> b (inf: none), costing max((W[a, b] + dT[b]) - dT[a], 0) at dT; distances from the
-    nearest `sources` cluster and predecessors (-1: none), as _shortest_paths.  A cluster's row of
-    costs is computed as it settles (no edge list); it stops once every `needy` cluster is settled,
-    the rest left at inf."""
-    k = W.shape[0]
-    d = np.full(k, np.inf)
-    pred = np.full(k, -1, dtype=np.int64)
-    src, left = np.flatnonzero(sources), needy.copy()
-    row, better = np.empty(k), np.empty(k, dtype=bool)
-    d[src] = 0.0
-    todo = d.copy()     # the unsettled clusters' d, inf once settled
-    settled = np.zeros(k, dtype=bool)
-    n_left = int(left.sum())
-    for _ in range(k):
-        u = int(todo.argmin())
-        du = float(todo[u])
-        if not math.isfinite(du):
-            break
-        todo[u] = math.inf
-        settled[u] = True
-        if left[u]:
-            n_left -= 1
-            if n_left == 0:
-                break
-        np.add(W[u], dT, out=row)
-        row -= dT[u]
-        np.maximum(row, 0.0, out=row)
-        row += du
-        np.less(row, d, out=better)
-        np.copyto(d, row, where=better)
-        np.copyto(todo, row, where=better)
-        pred[better] = u
-    d[~settled], pred[~settled] = np.inf, -1
-    return d, pred
-
-
-def _shortest_paths(k, eb, ew, indptr, sources):
-    """Distances from the nearest source cluster and predecessors (-1: none), numpy (k,) each, on
-    the csr graph (indptr, eb, ew >= 0) by scipy's Dijkstra (explicit zero weights stay edges in a
-    csr matrix)."""
-    g = csr_matrix((ew, eb, indptr), shape=(k, k))
-    d, pred, _ = dijkstra(g, directed=True, indices=np.flatnonzero(sources), min_only=True,
-                          return_predecessors=True)
-    return d, np.where(pred < 0, -1, pred).astype(np.int64)
 
 
 # ---- The dense path: small k, outputs held whole in one process
@@ -2124,14 +1612,12 @@ class _Dense:
         k = self.k
         sdev = torch.device("cpu") if B.numel() * k <= HOST_SOLVE else self.dev
         Bs = B.to(sdev)
-        cb = torch.arange(k, device=sdev, dtype=torch.int16).expand(B.numel(), k)
         vals = (self.X.index_select(0, B).to(sdev, torch.float64) - self.T.to(sdev)
-                + eps * _tie_jitter(Bs, cb, seed))
+                + eps * _tie_jitter(Bs, torch.arange(k, device=sdev).expand(B.numel(), k), seed))
         tB, loB, hiB = (t.to(sdev) for t in (self.target - ic, (self.lo - ic).clamp(min=0), self.hi - ic))
-        solver = _ExactSolver(vals, cb.contiguous(), torch.full((B.numel(),), -math.inf,
-                              dtype=torch.float64, device=sdev), k, tB, loB, hiB,
-                              _Comm(False), BLOCK, Bs)
-        if not solver.run(200, history, max(R / 8, eps)):
+        solver = _Solver(_whole_parts(vals), k, tB, loB, hiB, _Comm(False), Bs)
+        solver.auction(200, history)
+        if not _Finish(solver).run(history):
             return None
         solver.strictify(keep_balance=eps > 0)
         return solver

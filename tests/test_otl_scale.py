@@ -65,13 +65,15 @@ def test_exact_balance_gaussian(k, n):
 @pytest.mark.parametrize("k", [10, 64, 128])
 def test_dense_path_equals_the_streaming_path_where_the_answer_is_unique(k):
     """N / k whole and distinct outputs: one balanced assignment is a translation's, so the
-    in-memory fast path (dense=True, the default) and the streaming path give the same labels."""
+    in-memory fast path (dense=True, the default) and the streaming path give the same labels,
+    each argmax(O - T) of its own T (outside the tie-break's size)."""
     n = 200 * k
     O = dominant(n, k, 21)
     a, b = exact(O), exact(O, dense=False)
     check_even(a)
     assert torch.equal(a.labels, b.labels)
-    assert torch.equal((O.double() - a.T).argmax(1), a.labels)
+    check_translation(O, a)
+    check_translation(O, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
@@ -217,6 +219,21 @@ def test_exact_other_dtypes(dtype):
     r = exact(O)
     check_even(r)
     check_translation(O, r)
+
+
+@pytest.mark.parametrize("k", [10, 128, 300])
+def test_float64_outputs_beyond_float32_range(k):
+    """float64 outputs larger than float32's largest value, which otl.translate takes too: on each
+    path (the dense path hands them to the streaming one) balanced, argmax(O - T), and the labels
+    of the same outputs scaled down by a power of two where the answer is unique (N / k whole)."""
+    n = 64 * k if k == 10 else 20 * k
+    O = torch.randn(n, k, generator=gen(k), dtype=torch.float64) + torch.linspace(0, 1, k)
+    big = O * 2.0 ** 1000       # about 1e301
+    for kw in ({}, {"dense": False}):
+        r = exact(big, **kw)
+        check_even(r)
+        check_translation(big, r)
+        assert torch.equal(r.labels, exact(O, **kw).labels)
 
 
 def test_exact_is_a_translation():
@@ -459,7 +476,7 @@ def test_sample_start_on_far_outputs():
 def test_sample_start_leaves_bad_outputs_to_the_whole_call():
     """A NaN in a sampled row: the error names its row in the whole input, not in the sample."""
     O = _clustered(6000, 300, 48)
-    O[4000, 7] = math.nan                # row 4000 is the sample's row 1000
+    O[4000, 7] = math.nan
     with pytest.raises(ValueError, match=r"first: \[4000\]"):
         exact(O)
 
@@ -553,27 +570,25 @@ def _bellman_ford(k, W, src):
 
 @pytest.mark.parametrize("k, density", [(12, 0.3), (100, 0.2), (300, 0.05)])
 def test_shortest_paths_against_bellman_ford(k, density):
-    """The finish's two searches, scipy's on an edge list and the table's own, give Bellman-Ford's
-    distances, and each predecessor is on a shortest path."""
+    """The finish's search on every move gives Bellman-Ford's distances, each predecessor on a
+    shortest path; on the moves up to tau, the distances up to tau."""
     g = gen(k)
     W = torch.rand(k, k, generator=g, dtype=torch.float64)
     W[torch.rand(k, k, generator=g) > density] = math.inf
     W.fill_diagonal_(math.inf)
+    dT = torch.rand(k, generator=g, dtype=torch.float64) * 0.1
+    cost = ((W + dT[None, :]) - dT[:, None]).clamp(min=0)
     src = torch.zeros(k, dtype=torch.bool)
     src[:3] = True
-    want = _bellman_ford(k, W, src)
-    a, b = (W < math.inf).nonzero(as_tuple=True)
-    indptr = torch.searchsorted(a, torch.arange(k + 1)).to(torch.int32).numpy()
-    d1, p1 = otl_scale._shortest_paths(k, b.to(torch.int32).numpy(), W[a, b].numpy(), indptr,
-                                       src.numpy())
-    dT = torch.zeros(k, dtype=torch.float64).numpy()
-    d2, p2 = otl_scale._table_paths(W.numpy(), dT, src.numpy(), torch.ones(k, dtype=torch.bool).numpy())
-    for d, p in ((d1, p1), (d2, p2)):
-        d = torch.from_numpy(d)
-        assert torch.allclose(d, want, atol=1e-9) or torch.equal(d.isinf(), want.isinf())
-        fin = (torch.from_numpy(p) >= 0).nonzero()[:, 0]
-        p = torch.from_numpy(p)[fin]
-        assert torch.allclose(want[p] + W[p, fin], want[fin], atol=1e-9)
+    want = _bellman_ford(k, cost, src)
+    for tau in (math.inf, float(want[torch.isfinite(want)].median())):
+        e = (cost.view(-1) <= min(tau, 1e308)).nonzero()[:, 0]     # the moves up to tau
+        d, p = otl_scale._shortest_paths(e, W.view(-1)[e], dT, k, src.numpy())
+        d, p = torch.from_numpy(d), torch.from_numpy(p)
+        near = want <= tau
+        assert torch.allclose(d[near], want[near], atol=1e-9) and bool((d[~near] > tau).all())
+        fin = (p >= 0).nonzero()[:, 0]
+        assert torch.allclose(d[p[fin]] + cost[p[fin], fin], d[fin], atol=1e-9)
 
 
 # ------------------------------------------------------------------------------------------------
