@@ -44,10 +44,8 @@ READS = 40              # rounds of reading rows again before the solve takes wh
 APPROACH_SHARE, APPROACH_STEPS = 0.02, 8   # published steps first while the excess is over 2 %
 TABLE_SHARE = 0.25      # the finish's k x k table of every move once a list would hold a quarter
 DENSE_SHARE, DENSE_PER_MOVE = 0.02, 8   # dense path: the rows to solve (2 % of N, 8 a row to move)
-DENSE_POOL = 0.5        # Newton steps go on with the rows near a boundary once at most half of N
 SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by a shed
 PAST_8 = 0.01           # full-row steps past 8 while sum |counts - target| > 1 % of N
-FEW_CHANGED = 0.01      # a failed dense solve retries from its own T when under 1 % of rows changed
 COLLAPSE_SAMPLE, COLLAPSE_EVERY = 1.0, 4   # excess over N at the start: steps on every 4th row
 KN_COPY_K_GPU, KN_COPY_K_CPU = 32, 63   # Newton passes on a k x N copy up to this k (GPU, host)
 R_ROWS, H_ROWS = 4096, 2048   # dense path: R and the step's bandwidth h from strided margins
@@ -1299,18 +1297,15 @@ def _shed_step(at, e):
     return torch.where(over, (a.to(torch.float64) + b.to(torch.float64)) / 2, 0.0)
 
 
-def _newton_T(X, T, target, max_steps, tol, frac=None, errs=None, at=None, span_max=math.inf,
-              bufs=None, mode=None):
+def _newton_T(X, T, target, max_steps, tol, errs=None, at=None, bufs=None, mode=None):
     """Steps on the counts of argmax(X - T) towards the target: Newton (`_newton_step`, halved up to
-    twice while it does not help; h from the `frac` closest rows, 5 % up to k = 50, then k / 1000
-    up to 20 %) or shedding (`_shed_step`), whichever helps; a Newton step that keeps over 90 % of
-    sum |counts - target| is followed by shedding.  Stops at that sum <= tol, after max_steps, when
-    neither helps, or (escaped) before a step that would move T by a span over span_max.  at: the
-    counts at T if known; bufs: two _newton_bufs; mode: a dict kept across calls.  Returns (T,
-    counts - target, _newton_counts at T, passes made, escaped); errs gets each step's error."""
-    T0 = T
-    frac = min(0.2, max(0.05, X.shape[1] / 1000)) if frac is None else frac
-    passes = 0
+    twice while it does not help; h from the closest rows, 5 % up to k = 50, then k / 1000 up to
+    20 %) or shedding (`_shed_step`), whichever helps; a Newton step that keeps over 90 % of
+    sum |counts - target| is followed by shedding.  Stops at that sum <= tol, after max_steps, or
+    when neither helps.  at: the counts at T if known; bufs: two _newton_bufs; mode: a dict kept
+    across calls.  Returns (T, counts - target, _newton_counts at T, passes made); errs gets each
+    step's error."""
+    frac, passes = min(0.2, max(0.05, X.shape[1] / 1000)), 0
     bufs = [None, None] if bufs is None else bufs
     mode = {} if mode is None else mode
     if at is None:
@@ -1330,10 +1325,6 @@ def _newton_T(X, T, target, max_steps, tol, frac=None, errs=None, at=None, span_
                  _newton_step(X, T, at, e, frac, None if bufs[0] is None else bufs[0][3]))
             if d is None:
                 continue
-            if span_max < math.inf:
-                moved = T + d - T0
-                if float(moved.max() - moved.min()) > span_max:
-                    return T, e, at, passes, True
             spare = _spare(bufs, at)
             for s in ((1.0,) if shed else (1.0, 0.5, 0.25)):
                 trial = _newton_counts(X, T + s * d, out=spare)
@@ -1350,60 +1341,23 @@ def _newton_T(X, T, target, max_steps, tol, frac=None, errs=None, at=None, span_
         T = T + s * d
         at, e = got, e2
         errs.append(float(e.abs().sum()))
-    return T, e, at, passes, False
+    return T, e, at, passes
 
 
-def _joiners(X, T, at, B, ic, target, R, scratch=None):
-    """B and ic with rows added for clusters short of them: a cluster j that needs d more rows than
-    B holds (target - ic) and has fewer than 2 d rows in B within R of it gets the 2 d + 8 rows
-    nearest to joining it (least best - (X_j - T_j) at T).  scratch: _join_costs'."""
-    k = X.shape[1]
-    lab, best = at[0], at[3]
-    labB = lab[B]
-    d = (target - ic) - torch.bincount(labB, minlength=k)
-    J = (d >= 1).nonzero()[:, 0]
-    if not len(J):
-        return B, ic
-    gB = best[B][:, None] - (X[B][:, J].to(torch.float32) - T.to(torch.float32)[J])
-    F = J[((gB <= R) & (labB[:, None] != J)).sum(0) < 2 * d[J]]
-    if not len(F):
-        return B, ic
-    T32 = T.to(torch.float32)
-    m = (2 * d.index_select(0, F) + 8).long()
-    n, extra = X.shape[0], []
-    step = max(1, (1 << 24) // n)           # N x step float32 at a time
-    for s in range(0, F.numel(), step):
-        f = F[s:s + step]
-        G = _join_costs(X, T32, lab, best, f, scratch)
-        mf = m[s:s + f.numel()]            # each cluster's mf smallest join costs' rows
-        top = G.topk(min(int(mf.max()), G.shape[1]), dim=1, largest=False).indices
-        extra.append(top[torch.arange(top.shape[1], device=G.device)[None, :] < mf.to(G.device)[:, None]])
-    extra = torch.cat(extra).to(X.device)
-    inB = torch.zeros(X.shape[0], dtype=torch.bool, device=X.device)
-    inB[B] = True
-    extra = extra[~inB.index_select(0, extra)].unique()
-    if not extra.numel():
-        return B, ic
-    ic = ic - torch.bincount(lab.index_select(0, extra), minlength=k)
-    return torch.cat([B, extra]).sort().values, ic
-
-
-def _near_rows(lab, margin, R, cnt_out, hi, must=None):
-    """(rows with margin <= R plus the rows `must`, counts of the others plus cnt_out); for a
-    cluster the others would overfill, its rows nearest a boundary join too (twice its excess and 32
-    more).  None when that cannot prevent it."""
+def _near_rows(lab, margin, R, hi):
+    """(rows with margin <= R, counts of the others); for a cluster the others would overfill, its
+    rows nearest a boundary join too (twice its excess and 32 more).  None when that cannot
+    prevent it."""
     k = hi.numel()
     inside = margin <= R
-    if must is not None:
-        inside[must] = True
     cnt = torch.bincount(lab, minlength=k)
-    ic = cnt_out + cnt - torch.bincount(lab[inside], minlength=k)
+    ic = cnt - torch.bincount(lab[inside], minlength=k)
     for j in (ic > hi).nonzero()[:, 0].tolist():
         rows = (lab == j).nonzero()[:, 0]
-        take = min(len(rows), 2 * int(cnt_out[j] + cnt[j] - hi[j]) + 32)
+        take = min(len(rows), 2 * int(cnt[j] - hi[j]) + 32)
         inside[rows[torch.sort(margin[rows], stable=True).indices[:take]]] = True
     B = inside.nonzero()[:, 0]
-    ic = cnt_out + cnt - torch.bincount(lab[B], minlength=k)
+    ic = cnt - torch.bincount(lab[B], minlength=k)
     return None if bool((ic > hi).any()) else (B, ic)
 
 
@@ -1432,19 +1386,18 @@ def _dense_translate(outputs, target, seed, tie_eps, start, n_init=8192):
 
 class _Dense:
     """_dense_translate's state: the outputs X, the target, the passes' buffers, T, the counts'
-    error e and the last _newton_counts `at`, and `pool`: (rows near a boundary, their labels and
-    margins at T, counts of the others, their least margin) once the steps go on with them only."""
+    error e and the last _newton_counts `at`."""
 
     def __init__(self, X, target):
         self.X, self.target, (self.n, self.k), self.dev = X, target, X.shape, X.device
         self.lo, self.hi = count_bounds(target)
-        self.passes, self.errs, self.mode, self.pool = 0, [], {}, None
+        self.passes, self.errs, self.mode = 0, [], {}
         self.tol = max(0.002 * self.n, self.k)
 
     def _steps(self, X, T, target, steps, tol, **kw):
-        T, e, at, p, escaped = _newton_T(X, T, target, steps, tol, **kw)
+        T, e, at, p = _newton_T(X, T, target, steps, tol, **kw)
         self.passes += p
-        return T, e, at, escaped
+        return T, e, at
 
     def _recount(self):
         """The counts at the current T, in one pass over all rows."""
@@ -1474,23 +1427,20 @@ class _Dense:
                                 max(0.005 * sub.shape[0], math.sqrt(sub.shape[0] * k)),
                                 bufs=_newton_pair(*sub.shape, self.dev))[0]
                 at, self.errs[:] = None, []
-        self.T, self.e, self.at, _ = self._steps(X, T, target, 2, self.tol, errs=self.errs,
+        self.T, self.e, self.at = self._steps(X, T, target, 2, self.tol, errs=self.errs,
                                                  bufs=self.bufs, mode=self.mode, at=at)
         if self.errs[-1] > 0.9 * self.errs[0] and self.errs[-1] > 0.1 * n:
             return False     # two steps removed under a tenth of sum |counts - target| > N / 10
-        last, full_steps = math.inf, 0
+        full_steps = 0
         while (self.errs[-1] > self.tol and full_steps < 24
                and (full_steps < 8 or self.errs[-1] > PAST_8 * n)):
             # (past 8 steps only while the error is over 1 % of N: the exact solve would be slow there)
-            if last < math.inf and self._pool_steps(last):
-                break
-            T1, self.e, self.at, _ = self._steps(X, self.T, target, 1, self.tol, at=self.at,
+            T1, self.e, self.at = self._steps(X, self.T, target, 1, self.tol, at=self.at,
                                                  errs=self.errs, bufs=self.bufs, mode=self.mode)
             full_steps += 1
-            step = T1 - self.T
-            last, self.T = float(step.max() - step.min()), T1
-            if last == 0:
+            if T1 is self.T:
                 break       # no step helped
+            self.T = T1
         # the Newton steps did not get near: a network collapsing onto few clusters
         return float(self.e.clamp(min=0).sum()) <= 0.05 * self.n
 
@@ -1499,112 +1449,36 @@ class _Dense:
         return max(int(DENSE_SHARE * self.n),
                    int(DENSE_PER_MOVE * (float(self.e.clamp(min=0).sum()) + self.k)))
 
-    def _pool_steps(self, last):
-        """T moves on by about its last step (the counts' error falls by half or more a step):
-        rows leading by more than 4 x that keep their column; once they are half of the rows or
-        fewer, the steps go on with the others only (True: then the pool is set)."""
-        n, k, margin = self.n, self.k, self.at[1]
-        R1 = max(4 * last, float(margin.kthvalue(min(n, 2 * self._want())).values))
-        if int((margin <= R1).sum()) > DENSE_POOL * n:
-            return False
-        got = _near_rows(self.at[0], margin, R1, torch.zeros(k, dtype=torch.int64, device=self.dev), self.hi)
-        if got is None:
-            return False
-        P, c_out = got
-        XP = self.X.index_select(0, P).to(torch.float32)
-        frac = min(0.5, min(0.2, max(0.05, k / 1000)) * n / P.numel())
-        TP, eP, atP, escaped = self._steps(XP, self.T, self.target - c_out, 12, self.tol, frac=frac,
-                                           span_max=R1 / 2, bufs=_newton_pair(*XP.shape, self.dev),
-                                           mode=dict(self.mode))
-        if not escaped:
-            moved = TP - self.T
-            self.pool = (P, atP[0], atP[1], c_out, R1 - float(moved.max() - moved.min()))
-            self.T, self.e = TP, eP
-            return True
-        if TP is not self.T:     # T would cross rows left out: all rows from here
-            self.T = TP
-            self._recount()
-            self.errs.append(float(self.e.abs().sum()))
-        return False
-
-    def _rows_to_solve(self, want, must):
-        """(rows to solve B, counts of the others ic, the margin R kept, the pool's rows P or None,
-        their labels labP or all labels), or None."""
-        zero = torch.zeros(self.k, dtype=torch.int64, device=self.dev)
-        while True:
-            if self.pool is None:
-                P, labP, mP, c_out, outer = None, self.at[0], self.at[1], zero, math.inf
-            else:
-                P, labP, mP, c_out, outer = self.pool
-            nP = labP.numel()
-            w = min(want, nP)
-            st = max(1, nP // R_ROWS)     # (the margin of about w rows, from a strided sample)
-            R = min(float(mP[::st].kthvalue(-(-w // st)).values) if w < nP else math.inf, outer)
-            got = _near_rows(labP, mP, R, c_out, self.hi, must if P is None else None)
-            if got is None and P is not None:
-                self.pool = None     # the rows near a boundary cannot balance a cluster: all rows
-                self._recount()
-                continue
-            if got is None:
-                return None
-            B, ic = got
-            if P is not None:
-                B = P.index_select(0, B)
-            else:
-                B, ic = _joiners(self.X, self.T, self.at, B, ic, self.target, R, self.bufs[0][3])
-            return B, ic, R, P, labP
-
     def solve(self, eps, seed, top, t0):
-        """The exact solve of the rows near a boundary, up to four tries (see _dense_translate)."""
-        n, k, dev = self.n, self.k, self.dev
+        """The exact solve of the rows near a boundary (see _dense_translate), or None."""
+        n, k, dev, (labels, margin) = self.n, self.k, self.dev, self.at[:2]
+        want = min(self._want(), n)
+        st = max(1, n // R_ROWS)     # (the margin of about `want` rows, from a strided sample)
+        R = float(margin[::st].kthvalue(-(-want // st)).values) if want < n else math.inf
+        got = _near_rows(labels, margin, R, self.hi)
+        if got is None or got[0].numel() * k * 10 > (1 << 30):
+            return None     # (the streaming path keeps candidate lists where whole rows do not fit)
+        B, ic = got
+        history = []
+        solver = self._solve_rows(B, ic, eps, seed, history)
+        if solver is None:
+            return None
+        dT, sol_labels, sol_counts = (t.to(dev) for t in (solver.dT, solver.labels, solver.counts))
+        self.T = self.T + dT
         slack = 2.0 ** -20 * (float(top) + float(self.T.abs().max())) + 4 * eps   # float32 margins
-        want = self._want()
-        history, must = [], None     # must: rows a try found to matter, solved in the next ones too
-        for _ in range(4):
-            got = self._rows_to_solve(want, must)
-            if got is None:
+        if float(dT.max() - dT.min()) + slack >= R:
+            # T moved further than the margin kept: one pass at the solve's T says whether a row
+            # left out changed its column or came within float32's rounding of doing so
+            labels = labels.clone()
+            self._recount()
+            out = torch.ones(n, dtype=torch.bool, device=dev)
+            out[B] = False
+            if bool((out & ((self.at[0] != labels) | (self.at[1] <= slack))).any()):
                 return None
-            B, ic, R, P, labels = got
-            if B.numel() * k * 10 > (1 << 30):
-                return None     # (the streaming path keeps candidate lists where whole rows do not fit)
-            solver = self._solve_rows(B, ic, R, eps, seed, history)
-            if solver is None:
-                return None
-            dT, sol_labels, sol_counts = (t.to(dev) for t in (solver.dT, solver.labels, solver.counts))
-            T_before, at_before = self.T, (self.at if P is None else None)
-            if P is not None:
-                labP, labels = labels, self.at[0]
-                labels[P] = labP
-            self.T = self.T + dT
-            unsafe = None
-            if float(dT.max() - dT.min()) + slack >= R:
-                # T moved further than the margin kept: one pass at the solve's T says whether a
-                # row left out changed its column or came within float32's rounding of doing so
-                labels = labels.clone()
-                self._recount()
-                out = torch.ones(n, dtype=torch.bool, device=dev)
-                out[B] = False
-                unsafe = out & ((self.at[0] != labels) | (self.at[1] <= slack))
-            if unsafe is None or not bool(unsafe.any()):
-                labels[B] = sol_labels
-                return self._result(labels, ic + sol_counts, solver, history, B.numel(), t0)
-            # next try: the rows solved and the rows that changed, from the solve's T where those
-            # are under 1 % of the rows solved, else from the T before it (near balance, where from
-            # the solve's T the rows that changed unbalance it again)
-            changed = unsafe.nonzero()[:, 0]
-            must, self.pool = torch.cat([B, changed]), None
-            if changed.numel() > FEW_CHANGED * B.numel():
-                self.T = T_before
-                if at_before is not None:
-                    self.at, self.e = at_before, at_before[2].to(torch.float64) - self.target
-                else:
-                    self._recount()
-            else:
-                self.e = self.at[2].to(torch.float64) - self.target
-            want = max(want, self._want())
-        return None
+        labels[B] = sol_labels
+        return self._result(labels, ic + sol_counts, solver, history, B.numel(), t0)
 
-    def _solve_rows(self, B, ic, R, eps, seed, history):
+    def _solve_rows(self, B, ic, eps, seed, history):
         """The solver on the rows B (whole, with the tie-break) for target - ic; None where no
         move reaches a cluster that needs rows.  A small solve runs on the host where the outputs
         are on a GPU: its rounds are a few kernels on small arrays each, which the GPU runs no
