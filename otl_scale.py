@@ -42,7 +42,6 @@ AUCTION_STALL = 6       # the auction stops when 6 rounds removed under a fifth 
 UNSURE_SHARE = 0.01     # rows unsure of their best past this share are read again before the finish
 READS = 40              # rounds of reading rows again before the solve takes whole rows
 APPROACH_SHARE, APPROACH_STEPS = 0.02, 8   # published steps first while the excess is over 2 %
-TABLE_SHARE = 0.25      # the finish's k x k table of every move once a list would hold a quarter
 DENSE_SHARE, DENSE_PER_MOVE = 0.02, 8   # dense path: the rows to solve (2 % of N, 8 a row to move)
 SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by a shed
 PAST_8 = 0.01           # full-row steps past 8 while sum |counts - target| > 1 % of N
@@ -936,30 +935,29 @@ def _gap_after(margin, lab, excess, k):
 
 class _Finish:
     """The exact finish: rounds of shortest paths from over- to under-full clusters.  Moving row i
-    from its cluster a to b costs (V_ia - dT_a) - (V_ib - dT_b) >= 0; the edge a -> b of the
-    cluster graph is the cheapest such move (the lowest global row id among equal ones, so that
-    any split of the rows picks the same), searched by scipy's Dijkstra from the clusters that
-    must give.  One row moves along each of disjoint paths, nearest first, and T of every cluster
-    nearer the sources than the last path rises by how much nearer it is, so every lead stays
-    >= 0.  The edges come from a list of the moves that cost at most tau when listed (a moved
-    row's moves listed again from its new cluster): T only rises, so a move left out costs at
-    least trust = tau - how far any T_j rose since, and a distance up to trust is exact; tau
-    doubles while the clusters that need rows lie beyond it.  Where the list would hold over a
-    quarter of all moves (crowded outputs), from a k x k table of every pair's cheapest move
-    instead, whose rows are redone for the clusters a round touched."""
+    from its cluster a to b costs (V_ia - dT_a) - (V_ib - dT_b) >= 0.  The moves that cost at most
+    tau are listed (a moved row's moves listed again from its new cluster), and each round the
+    edge a -> b of the cluster graph is the cheapest listed move (the lowest global row id among
+    equal ones, so that any split of the rows picks the same), searched by scipy's Dijkstra from
+    the clusters that must give.  One row moves along each of disjoint paths, nearest first, and
+    T of every cluster nearer the sources than the last path rises by how much nearer it is, so
+    every lead stays >= 0.  T only rises, so a move left out costs at least trust = tau - how far
+    any T_j rose since the list was made, and a distance up to trust is exact; tau doubles while
+    the clusters that need rows lie beyond it."""
 
     def __init__(self, solver):
         s = self.s = solver
+        # (k * k,) scratch for the edges' least moves and rows, left as found after each round
         self.W = torch.full((s.k * s.k,), math.inf, dtype=torch.float64, device=s.dev)
         self.arg = torch.full((s.k * s.k,), BIG, dtype=torch.int64, device=s.dev)
 
     def run(self, history):
-        """True when balanced; False when no move reaches a cluster that needs rows.  First the
-        clusters over ceil(t) give to those under it, then those over floor(t)."""
-        s, k, n = self.s, self.s.k, int(self.s.counts.sum())
-        first, pairs = s.phases, None
-        max_phases = first + 2 * n + 1000      # a guard
-        lo, hi, self.table = s.lo.cpu().numpy(), s.hi.cpu().numpy(), False
+        """True when balanced; False when no move reaches a cluster that needs rows (those are
+        left in `unreached`).  First the clusters over ceil(t) give to those under it, then those
+        over floor(t)."""
+        s, k, pairs = self.s, self.s.k, None
+        max_phases = s.phases + 2 * int(s.counts.sum()) + 1000      # a guard
+        lo, hi = s.lo.cpu().numpy(), s.hi.cpu().numpy()
         best, _, second, _ = s.evaluate(s.all_rows[::max(1, s.labels.numel() // 4096)])
         lead = (best - second).clamp(min=0)     # tau at first: the 0.2 quantile of rows' leads
         tau = float(s.comm.max(lead.quantile(0.2).reshape(1) if lead.numel() else
@@ -970,130 +968,82 @@ class _Finish:
                 return True
             bound = hi if (counts > hi).any() else lo
             give, take = np.maximum(counts - bound, 0), np.maximum(bound - counts, 0)
-            if pairs is None and not self.table:
+            if pairs is None:
                 pairs, built = self._listed(s.all_rows, tau), s.dT
-                if s.comm.total(pairs[0].numel()) > TABLE_SHARE * s.comm.total(s.labels.numel() * s.width):
-                    self.table, pairs, tau = True, None, math.inf     # every move, in the table
-                    self._table(s.all_rows)
             e, base, rid = self._edges(pairs)
-            if self.table and s.phases == first:    # clusters that need rows and no move reaches
-                self.unreached = torch.from_numpy(take > 0).to(s.dev)
-                self.unreached[e % k] = False
-                if bool(self.unreached.any()):
-                    return False
             d, pred = _shortest_paths(e, base, s.dT, k, give > 0)
             at = torch.searchsorted(e, torch.from_numpy(pred).to(s.dev) * k
                                     + torch.arange(k, device=s.dev)).clamp(max=max(e.numel() - 1, 0))
             row_of = rid.index_select(0, at).cpu() if e.numel() else torch.zeros(k, dtype=torch.int64)
-            trust = tau - float((s.dT - built).max()) if pairs is not None else tau
-            moves, D = _route(d, pred, row_of, give, take, trust)
+            moves, D = _route(d, pred, row_of, give, take, tau - float((s.dT - built).max()))
             if D is None:
                 needy = d[take > 0]
-                if math.isinf(tau) or not len(needy):    # no move reaches a cluster that needs rows
+                if math.isinf(tau) or not len(needy):
                     self.unreached = torch.from_numpy((take > 0) & np.isinf(d)).to(s.dev)
                     return False
                 near = float(needy.min())   # (its distance on the listed moves, or inf)
                 grown = 2 * max(tau, near) if math.isfinite(near) else math.inf
-                tau = grown if grown > tau else math.inf     # tau = 0 (exact ties, no tie-break)
-                pairs = None
+                tau, pairs = (grown if grown > tau else math.inf), None  # (tau = 0: exact ties)
                 continue
             moved = self._apply(moves, d, D)
-            if pairs is not None:
-                gone = torch.zeros(s.labels.numel(), dtype=torch.bool, device=s.dev)
-                gone[moved] = True
-                keep = ~gone.index_select(0, pairs[0])
-                pairs = tuple(torch.cat([p[keep], q]) for p, q in zip(pairs, self._listed(moved, tau)))
+            gone = torch.zeros(s.labels.numel(), dtype=torch.bool, device=s.dev)
+            gone[moved] = True
+            keep = ~gone.index_select(0, pairs[0])
+            pairs = tuple(torch.cat([p[keep], q]) for p, q in zip(pairs, self._listed(moved, tau)))
             history.append(s.std())
         return False
 
     def _apply(self, moves, d, D):
-        """Raise the potentials (every cluster closer than D by D - d: the tree edges become ties),
-        move the rows and redo the table's rows of the clusters touched; returns the moved rows
-        that live here (local, ascending)."""
-        s, k, dev = self.s, self.s.k, self.s.dev
+        """Raise the potentials (every cluster closer than D by D - d: the tree edges become ties)
+        and move the rows; returns the moved rows that live here (local, ascending)."""
+        s, dev = self.s, self.s.dev
         s.phases += 1
         s.dT = s.dT + torch.from_numpy(np.where(d < D, D - d, 0.0)).to(dev)
-        ids, a, b = (torch.tensor(x, dtype=torch.int64, device=dev) for x in zip(*moves))
+        ids, _, to = zip(*moves)
+        ids, to = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (ids, to))
         li = torch.searchsorted(s.rows_global, ids).clamp(max=max(s.rows_global.numel() - 1, 0))
         here = ((s.rows_global.index_select(0, li) == ids) if s.rows_global.numel()
                 else torch.zeros_like(ids, dtype=torch.bool))
-        s.labels[li[here]] = b[here]
+        s.labels[li[here]] = to[here]
         s.counts = s.count()
-        if self.table:      # (the clusters touched on any rank)
-            touched = torch.zeros(k, dtype=torch.bool, device=dev)
-            touched[torch.cat([a, b])] = True
-            self._table(touched.index_select(0, s.labels).nonzero()[:, 0], touched)
         return li[here].unique()
 
-    def _moves(self, rows, tau):
-        """(rows, pair a * k + b, V_ia - V_ib) of the moves a -> b of the local `rows` that cost at
-        most tau at the current dT (every valid move where tau is inf), block by block."""
-        s = self.s
+    def _listed(self, rows, tau):
+        """(row, pair a * k + b, V_ia - V_ib) of every move a -> b of the local `rows` that costs
+        at most tau at the current dT."""
+        s, out = self.s, [[], [], []]
         for r, vr, cr, _ in s.blocks(rows):
             lab = s.labels.index_select(0, r)
             at = (lab[:, None] if s.whole else
                   (cr == lab[:, None]).to(torch.uint8).argmax(1, keepdim=True))
             base = vr.gather(1, at) - vr                    # +inf for empty slots (vals = -inf)
-            ok = (cr != lab[:, None]) & (base < math.inf)
-            if tau < math.inf:
-                ok &= base + s.at(cr) - s.dT.index_select(0, lab)[:, None] <= tau
-            i, j = ok.nonzero(as_tuple=True)
-            yield r.index_select(0, i), lab.index_select(0, i) * s.k + cr[i, j], base[i, j]
-
-    def _listed(self, rows, tau):
-        out = list(zip(*self._moves(rows, tau)))
-        if not out:
-            z = torch.zeros(0, dtype=torch.int64, device=self.s.dev)
-            return z, z, torch.zeros(0, dtype=torch.float64, device=self.s.dev)
+            cost = base + s.at(cr) - s.dT.index_select(0, lab)[:, None]
+            i, j = ((cost <= tau) & (cr != lab[:, None]) & (base < math.inf)).nonzero(as_tuple=True)
+            for o, x in zip(out, (r.index_select(0, i), lab.index_select(0, i) * s.k + cr[i, j],
+                                  base[i, j])):
+                o.append(x)
+        if not out[0]:
+            z = torch.zeros(0, dtype=torch.int64, device=s.dev)
+            return z, z, torch.zeros(0, dtype=torch.float64, device=s.dev)
         return tuple(torch.cat(o) for o in out)
 
-    def _scatter(self, rows, key, base, second):
-        """Moves into the table: their least V_ia - V_ib per pair (first), then the lowest global
-        row id among those at it (second)."""
-        if not second:
-            self.W.scatter_reduce_(0, key, base, "amin")
-        else:
-            hit = base == self.W.index_select(0, key)
-            self.arg.scatter_reduce_(0, key[hit], self.s.rows_global.index_select(0, rows[hit]),
-                                     "amin")
-
-    def _table(self, rows, touched=None):
-        """The table's entries of the clusters in the (k,) mask `touched` (None: all) again, from
-        the moves of their rows `rows`, and the list of its entries, `keys`."""
-        k, keys = self.s.k, []
-        if touched is not None:
-            self.W.view(k, k)[touched], self.arg.view(k, k)[touched] = math.inf, BIG
-        for second in (False, True):
-            for moves in self._moves(rows, math.inf):
-                self._scatter(*moves, second)
-                if not second:
-                    keys.append(moves[1])
-        keys = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
-        if touched is not None:
-            keys = torch.cat([self.keys[~touched.index_select(0, self.keys // k)], keys])
-        self.keys = keys.to(self.s.dev).unique()
-
     def _edges(self, pairs):
-        """The cluster graph, all ranks: its edges a * k + b (ascending), each one's cheapest
-        V_ia - V_ib and its row, from the table or from the listed moves `pairs` (scattered into
-        the table and cleared from it after)."""
+        """The cluster graph on the listed moves, all ranks: its edges a * k + b (ascending), each
+        one's cheapest V_ia - V_ib and, among equal ones, the lowest global row id."""
         s, W, arg = self.s, self.W, self.arg
-        if pairs is not None:
-            self._scatter(*pairs, False)
-            self._scatter(*pairs, True)
+        rows, key, base = pairs
+        rid = s.rows_global.index_select(0, rows)
+        W.scatter_reduce_(0, key, base, "amin")
+        hit = base == W.index_select(0, key)
+        arg.scatter_reduce_(0, key[hit], rid[hit], "amin")
         if s.comm.on:   # ranks agree on the global cheapest move, then its lowest row id
             W = s.comm.min(self.W.clone())
             arg = s.comm.min(torch.where(self.W == W, self.arg, BIG))
             e = torch.isfinite(W).nonzero()[:, 0]
-        elif pairs is not None:    # the entry of each edge's row, one an edge
-            rows, key, base = pairs
-            e = key[(base == W.index_select(0, key))
-                    & (s.rows_global.index_select(0, rows) == arg.index_select(0, key))].sort().values
-        else:
-            e = self.keys
+        else:           # each edge's entry: its row's
+            e = key[hit & (rid == arg.index_select(0, key))].sort().values
         out = e, W.index_select(0, e), arg.index_select(0, e)
-        if pairs is not None:     # (every listed pair, on this rank, is an edge)
-            self.W[e], self.arg[e] = math.inf, BIG
+        self.W[e], self.arg[e] = math.inf, BIG     # (every listed pair on this rank is an edge)
         return out
 
 
