@@ -42,6 +42,7 @@ AUCTION_STALL = 6       # the auction stops when 6 rounds removed under a fifth 
 UNSURE_SHARE = 0.01     # rows unsure of their best past this share are read again before the finish
 READS = 40              # rounds of reading rows again before the solve takes whole rows
 APPROACH_SHARE, APPROACH_STEPS = 0.02, 8   # published steps first while the excess is over 2 %
+DENSE_ROWS_PER_K = 32   # the dense path from N >= 32 k (below, the streaming path is cheaper)
 DENSE_SHARE, DENSE_PER_MOVE = 0.02, 8   # dense path: the rows to solve (2 % of N, 8 a row to move)
 SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by a shed
 PAST_8 = 0.01           # full-row steps past 8 while sum |counts - target| > 1 % of N
@@ -71,12 +72,13 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               full_rows_bytes: int = 1 << 30, start=None, sample_start: bool = True,
               dense: bool = True, n_init: int = 8192) -> TranslateResult:
     """otl.translate's problem and guarantees: T with labels = argmax(O - T) and every count within
-    1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to and N >= 64 k,
-    the dense path runs first (`_Dense`); otherwise, or where it cannot finish, O is fed in chunks
-    to `StreamingTranslator`, whose settings these are (tie_eps defaults to 2**-26).  start: a T
-    to start from instead of the column medians (the other view's, the last epoch's).
-    sample_start: without a start, for k > 2 x full_rows_up_to and outputs far from balance at
-    their medians, start from the exact T of every 4th row (`sample_start_T`).  method=
+    1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to and N >=
+    DENSE_ROWS_PER_K x k, the dense path runs first (`_Dense`); otherwise, or where it cannot
+    finish, O is fed in chunks to `StreamingTranslator`, whose settings these are (tie_eps
+    defaults to 2**-26).  start: a T to start from instead of the column medians (the other
+    view's, the last epoch's).  sample_start: without a start, for k > 2 x full_rows_up_to and
+    outputs far from balance at their medians, start from the exact T of a random quarter of the
+    rows (`sample_start_T`).  method=
     "published" (beta, alpha0, patience, max_iter, tie_eps default 1e-6, seed, init) and
     "sinkhorn" are otl.translate's."""
     if method in ("published", "sinkhorn"):
@@ -92,7 +94,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     otl.check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
     n, k = outputs.shape
     tie_eps = 2.0 ** -26 if tie_eps is None else tie_eps
-    if dense and 2 <= k <= full_rows_up_to and n >= 32 * k:
+    if dense and 2 <= k <= full_rows_up_to and n >= DENSE_ROWS_PER_K * k:
         res = _dense_translate(outputs, target, seed, tie_eps, start, n_init)
         if res is not None:
             return res
@@ -295,8 +297,9 @@ class _Store:
         cc = g.sub_(rr * kp)
         cnt = torch.bincount(rr, minlength=n)
         theta[cnt >= k] = -math.inf                 # nothing dropped
-        pos = torch.arange(rr.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt).index_select(0, rr)
-        val = X.reshape(-1).index_select(0, rr * k + cc).to(torch.float64) - self.T0.index_select(0, cc)
+        pos = torch.arange(rr.numel(), device=dev) - (cnt.cumsum(0) - cnt).index_select(0, rr)
+        val = (X.reshape(-1).index_select(0, rr * k + cc).to(torch.float64)
+               - self.T0.index_select(0, cc))
         # flat (n * w + 1) tables, with a spare slot at the end for the hits past a row's w-th
         at = torch.where(pos < w, rr * w + pos, n * w)
         vals = torch.full((n * w + 1,), -math.inf, dtype=torch.float64, device=dev)
@@ -318,9 +321,11 @@ class _Store:
                                device=dev)
                 P0, PC = P.clone(), torch.zeros(P.shape, dtype=torch.int64, device=dev)
                 P0[at], PC[at] = val[e], cc[e]
-                P[at] = _jittered(val[e, None], rr[e] + first, cc[e, None], self.eps, self.seed)[:, 0]
+                P[at] = _jittered(val[e, None], rr[e] + first, cc[e, None], self.eps,
+                                  self.seed)[:, 0]
                 tv, ti = P.topk(w + 1, dim=1)
-                vals[oi], cols[oi] = P0.gather(1, ti[:, :w]), PC.gather(1, ti[:, :w]).to(self.cdtype)
+                vals[oi] = P0.gather(1, ti[:, :w])
+                cols[oi] = PC.gather(1, ti[:, :w]).to(self.cdtype)
             theta[oi] = torch.maximum(theta[oi], tv[:, w])     # the rest
         return vals, cols, theta
 
@@ -359,9 +364,9 @@ class StreamingTranslator:
     full_rows_up_to, rows_hint x k x 10 bytes <= full_rows_bytes and the first rows are far from
     balance at T0 (their counts' mean squared deviation from N / k over 4 x N / k); else each
     keeps the columns within a window of its best at T0 (about `candidates`, at most
-    `max_candidates`) and a bound on the rest.  Distributed: each rank adds its shard in rank order (row_offset: its first row's
-    global number) and gets its rows' labels; only k-vectors and k x k tables travel.  NaN and
-    +-inf raise.  Design: docs/labeler.md, 'Streaming'."""
+    `max_candidates`) and a bound on the rest.  Distributed: each rank adds its shard in rank
+    order (row_offset: its first row's global number) and gets its rows' labels; only k-vectors
+    and k x k tables travel.  NaN and +-inf raise.  Design: docs/labeler.md, 'Streaming'."""
 
     def __init__(self, k: int, target=None, seed: int = 0, candidates: int = 24,
                  max_candidates: int = 48, full_rows_up_to: int = 128, n_init: int = 8192,
@@ -508,7 +513,8 @@ class StreamingTranslator:
                 refetched += solver.labels.numel()
             solver.approach(history)
             solver.auction(max_rounds, history)
-            rows, force = solver.unsure_rows(), torch.zeros(self.k, dtype=torch.bool, device=self.device)
+            rows = solver.unsure_rows()
+            force = torch.zeros(self.k, dtype=torch.bool, device=self.device)
             n_unsure = comm.total(rows.numel())
             if n_unsure <= UNSURE_SHARE * n_total or attempt >= READS - 1:
                 finish = _Finish(solver)     # (on stale lists it would be wasted)
@@ -629,7 +635,8 @@ class _Solver:
 
     def _split(self, rows):
         """(piece, rows of it as indices into it, the rows) for the ascending local `rows`."""
-        cut = torch.searchsorted(rows.contiguous(), torch.tensor(self.starts, device=self.dev)).tolist()
+        starts = torch.tensor(self.starts, device=self.dev)
+        cut = torch.searchsorted(rows.contiguous(), starts).tolist()
         for p, (a, b) in enumerate(zip(cut, cut[1:])):
             if b > a:
                 yield p, rows[a:b] - self.starts[p], rows[a:b]
@@ -973,8 +980,9 @@ class _Finish:
             e, base, rid = self._edges(pairs)
             d, pred = _shortest_paths(e, base, s.dT, k, give > 0)
             at = torch.searchsorted(e, torch.from_numpy(pred).to(s.dev) * k
-                                    + torch.arange(k, device=s.dev)).clamp(max=max(e.numel() - 1, 0))
-            row_of = rid.index_select(0, at).cpu() if e.numel() else torch.zeros(k, dtype=torch.int64)
+                                    + torch.arange(k, device=s.dev))
+            row_of = (rid.index_select(0, at.clamp(max=e.numel() - 1)).cpu() if e.numel()
+                      else torch.zeros(k, dtype=torch.int64))
             moves, D = _route(d, pred, row_of, give, take, tau - float((s.dT - built).max()))
             if D is None:
                 needy = d[take > 0]
