@@ -743,7 +743,34 @@ class _Solver:
             r = _shed(self, margin, lab, excess, over)
             self.dT = self.dT + r
             self.relabel(rows[margin < r.index_select(0, lab)])
+            if bool((self.counts < self.lo).any()):
+                self.attract()
             history.append(self.std())
+
+    def attract(self):
+        """A reverse round: every under-full cluster j pulls in its deficit, T_j falling to the
+        middle of the gap after the deficit_j-th smallest loss (a row's best score - its score in
+        j) among the rows of clusters not under-full; done as a rise of every other T.  Where a
+        network collapses onto few clusters, shedding alone hands rows among the used ones."""
+        deficit = (self.lo - self.counts).clamp(min=0)
+        under = deficit > 0
+        rows = (~under).index_select(0, self.labels).nonzero()[:, 0]
+        out = [[torch.zeros(0, dtype=t, device=self.dev)] for t in (torch.float64, torch.int64,
+                                                                     torch.int64)]
+        for rr, vr, cr, _ in self.blocks(rows):
+            S = vr - self.at(cr)
+            loss = S.amax(1, keepdim=True) - S
+            u = under if self.whole else under.index_select(0, cr.reshape(-1)).view(cr.shape)
+            i, j = (u & (loss < math.inf)).nonzero(as_tuple=True)
+            for o, x in zip(out, (loss[i, j], cr[i, j], rr.index_select(0, i))):
+                o.append(x)
+        loss, c, r = (torch.cat(o) for o in out)
+        cnt = self.comm.sum(torch.bincount(c, minlength=self.k))
+        d = _shed(self, loss, c, torch.minimum(deficit, cnt), under & (cnt > 0))
+        self.dT = self.dT + (d.max() - d)
+        self.rounds += 1
+        mine = under.index_select(0, self.labels).nonzero()[:, 0]
+        self.relabel(torch.cat([r[loss < d.index_select(0, c)], mine]).unique())
 
     def strictify(self, keep_balance=True):
         """Moved rows sit on exact ties.  Order the clusters so that every tie a -> b (a row of a
@@ -1408,31 +1435,38 @@ class _Dense:
                    int(DENSE_PER_MOVE * (float(self.e.clamp(min=0).sum()) + self.k)))
 
     def solve(self, eps, seed, top, t0):
-        """The exact solve of the rows near a boundary (see _dense_translate), or None."""
-        n, k, dev, (labels, margin) = self.n, self.k, self.dev, self.at[:2]
-        want = min(self._want(), n)
-        st = max(1, n // R_ROWS)     # (the margin of about `want` rows, from a strided sample)
-        R = float(margin[::st].kthvalue(-(-want // st)).values) if want < n else math.inf
-        got = _near_rows(labels, margin, R, self.hi)
-        if got is None or got[0].numel() * k * 10 > (1 << 30):
-            return None     # (the streaming path keeps candidate lists where whole rows do not fit)
-        B, ic = got
-        history = []
-        solver = self._solve_rows(B, ic, eps, seed, history)
-        if solver is None:
-            return None
-        dT, sol_labels, sol_counts = (t.to(dev) for t in (solver.dT, solver.labels, solver.counts))
-        self.T = self.T + dT
-        slack = 2.0 ** -20 * (float(top) + float(self.T.abs().max())) + 4 * eps   # float32 margins
-        if float(dT.max() - dT.min()) + slack >= R:
+        """The exact solve of the rows near a boundary (see _dense_translate), or None.  Where a
+        row left out changes cluster at the solve's T (outputs collapsing onto few clusters, whose
+        margins are small), again from that T with twice the rows, twice at most."""
+        n, k, dev, history = self.n, self.k, self.dev, []
+        for attempt in range(3):
+            labels, margin = self.at[:2]
+            want = min(self._want() << attempt, n)
+            st = max(1, n // R_ROWS)     # (the margin of about `want` rows, from a strided sample)
+            R = float(margin[::st].kthvalue(-(-want // st)).values) if want < n else math.inf
+            got = _near_rows(labels, margin, R, self.hi)
+            if got is None or got[0].numel() * k * 10 > (1 << 30):
+                return None     # (the streaming path keeps candidate lists where rows do not fit)
+            B, ic = got
+            solver = self._solve_rows(B, ic, eps, seed, history)
+            if solver is None:
+                return None
+            dT, sol_labels, sol_counts = (t.to(dev) for t in (solver.dT, solver.labels, solver.counts))
+            self.T = self.T + dT
+            slack = 2.0 ** -20 * (float(top) + float(self.T.abs().max())) + 4 * eps   # float32 margins
+            if float(dT.max() - dT.min()) + slack < R:
+                break
             # T moved further than the margin kept: one pass at the solve's T says whether a row
             # left out changed its column or came within float32's rounding of doing so
             labels = labels.clone()
             self._recount()
             out = torch.ones(n, dtype=torch.bool, device=dev)
             out[B] = False
-            if bool((out & ((self.at[0] != labels) | (self.at[1] <= slack))).any()):
+            if not bool((out & ((self.at[0] != labels) | (self.at[1] <= slack))).any()):
+                break
+            if attempt == 2:
                 return None
+            self.e = self.at[2].to(torch.float64) - self.target
         labels[B] = sol_labels
         return self._result(labels, ic + sol_counts, solver, history, B.numel(), t0)
 

@@ -259,6 +259,34 @@ def test_dense_path_targets_with_one_cluster_taking_almost_all(k):
         check_translation(O, r)
 
 
+def collapsing(n, k=128, rank=4, seed=0):
+    """Outputs of a network collapsing onto few clusters: rank-4 logits (25 - 36 of the 128
+    columns some row's best) with a little noise, so that most rows' margins are tiny."""
+    g = gen(seed)
+    Z, W = torch.randn(n, rank, generator=g), torch.randn(rank, k, generator=g)
+    return (Z @ (W * torch.rand(k, generator=g) * 2) + 0.05 * torch.randn(n, k, generator=g)).contiguous()
+
+
+def test_dense_path_finishes_on_collapsing_outputs():
+    """The rows near a boundary, solved, move T past the margin that chose them: the dense path
+    solves again from that T with more rows instead of handing the outputs to the streaming path
+    (`active`: the rows solved exactly)."""
+    O = collapsing(21_600)
+    r = exact(O)
+    check_even(r)
+    check_translation(O, r)
+    assert r.active < O.shape[0]
+
+
+def test_streaming_equals_in_memory_on_collapsing_outputs():
+    """Shedding from over-full clusters alone hands rows among the clusters already used; the
+    reverse rounds pull rows into the empty ones.  N / k whole: one answer."""
+    O = collapsing(128 * 169)
+    a, b = exact(O), exact(O, dense=False)
+    check_even(b)
+    assert torch.equal(a.labels, b.labels)
+
+
 def test_dense_path_from_a_start():
     """start= (another view's T): the dense path from there, as balanced, the same labels."""
     n, k = 20_000, 50
