@@ -725,7 +725,7 @@ class _Solver:
         smallest margin (`_shed`), so that that many of its rows would leave it if no other T
         rose, until 6 rounds removed under a fifth of the excess (the rest is a slow random walk,
         which the exact finish does faster)."""
-        excesses = []
+        excesses, n = [], float(self.counts.sum())
         for _ in range(max_rounds):
             excess = (self.counts - self.hi).clamp(min=0)
             excesses.append(int(excess.sum()))
@@ -743,15 +743,17 @@ class _Solver:
             r = _shed(self, margin, lab, excess, over)
             self.dT = self.dT + r
             self.relabel(rows[margin < r.index_select(0, lab)])
-            if bool((self.counts < self.lo).any()):
-                self.attract()
+            if self.whole and float((self.lo - self.counts).clamp(min=0).sum()) > APPROACH_SHARE * n:
+                self.attract()      # (near balance the finish moves the last rows faster)
             history.append(self.std())
 
     def attract(self):
         """A reverse round: every under-full cluster j pulls in its deficit, T_j falling to the
         middle of the gap after the deficit_j-th smallest loss (a row's best score - its score in
         j) among the rows of clusters not under-full; done as a rise of every other T.  Where a
-        network collapses onto few clusters, shedding alone hands rows among the used ones."""
+        network collapses onto few clusters, shedding alone hands rows among the used ones; the
+        auction runs it on whole rows (candidate lists seldom hold the clusters that need rows)
+        while the deficit is over APPROACH_SHARE of the rows."""
         deficit = (self.lo - self.counts).clamp(min=0)
         under = deficit > 0
         rows = (~under).index_select(0, self.labels).nonzero()[:, 0]
