@@ -42,7 +42,7 @@ AUCTION_STALL = 6       # the auction stops when 6 rounds removed under a fifth 
 UNSURE_SHARE = 0.01     # rows unsure of their best past this share are read again before the finish
 READS = 40              # rounds of reading rows again before the solve takes whole rows
 APPROACH_SHARE, APPROACH_STEPS = 0.02, 8   # published steps first while the excess is over 2 %
-DENSE_ROWS_PER_K = 32   # the dense path from N >= 32 k (below, the streaming path is cheaper)
+DENSE_ROWS, DENSE_ROWS_PER_K = 1000, 32   # the dense path from N >= 1,000 and 32 k (below, streaming is cheaper)
 DENSE_SHARE, DENSE_PER_MOVE = 0.02, 8   # dense path: the rows to solve (2 % of N, 8 a row to move)
 SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by a shed
 PAST_8 = 0.01           # full-row steps past 8 while sum |counts - target| > 1 % of N
@@ -72,9 +72,9 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               full_rows_bytes: int = 1 << 30, start=None, sample_start: bool = True,
               dense: bool = True, n_init: int = 8192) -> TranslateResult:
     """otl.translate's problem and guarantees: T with labels = argmax(O - T) and every count within
-    1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to and N >=
-    DENSE_ROWS_PER_K x k, the dense path runs first (`_Dense`); otherwise, or where it cannot
-    finish, O is fed in chunks to `StreamingTranslator`, whose settings these are (tie_eps
+    1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to, N >= DENSE_ROWS
+    and N >= DENSE_ROWS_PER_K x k, the dense path runs first (`_Dense`); otherwise, or where it
+    cannot finish, O is fed in chunks to `StreamingTranslator`, whose settings these are (tie_eps
     defaults to 2**-26).  start: a T to start from instead of the column medians (the other
     view's, the last epoch's).  sample_start: without a start, for k > 2 x full_rows_up_to and
     outputs far from balance at their medians, start from the exact T of a random quarter of the
@@ -94,7 +94,7 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     otl.check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
     n, k = outputs.shape
     tie_eps = 2.0 ** -26 if tie_eps is None else tie_eps
-    if dense and 2 <= k <= full_rows_up_to and n >= DENSE_ROWS_PER_K * k:
+    if dense and 2 <= k <= full_rows_up_to and n >= max(DENSE_ROWS, DENSE_ROWS_PER_K * k):
         res = _dense_translate(outputs, target, seed, tie_eps, start, n_init)
         if res is not None:
             return res

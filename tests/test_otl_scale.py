@@ -249,7 +249,7 @@ def test_exact_is_a_translation():
 def test_dense_path_targets_with_one_cluster_taking_almost_all(k):
     """Targets far from even (one cluster takes all rows, or all but one row each of the
     others): exact, on real-like outputs."""
-    n = 64 * k * 4
+    n = max(64 * k * 4, 1024)      # (the dense path from 1,000 rows)
     O = dominant(n, k, 33)
     for fill in (1, 0):
         target = torch.full((k,), float(fill), dtype=torch.float64)
