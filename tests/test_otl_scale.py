@@ -264,7 +264,8 @@ def collapsing(n, k=128, rank=4, seed=0):
     columns some row's best) with a little noise, so that most rows' margins are tiny."""
     g = gen(seed)
     Z, W = torch.randn(n, rank, generator=g), torch.randn(rank, k, generator=g)
-    return (Z @ (W * torch.rand(k, generator=g) * 2) + 0.05 * torch.randn(n, k, generator=g)).contiguous()
+    O = Z @ (W * torch.rand(k, generator=g) * 2) + 0.05 * torch.randn(n, k, generator=g)
+    return O.contiguous()
 
 
 def test_dense_path_finishes_on_collapsing_outputs():
