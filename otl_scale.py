@@ -41,7 +41,7 @@ WINDOW_ROWS = 2048      # the candidates' window from the first this many rows
 AUCTION_STALL = 6       # the auction stops when 6 rounds removed under a fifth of the excess
 UNSURE_SHARE = 0.01     # rows unsure of their best past this share are read again before the finish
 READS = 40              # rounds of reading rows again before the solve takes whole rows
-APPROACH_SHARE, APPROACH_STEPS = 0.02, 8   # published steps first while the excess is over 2 %
+APPROACH_SHARE, APPROACH_STEPS = 0.02, 8   # published steps (excess) and reverse rounds (deficit) over 2 %
 DENSE_ROWS, DENSE_ROWS_PER_K = 1000, 32   # the dense path from N >= 1,000 and 32 k (below, streaming is cheaper)
 DENSE_SHARE, DENSE_PER_MOVE = 0.02, 8   # dense path: the rows to solve (2 % of N, 8 a row to move)
 SHED_AFTER = 0.9        # a Newton step keeping more of sum |counts - target| is followed by a shed
