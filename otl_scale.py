@@ -1467,8 +1467,7 @@ class _Dense:
             if not bool((out & ((self.at[0] != labels) | (self.at[1] <= slack))).any()):
                 break
             if attempt == 2:
-                return None
-            self.e = self.at[2].to(torch.float64) - self.target
+                return None     # (_recount set self.at and self.e at this T for the next try)
         labels[B] = sol_labels
         return self._result(labels, ic + sol_counts, solver, history, B.numel(), t0)
 
