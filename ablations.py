@@ -51,6 +51,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -257,6 +258,7 @@ class Study:
     balanced: Optional[Callable] = None
     panel: Optional[Callable] = None      # (study, ax, rows, metric, grid): one metric's panel
     xkey: str = ""              # the panels' x axis
+    keys: dict = field(default_factory=dict)  # a row's grid fields: NUMBER or their values
 
 
 def default_grid(study, preset="study"):
@@ -633,8 +635,11 @@ def run_stage(cmd, log):
     with open(log, "a") as fh:
         proc = subprocess.run(cmd, cwd=HERE, stdout=fh, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise SystemExit(f"{os.path.basename(cmd[1])} failed (exit {proc.returncode}); its output "
-                         f"is in {log}.  Rerunning the same ablations.py command resumes here.")
+        with open(log, errors="replace") as fh:     # the child's own last word: often the why
+            last = ([ln.strip() for ln in fh.read().splitlines()[-50:] if ln.strip()] or [""])[-1]
+        raise SystemExit(f"{os.path.basename(cmd[1])} failed (exit {proc.returncode}: {last[:300]}); "
+                         f"its output is in {log}.  Rerunning the same ablations.py command "
+                         "resumes here.")
 
 
 def training_study(study, args):
@@ -681,13 +686,16 @@ def training_study(study, args):
             carried.append(name)
             continue
         os.makedirs(folder, exist_ok=True)
-        claim_run(run, ident)
-        todo = not os.path.isfile(os.path.join(run, "results.json")) or not evaluated(run, outs)
+        foreign = claim_run(run, ident)
+        todo = (foreign or not os.path.isfile(os.path.join(run, "results.json"))
+                or not evaluated(run, outs))
         if todo:
             print(f"[{study.name}] {name} ({i + 1}/{len(pts)})", flush=True)
             ran.append(name)
-            train_and_evaluate(args, run, data, ident["train_flags"], outs,
-                               os.path.join(folder, f"{name}.log"))
+            train_and_evaluate(args, run, data, ident["train_flags"] + ["--same-flags"] * foreign,
+                               outs, os.path.join(folder, f"{name}.log"))
+            if foreign:     # its checkpoint was trained with the point's flags: the run is the point's
+                utils.write_json(ident, os.path.join(run, "study_point.json"))
         rows.append({**training_row(run, point, outs, balanced=study.balanced is not None),
                      "study_point": ident})
         if todo and i + 1 < len(pts):   # nothing finished is lost if the study stops here
@@ -744,10 +752,15 @@ POINT_FIELDS = {"data": (lambda v: isinstance(v, str), "a path"), "train_flags":
 
 
 def claim_run(run, ident):
-    """Record what a run folder is for, or stop if it holds a run made with other flags."""
+    """Record what a run folder is for, or stop if it holds a run made with other flags.  True
+    where the folder holds a checkpoint but no record (a run the study did not make): it is
+    recorded only once train_otl.py --same-flags has found its checkpoint's flags the point's."""
     path = os.path.join(run, "study_point.json")
-    had = report.read_json(path, f"delete it (the run in {run} is then taken as this point's) or "
-                           "delete that folder", POINT_FIELDS, tuple(POINT_FIELDS))
+    had = report.read_json(path, f"delete it (the run in {run} is then checked against this "
+                           "point's flags) or delete that folder", POINT_FIELDS, tuple(POINT_FIELDS))
+    if had is None and any(os.path.exists(os.path.join(run, f))
+                           for f in ("checkpoint.pth", "checkpoint0000.pth", "results.json")):
+        return True
     if had is None:
         os.makedirs(run, exist_ok=True)
         utils.write_json(ident, path)
@@ -756,6 +769,7 @@ def claim_run(run, ident):
             f"{run} holds a run of {had['data']} with train_otl.py flags {' '.join(had['train_flags'])}"
             f", not {ident['data']} with {' '.join(ident['train_flags'])}; delete that folder, "
             "or keep it and give this grid another --runs")
+    return False
 
 
 def _checkpoint_of(run, e):
@@ -1194,6 +1208,10 @@ def uneven_notes(rows=(), n=50_000):
     return {"target_std": lines, "notes": notes}
 
 
+NUMBER = "a number"     # a grid field of numbers (Study.keys)
+PEERS = ("otl", "sela", "simclr", "byol", "swav", "simclr-otlaug", "byol-otlaug", "swav-otlaug")
+
+
 def _labeler(name, **fields):
     """A labeler study: its methods measured on Gaussian outputs and on a random network's outputs
     for CIFAR-10's training split."""
@@ -1220,26 +1238,26 @@ STUDIES = {s.name: s for s in (
              paper="OTL gives more even clusters than Sinkhorn-Knopp for every k from 50 to 1000"),
     _training("k", grid=(10, 32, 64, 128, 256, 512, 1024), evals=("knn", "linear"), xkey="k",
               points=lambda grid, data, args: [(f"k{k}", {"k": k}, data, ["--k", str(k)]) for k in grid],
-              verdict=k_verdict,
+              verdict=k_verdict, keys={"k": NUMBER},
               paper=f"kNN against k on CIFAR-10 (table diff-k-10, k: kNN): {_listed(PAPER_K)}"),
     _training("uneven", grid=(0, 2, 4, 6, 8, 10), evals=("knn",), xkey="x",
               points=lambda grid, data, args: [(f"x{x:g}", {"x": x}, data, ["--target-x", str(x)])
                                                for x in grid],
-              balanced=uneven_notes, verdict=uneven_verdict,
+              balanced=uneven_notes, verdict=uneven_verdict, keys={"x": NUMBER},
               paper="accuracy falls as the target's evenness falls (table dis-com, CIFAR-10, x: kNN: "
                     f"{_listed(PAPER_UNEVEN)})"),
     # EuroSAT's classes hold about 2,160 training images against CIFAR's 5,000: the study
     # scale's d is the paper's scaled by 0.4
     _training("imbalanced", grid=(100, 200, 300, 400, 500), scale_grid={"study": (40, 80, 120, 160, 200)},
               points=imbalanced_points, evals=("knn",), panel=imbalanced_panel, xkey="d",
-              verdict=imbalanced_verdict,
+              verdict=imbalanced_verdict, keys={"d": NUMBER, "subset": ("even", "uneven")},
               note="; d is the paper's scaled to this set's class sizes (EuroSAT: about 2,160 "
                    "training images a class, CIFAR-10: 5,000)",
               paper="kNN of OTL trained on the uneven D_100 .. D_500 (table imb-data): "
                     + ", ".join(f"{v:.1f}" for v in PAPER_IMBALANCED.values())),
     _training("splits", grid=(0, 1, 2, 3, 4), data="data/siri_whu", pretrained=True,
               points=splits_points, evals=("knn", "linear"), panel=splits_panel, xkey="seed",
-              verdict=splits_verdict,
+              verdict=splits_verdict, keys={"seed": NUMBER, "model": ("OTL", "supervised")},
               paper="five random 80/20 divisions of SIRI-WHU, from a pretrained ResNet-18 (table "
                     "5whu): " + "; ".join(
                         f"{m}: kNN@10 {{:.1f}} +- {{:.1f}}, linear {{:.1f}} +- {{:.1f}}".format(
@@ -1248,6 +1266,7 @@ STUDIES = {s.name: s for s in (
     _training("labeler-in-training", grid=("published", "exact", "sinkhorn"), evals=("knn", "linear"),
               points=lambda grid, data, args: [(m, {"labeler": m}, data, ["--labeler", m]) for m in grid],
               panel=bars_panel, verdict=labelers_verdict,
+              keys={"labeler": ("published", "exact", "sinkhorn")},
               paper="not in the paper (ours)"),
     _training("lct", grid=("1-mean", "2-mean", "2-sum", "4-mean", "4-sum"), evals=("knn",),
               points=lambda grid, data, args: [
@@ -1255,12 +1274,13 @@ STUDIES = {s.name: s for s in (
                    ["--views", v, "--label-views", v, "--lct", "true", "--lct-reduction", red])
                   for v, red in (g.split("-") for g in grid)],
               panel=bars_panel, verdict=lct_verdict,
+              keys={"views": NUMBER, "reduction": ("mean", "sum")},
               paper="not in the paper (ours); the paper writes the LCT loss as a sum over view pairs"),
-    _training("peers", grid=("otl", "sela", "simclr", "byol", "swav", "simclr-otlaug",
-                             "byol-otlaug", "swav-otlaug"), evals=("knn", "linear"),
+    _training("peers", grid=PEERS, evals=("knn", "linear"),
               once=("simclr-otlaug", "byol-otlaug", "swav-otlaug"),
               scale_grid={"cpu": ("otl", "sela", "simclr", "byol", "swav")},
               points=peers_points, plot=peers_plot, verdict=peers_verdict, table=peers_table,
+              keys={"method": PEERS},
               note="; every method alike (the cpu preset's half-width ResNet-18 at 32 px), where "
                    "the published anchors train a full ResNet-18 at 32 px for 200 epochs: "
                    "compare the methods here, not their levels with the anchors'",
@@ -1270,6 +1290,7 @@ STUDIES = {s.name: s for s in (
     _training("peers-transfer", grid=("otl", "sela", "simclr", "byol", "swav"),
               data="data/siri_whu", pretrained=True, backbones="peers", evals=("knn", "linear"),
               points=peers_transfer_points, plot=peers_plot, verdict=peers_verdict,
+              keys={"method": PEERS},
               note="; every method alike, as in the peers study",
               paper="not in the paper (ours: the transfer protocol on SIRI-WHU from each "
                     "method's own EuroSAT backbone, the paper's protocol for its small sets, "
@@ -1345,6 +1366,12 @@ def rewrite(study, args):
     if recorded is None:
         raise SystemExit(f"--rewrite: {path} is missing; run the study first")
     rows = recorded["rows"]
+    check_rows(study, rows, path)
+    partial = recorded.get("partial")
+    total = re.fullmatch(r"(\d+) of (\d+) runs", str(partial)) if partial is not None else None
+    if partial is not None and (not total or int(total[1]) != len(rows)):
+        raise SystemExit(f'--rewrite: {path}: "partial" is {partial!r}, not "{len(rows)} of M '
+                         'runs" for its rows; restore it (git checkout), or run the study to finish it')
     presets = sorted({str(r.get("preset")) for r in rows})
     data = sorted({str((r.get("study_point") or {}).get("data", "?")) for r in rows})
     extra = study.balanced(rows) if study.balanced else {"notes": []}
@@ -1354,7 +1381,34 @@ def rewrite(study, args):
     if recorded.get("data"):
         extra["data"] = recorded["data"]
     grid = parse_grid(study, args.grid, args.preset) if args.grid else recorded.get("grid", [])
-    return write_results(study, args, rows, extra, grid=grid)
+    return write_results(study, args, rows, extra, grid=grid, partial=total and int(total[2]))
+
+
+ROW_NUMBERS = ("train_minutes", "epochs", "final_loss", "epoch_s", "peak_mib", "n_train",
+               "k_clusters", "seed", "labeler_s_mean", "pl_std_last")
+
+
+def check_rows(study, rows, path):
+    """Stop, naming the row, at a hand-edited row a rewrite would misread: a grid field missing
+    or not of the study's grid, a figure that is not a number, a run listed twice."""
+    runs = set()
+    for i, r in enumerate(rows):
+        where = f"--rewrite: {path}: row {i + 1} (run {r.get('run')!r})"
+        if not isinstance(r.get("run"), str):
+            raise SystemExit(f"{where} has no run folder name; restore the row (git checkout)")
+        if r["run"] in runs:
+            raise SystemExit(f"{where} repeats an earlier row's run: delete one of them")
+        runs.add(r["run"])
+        for key, allowed in [*study.keys.items(), *((k, NUMBER) for k in ROW_NUMBERS if k in r)]:
+            v = r.get(key)
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  if allowed == NUMBER else v in allowed)
+            if key in ROW_NUMBERS and key not in study.keys and v is None:
+                continue                            # a figure the run did not record
+            if not ok:
+                want = allowed if allowed == NUMBER else "one of " + ", ".join(map(str, allowed))
+                raise SystemExit(f"{where}: {key!r} is {v!r}, not {want}; restore the row (git "
+                                 "checkout) or delete it")
 
 
 def study_notes(study, args, rows=()):

@@ -196,6 +196,9 @@ def run_flags(g, num):
     g.add_argument("--max-minutes", type=num, default=0, help="stop cleanly (checkpoint saved) "
                    "after this many minutes; rerun to continue")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars (for logs)")
+    g.add_argument("--same-flags", action="store_true", help="refuse to resume a checkpoint in "
+                   "--output trained with other flags (naming them) instead of warning; "
+                   "ablations.py passes it before taking a run folder it did not make")
 
 
 def resolve_args(args, device):

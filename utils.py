@@ -474,7 +474,7 @@ def lock_run_folder(folder: str, flag: str = "--output", what: str = "training")
 
 # flags that may change when a run is resumed, without a warning
 RESUMABLE_FLAGS = ("epochs", "max_minutes", "no_progress", "device", "knn_monitor", "compile",
-                   "labeler_device")
+                   "labeler_device", "same_flags")
 
 
 def _newest_intact_snapshot(folder: str):
@@ -565,6 +565,11 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
                              "--output to train afresh")
     changed = {k: (v, getattr(args, k)) for k, v in ck["args"].items()
                if k not in RESUMABLE_FLAGS and getattr(args, k, v) != v}
+    strict = {k: v for k, v in changed.items() if k not in ("output", "data")}  # the data: by content
+    if strict and getattr(args, "same_flags", False):
+        raise SystemExit(f"{src} was trained with other flags: " + ", ".join(
+            f"--{k.replace('_', '-')} {then} there, {now} here" for k, (then, now) in strict.items())
+            + "; delete that run folder (or pass another --output) to train with these flags")
     if changed:
         print(f"warning: resuming with flags that differ from the checkpoint's (checkpoint, now): "
               f"{changed}", flush=True)

@@ -360,6 +360,32 @@ def test_a_run_made_with_other_flags_is_not_taken(small_data, tmp_path, inline):
               TINY_TRAIN + " --lr 0.1")
 
 
+def test_a_foreign_run_at_a_point_is_checked_against_its_flags(small_data, tmp_path, inline):
+    """A run folder the study did not make (no study_point.json) is the point's only when its
+    checkpoint was trained with the point's flags; otherwise the study stops naming each flag."""
+    args = ["--grid", "16", "--seeds", "0", "--train-args", TINY_TRAIN]
+    k16 = tmp_path / "runs" / "study" / "k" / "k16"
+    train_otl.main(train_otl.get_args_parser().parse_args(
+        ["--data", str(small_data), "--output", str(k16), "--device", "cpu", "--no-progress",
+         "--preset", "cpu", "--epochs", "8", *TINY_TRAIN.split(), "--lr", "0.5", "--wd", "0"]))
+    with pytest.raises(SystemExit, match=r"trained with other flags: --lr 0\.5 there, 0\.05 here, "
+                                         r"--wd 0\.0 there, 0\.0005 here; delete that run folder"):
+        study("k", tmp_path, small_data, *args)
+    assert not (k16 / "study_point.json").exists()      # a rerun checks it again
+    with pytest.raises(SystemExit, match="other flags"):
+        study("k", tmp_path, small_data, *args)
+    # the same flags: the run is taken (resumed, not trained anew) and recorded as the point's
+    import shutil
+    shutil.rmtree(k16)
+    train_otl.main(train_otl.get_args_parser().parse_args(
+        ["--data", str(small_data), "--output", str(k16), "--device", "cpu", "--no-progress",
+         "--preset", "cpu", "--epochs", "8", *TINY_TRAIN.split()]))
+    stamp = os.path.getmtime(k16 / "checkpoint.pth")
+    out = study("k", tmp_path, small_data, *args)
+    assert out["ran"] == ["k16"] and os.path.getmtime(k16 / "checkpoint.pth") == stamp
+    assert (k16 / "study_point.json").is_file()
+
+
 def test_partial_results_and_resume_from_results_json(small_data, tmp_path, inline, monkeypatch):
     """A study stopped after its first run has that run in its results (marked partial); a later
     session without the run folders takes finished runs from the results JSON instead of
@@ -615,3 +641,39 @@ def test_committed_results_are_what_their_rows_give(name, tmp_path):
         got = (out / (os.path.basename(src) + ".md")).read_text().splitlines()
         ours = f"Ours: {committed['verdict']}."
         assert got[got.index(ours):-1] == want[want.index(ours):-1], src   # all but Made by
+
+
+def _rewrite_of(tmp_path, name, edit):
+    """--rewrite of the committed results/ablations/<name>.json after `edit` changed its dict."""
+    with open(os.path.join(ablations.HERE, "results", "ablations", name + ".json")) as fh:
+        js = json.load(fh)
+    edit(js)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (out / (name + ".json")).write_text(json.dumps(js))
+    made = run(name, "--rewrite", "--out", str(out), "--no-plot", "--no-progress")
+    return made, (out / (name + ".md")).read_text()
+
+
+def test_rewrite_keeps_a_partial_study_partial(tmp_path):
+    def cut(js):
+        js["rows"] = js["rows"][:12]
+        js["partial"] = "12 of 21 runs"
+    made, md = _rewrite_of(tmp_path, "k", cut)
+    assert made["partial"] == "12 of 21 runs" and "Partial: 12 of the grid's 21 runs" in md
+    with pytest.raises(SystemExit, match=r'"partial" is \'5 of 21 runs\', not "12 of M runs"'):
+        _rewrite_of(tmp_path, "k", lambda js: (cut(js), js.update(partial="5 of 21 runs")))
+
+
+@pytest.mark.parametrize("name, edit, says", [
+    ("k", lambda rows: rows[3].pop("k"), r"row 4 \(run '.*'\): 'k' is None, not a number"),
+    ("k", lambda rows: rows[0].update(k="16"), r"row 1 .*'k' is '16', not a number"),
+    ("k", lambda rows: rows[2].update(train_minutes="x"), r"row 3 .*'train_minutes' is 'x', not a number"),
+    ("imbalanced", lambda rows: rows.append(dict(rows[5])), r"row 31 .* repeats an earlier row's run"),
+    ("imbalanced", lambda rows: rows[0].update(subset="odd"),
+     r"row 1 .*'subset' is 'odd', not one of even, uneven"),
+    ("k", lambda rows: rows[1].pop("run"), r"row 2 \(run None\) has no run folder name"),
+])
+def test_rewrite_refuses_a_hand_edited_row_naming_it(tmp_path, name, edit, says):
+    with pytest.raises(SystemExit, match=says):
+        _rewrite_of(tmp_path, name, lambda js: edit(js["rows"]))
