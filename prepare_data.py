@@ -154,7 +154,8 @@ def get_args_parser():
     p.add_argument("--out", required=True, help="output folder for cache.pt, split.json, manifest.json")
     p.add_argument("--size", type=count, default=None, help="side of the cached images in "
                    "pixels (default: the data set's, no larger than 256: 64 for EuroSAT, 256 for "
-                   "UC Merced, 32 for CIFAR; 'folder': its first image's side, at most 256)")
+                   "UC Merced, 32 for CIFAR; 'folder': its images' most common shorter side, at most "
+                   "256)")
     p.add_argument("--split", choices=["auto", "official", "random"], default="auto",
                    help="official: the source's own train / test (or val) folders or files; "
                    "random: the seeded, stratified split of --test-frac; auto: official when the "
@@ -418,7 +419,7 @@ def _decode(job):
     """Decode a chunk of images in a worker: (uint8 arrays (3, s, s) or None, [bad (name, why)],
     number of images scaled from 16 or 32 bits, [(sha256 of the file, sha256 of its pixels)]).
     An image of more than max_pixels pixels is bad, found from its header before it is decoded."""
-    from PIL import Image
+    from PIL import Image, ImageOps
     source, names, size, max_pixels = job
     # PIL's own guard (a warning past its limit, an error past twice that) gives way to this
     # one, which names the file and the flag; restored after (with one worker this is the
@@ -437,6 +438,7 @@ def _decode(job):
                                          f"{max_pixels:,} (decoding it would take about "
                                          f"{3 * w * h / 1e9:.1f} GB); crop or shrink it, or "
                                          "raise --max-pixels")
+                    im = ImageOps.exif_transpose(im)   # as a viewer shows it: EXIF orientation
                     im, s = _to_rgb(im)
                     scaled += s
                     pix = np.asarray(im, dtype=np.uint8)
@@ -612,19 +614,33 @@ def download(dataset, dest):
     return os.path.join(dest, info["archive"])
 
 
-def _first_side(source, name, max_pixels=MAX_PIXELS):
-    """The shorter side of one image of the source, at most 256: the 'folder' default size."""
+def _common_side(source, names):
+    """The 'folder' default size: the most common shorter side of the images (read from their
+    headers), at most 256, so that one odd image does not set every image's size; the images of
+    another side are named on stderr (they are resized to it)."""
     from PIL import Image
+    sides = {}
+    z = zipfile.ZipFile(source) if not os.path.isdir(source) else None
     try:
-        if os.path.isdir(source):
-            raw = read_image_file(source, None, name, max_pixels)
-        else:
-            with zipfile.ZipFile(source) as z:
-                raw = read_image_file(source, z, name, max_pixels)
-        with Image.open(io.BytesIO(raw)) as im:
-            return min(256, *im.size)
-    except Exception:   # a bad first image (a failed CRC too) is reported by the decoder, by name
+        for name in names:
+            try:
+                with Image.open(z.open(name) if z else os.path.join(source, name)) as im:
+                    sides.setdefault(min(im.size), []).append(name)
+            except Exception:   # a bad image is reported by the decoder, by name
+                pass
+    finally:
+        if z:
+            z.close()
+    if not sides:
         return 64
+    side = max(sides, key=lambda s: (len(sides[s]), s))
+    odd = sorted((n, s) for s, ns in sides.items() if s != side for n in ns)
+    if odd:
+        print(f"{len(odd)} of {sum(map(len, sides.values()))} images are not {side} px on their "
+              f"shorter side, the most common one, and are resized to it (first: "
+              + ", ".join(f"{shown(n)} {s} px" for n, s in odd[:3])
+              + "); pass --size to choose another", file=sys.stderr)
+    return min(256, side)
 
 
 def _resize_arrays(images, size):
@@ -698,7 +714,7 @@ def prepare(args, t0):
         raise SystemExit(f"--split official: {source} has no train / test parts (train/ and test/ "
                          "or val/ folders, or the official files); use --split random")
     size = args.size or spec["size"] or (32 if src.arrays is not None else
-                                         _first_side(source, src.names[0], args.max_pixels))
+                                         _common_side(source, [src.names[i] for i in picked]))
     key = {"dataset": args.dataset, "source": os.path.abspath(source),
            "fingerprint": src.fingerprint, "size": size, "test_frac": args.test_frac,
            "seed": args.seed, "per_class": args.per_class, "skip_bad": args.skip_bad,
@@ -738,6 +754,7 @@ def prepare(args, t0):
                          f"{len(test)} for testing: every class needs at least 2 images "
                          f"(per class: {torch.bincount(labels).tolist()}); raise --per-class or "
                          "add images")
+    warnings += one_sided_classes(classes, labels, train, test)
     if scaled:
         print(f"{scaled} images of 16 or 32 bits per pixel were scaled from their own range to "
               "8 bits", file=sys.stderr)
@@ -836,6 +853,20 @@ def findings(args, source, src, classes, classes_of, parts, keep):
     for line in notes + warnings:
         print(f"note: {line}", file=sys.stderr)
     return notes, warnings
+
+
+def one_sided_classes(classes, labels, train, test):
+    """Warnings (printed) for the classes with images in one split only: a class with no test
+    image is never measured, one with no training image is never in the kNN's memory."""
+    out = []
+    for name, (a, b) in zip(classes, zip(torch.bincount(labels[train], minlength=len(classes)).tolist(),
+                                         torch.bincount(labels[test], minlength=len(classes)).tolist())):
+        if (a == 0) != (b == 0):
+            out.append(f"class {name} has {a + b} image(s), all in the {'training' if a else 'test'} "
+                       f"split: no {'test' if a else 'training'} image of it, so evaluation "
+                       "cannot measure it; add images of it, or remove its folder")
+            print(f"note: {out[-1]}", file=sys.stderr)
+    return out
 
 
 def duplicates(args, names, classes_of, keep, hashes):

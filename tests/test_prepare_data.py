@@ -210,3 +210,40 @@ def test_damaged_or_mixed_cache_is_rebuilt(tmp_path):
     assert (out / "split.json").read_text() != split0
     prep(src, out)                                            # seed 0 again: the right split
     assert (out / "split.json").read_text() == split0
+
+
+def test_a_tiny_first_image_does_not_set_every_images_size(tmp_path, capsys):
+    """'folder' takes its images' most common side, not the first file's, and names the odd one."""
+    src = _rgb_folder(tmp_path / "src", n=3, size=24)
+    _png(src / "a" / "0000_tiny.png", torch.zeros(1, 1, 3, dtype=torch.uint8).numpy())
+    man = prep(src, tmp_path / "out")
+    assert man["image_size"] == 24 and man["n_images"] == 7
+    err = capsys.readouterr().err
+    assert "1 of 7 images are not 24 px" in err and "0000_tiny.png 1 px" in err
+
+
+def test_a_class_in_one_split_only_is_warned_about(tmp_path, capsys):
+    src = _rgb_folder(tmp_path / "src", n=4)
+    _png(src / "lonely" / "0.png", torch.zeros(8, 8, 3, dtype=torch.uint8).numpy())
+    man = prep(src, tmp_path / "out")
+    assert any("class lonely has 1 image(s), all in the training split" in w for w in man["warnings"])
+    assert "class lonely has 1 image(s)" in capsys.readouterr().err
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    """A photo stored sideways with an EXIF orientation tag is cached as a viewer shows it."""
+    from PIL import Image
+    import numpy as np
+    src = tmp_path / "src"
+    top_white = np.zeros((16, 16, 3), dtype=np.uint8)
+    top_white[:8] = 255
+    for c in ("a", "b"):
+        for i in range(2):
+            os.makedirs(src / c, exist_ok=True)
+            exif = Image.Exif()
+            exif[0x0112] = 6        # orientation: rotate 90 degrees clockwise to show
+            Image.fromarray(top_white).save(src / c / f"{i}.jpg", exif=exif, quality=95)
+    prep(src, tmp_path / "out")
+    img = utils.load_prepared(str(tmp_path / "out"))["images"][0].float()   # (3, 16, 16)
+    # rotated clockwise, the white top half is the right half
+    assert img[:, :, 8:].mean() > 200 and img[:, :, :8].mean() < 50
