@@ -544,7 +544,8 @@ def _normal(name):
 
 
 def check_against_registry(dataset, classes, counts, parts):
-    """What differs from the data set's registry entry, as lines to print (empty: all as expected)."""
+    """What differs from the data set's registry entry, as lines to print (empty: all as expected);
+    counts None: the classes only (a --per-class subset)."""
     spec = DATASETS[dataset]
     if not spec["classes"]:
         return []
@@ -559,7 +560,7 @@ def check_against_registry(dataset, classes, counts, parts):
                      f"{'...' if len(extra) > 5 else ''} (is --dataset right? --dataset folder "
                      "takes any classes)")
     off = {c: (counts.get(have[_normal(c)], 0), n) for c, n in spec["per_class"].items()
-           if _normal(c) in have and counts.get(have[_normal(c)], 0) != n}
+           if counts is not None and _normal(c) in have and counts.get(have[_normal(c)], 0) != n}
     if off:
         c, (got, n) = next(iter(off.items()))
         notes.append(f"{len(off)} class(es) hold another number of {'training ' if parts else ''}"
@@ -842,8 +843,8 @@ def findings(args, source, src, classes, classes_of, parts, keep):
     for i in keep:
         if parts[i] in (None, "train"):
             found[classes_of[i]] = found.get(classes_of[i], 0) + 1
-    notes = ([] if args.per_class else
-             check_against_registry(args.dataset, classes, found, parts[0] is not None))
+    notes = check_against_registry(args.dataset, classes, None if args.per_class else found,
+                                   parts[0] is not None)
     warnings = [f"{source}/{d} holds no image ({', '.join(IMG_EXT)}): it is not a class of this "
                 "data set; put its images in it or remove the folder" for d in src.empty_dirs]
     if len({classes_of[i] for i in keep}) == 1:

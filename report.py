@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import sys
 
 import torch
 
@@ -278,19 +279,44 @@ def stale(path, ev, checkpoint, epochs, command=None):
     return why + (f"; evaluate it again: {command}" if command else "")
 
 
-def _split_of(res):
-    """What the evaluation's test split was, from its data set's manifest: 'official' or the
-    seeded random fraction, and how many test images."""
-    n = res.get("n_test")
+def _manifest_of(res):
+    """The manifest of the data an evaluation read ({} where it is not there)."""
     data = res.get("data_dir")
     man = data and read_json(os.path.join(data, "manifest.json"), f"run prepare_data.py --out "
                              f"{data} (with the --source it was made from) again", MANIFEST_FIELDS)
-    man = man or {}
+    return man or {}
+
+
+def _split_of(man, n):
+    """What the evaluation's test split was, from its data set's manifest: 'official' or the
+    seeded random fraction, and how many test images."""
     if man.get("split") == "official":
         return f"the official test split ({n:,} images)" if n else "the official test split"
     frac = man.get("test_frac") or 0.2
     what = f"a seeded, stratified random {round(100 * frac)} % test split"
     return f"{what} ({n:,} images)" if n else what
+
+
+def data_problems(run, dataset):
+    """(refusal or None, notes): a run evaluated on another data set than the report's is refused;
+    a --per-class subset, or images that differ from the data set's registry, are named."""
+    data = run.get("data") or {}
+    if not data.get("dataset"):
+        return None, []
+    where = f"{run['run']} was evaluated on {data['dir']}"
+    notes = []
+    if data["dataset"] == "folder":     # any tree: its classes were not checked against the set's
+        notes.append(f"prepared as --dataset folder ({data['n_classes']} classes), not checked "
+                     f"against {dataset}'s classes as --dataset {dataset} does")
+    elif data["dataset"] != dataset:
+        return (f"{where}, prepared as --dataset {data['dataset']}, not {dataset}: its numbers do "
+                f"not go beside the paper's {dataset} rows; pass --dataset {data['dataset']} where "
+                "the paper has it, or a run of the data set asked for"), []
+    if data.get("per_class"):
+        notes.append(f"a --per-class {data['per_class']} subset ({data['n_images']:,} images in "
+                     f"{data['n_classes']} classes)")
+    notes += [f"its images differ from {dataset}'s: {n}" for n in data.get("registry_notes") or ()]
+    return None, notes
 
 
 def run_summary(run_dir, feature="pool", linear_feature=None):
@@ -321,7 +347,12 @@ def run_summary(run_dir, feature="pool", linear_feature=None):
                 raise SystemExit(why)
         knn, lin = evs["knn"], evs["linear"]
         if tag == "final" and (knn or lin):
-            out["test_split"] = _split_of(knn or lin)
+            man = _manifest_of(knn or lin)
+            out["test_split"] = _split_of(man, (knn or lin).get("n_test"))
+            out["data"] = {"dir": (knn or lin).get("data_dir"), "dataset": man.get("dataset"),
+                           "per_class": (man.get("key") or {}).get("per_class"),
+                           "n_images": man.get("n_images"), "n_classes": len(man.get("classes") or ()),
+                           "registry_notes": man.get("registry_notes") or []}
         out[tag] = {"knn": knn["knn_top1"] if knn else None,
                     "linear": lin["linear_top1"] if lin else None,
                     "epoch": (knn or lin or {}).get("epoch")}
@@ -347,7 +378,7 @@ def _note(run):
         note += f" (kNN), {run['linear_feature']} (linear)" if run.get("linear_feature") else ""
     if tr.get("init_from"):
         note += f", from {tr['init_from']['checkpoint']}"
-    return note
+    return note + "".join(f"; **{n}**" for n in run.get("data_notes", ()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -692,6 +723,13 @@ def main(args):
         sup_run = run_summary(os.path.join(args.runs, f"{name}_supervised"), args.feature,
                               args.linear_feature)
         runs = [("OTL (ours)", otl_run), ("supervised (ours)", sup_run)]
+    for _, run in runs:
+        refused, notes = data_problems(run or {}, args.dataset)
+        if refused:
+            raise SystemExit(refused)
+        if notes:
+            run["data_notes"] = notes
+            print(f"note: {run['run']}: " + "; ".join(notes), file=sys.stderr)
     split = next((r["test_split"] for _, r in runs if r and r.get("test_split")), "the test split")
     lines = [f"# {report_name}: results", "",
              f"Top-1 accuracy (%) on {split}; kNN weighted by exp(sim/0.1).",

@@ -201,3 +201,27 @@ def test_a_damaged_report_json_stops_the_overview(tmp_path):
     (tmp_path / "eurosat.json").write_text('{"dataset": "eurosat", "ot')
     with pytest.raises(SystemExit, match=r"eurosat\.json is damaged .*results/README\.md"):
         report.main(report.get_args_parser().parse_args(["--overview", "--out", str(tmp_path)]))
+
+
+def test_a_run_of_other_data_is_refused_and_a_subset_is_named(tmp_path):
+    """report.py --dataset eurosat reads the manifest of the data each run was evaluated on: another
+    data set is refused, a --per-class subset or classes unlike EuroSAT's are said in its row."""
+    run = fake_run(tmp_path / "runs")
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in run.glob("*_checkpoint*.json"):
+        edit(f, data_dir=str(data))
+    man = {"dataset": "hmhr", "classes": ["a", "b", "c", "d"], "n_images": 240, "split": "random",
+           "test_frac": 0.2, "key": {"per_class": 60}, "registry_notes": []}
+    (data / "manifest.json").write_text(json.dumps(man))
+    msg = refused(tmp_path / "runs", tmp_path / "out")
+    assert "prepared as --dataset hmhr, not eurosat" in msg and str(data) in msg
+    (data / "manifest.json").write_text(json.dumps({**man, "dataset": "folder"}))
+    make_report(tmp_path / "runs", tmp_path / "out")
+    md = (tmp_path / "out" / "eurosat.md").read_text()
+    assert "prepared as --dataset folder (4 classes), not checked against eurosat's classes" in md
+    diff = "the classes differ from eurosat's 10: missing ['AnnualCrop']"
+    (data / "manifest.json").write_text(json.dumps({**man, "dataset": "eurosat", "registry_notes": [diff]}))
+    make_report(tmp_path / "runs", tmp_path / "out")
+    md = (tmp_path / "out" / "eurosat.md").read_text()
+    assert "a --per-class 60 subset (240 images in 4 classes)" in md and diff in md
