@@ -94,6 +94,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     otl.check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
     n, k = outputs.shape
     tie_eps = 2.0 ** -26 if tie_eps is None else tie_eps
+    if start is not None:
+        start = tame_start(start, outputs)
     if dense and 2 <= k <= full_rows_up_to and n >= max(DENSE_ROWS, DENSE_ROWS_PER_K * k):
         res = _dense_translate(outputs, target, seed, tie_eps, start, n_init)
         if res is not None:
@@ -109,6 +111,17 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     for s in range(0, n, st.chunk):
         st.add(outputs[s:s + st.chunk])
     return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
+
+
+def tame_start(start, outputs: torch.Tensor) -> torch.Tensor:
+    """A start T clipped to [median(T) - span, median(T) + span], span = max(O) - min(O): past
+    that an entry empties its cluster (or fills it against every cluster at or below the
+    median) as it did, but a huge entry (1e16 on outputs near 1) would swamp O - T's precision
+    and leave labels that are not argmax(O - T).  A start within the range is returned as it is."""
+    T = otl.check_start(start, outputs.shape[1])
+    span = float(outputs.max() - outputs.min()) if outputs.numel() else 0.0
+    mid = T.median()
+    return T.clamp(mid - span, mid + span)
 
 
 def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 2048, **kw):

@@ -670,3 +670,16 @@ def test_tiny_outputs_labels_are_argmax_of_T(n, k, scale):
     assert torch.equal((O.double() - ref.T).argmax(1), ref.labels)
     assert torch.equal(r.labels, ref.labels)
 
+
+
+@pytest.mark.parametrize("big", [1e16, 1e30, -1e16])
+@pytest.mark.parametrize("n", [600, 4000])      # the streaming and the dense path
+def test_a_huge_start_still_gives_argmax_labels(big, n):
+    """A start far outside the outputs' range would swamp O - T's precision: the labels are
+    argmax(O - T) of the T returned, and the counts the target."""
+    O = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+    start = torch.zeros(8, dtype=torch.float64)
+    start[0] = big
+    r = otl_scale.translate(O, start=start)
+    assert torch.equal(r.labels, (O.double() - r.T).argmax(1))
+    assert r.counts.tolist() == [n // 8] * 8
