@@ -170,6 +170,7 @@ class Scale:
     data: str               # the training studies' prepared data
     seeds: tuple            # a grid point's training seeds (--seeds replaces them)
     labeler_net: str        # the preset of the labeler studies' random network
+    otl: tuple = ()         # flags of OTL's loss and views: not given to a peer (--method)
 
 
 # The paper ran its studies on CIFAR-10 with fewer epochs than its main runs, simple augmentation
@@ -187,8 +188,8 @@ SCALES = {
                    data="data/eurosat", seeds=(0, 1, 2), labeler_net="alexnet-cifar-cpu"),
     "cpu": Scale(train=("--preset", "cpu"), transfer=("--preset", "transfer-cpu"),
                  data="data/eurosat", seeds=(0,), labeler_net="alexnet-cifar-cpu"),
-    "paper": Scale(train=("--preset", "alexnet-cifar", "--aug", "simple", "--views", "1",
-                          "--label-views", "1", "--lct", "false"), transfer=("--preset", "transfer"),
+    "paper": Scale(train=("--preset", "alexnet-cifar"), transfer=("--preset", "transfer"),
+                   otl=("--aug", "simple", "--views", "1", "--label-views", "1", "--lct", "false"),
                    data="data/cifar10", seeds=(0,), labeler_net="alexnet-cifar"),
 }
 
@@ -595,7 +596,7 @@ def training_points(study, args):
     # one run per seed: seed 0 keeps the point's plain folder name, another seed s adds _seed<s>
     seeds, once = parse_seeds(args), {run_name(g) for g in study.once}
     return [(name if s == 0 else f"{name}_seed{s}", {**point, "point": name, "seed": s}, folder,
-             [*scale.train, *flags, "--seed", str(s)])
+             [*scale.train, *(() if "--method" in flags else scale.otl), *flags, "--seed", str(s)])
             for name, point, folder, flags in pts for s in (seeds[:1] if name in once else seeds)]
 
 
@@ -1417,7 +1418,7 @@ def study_notes(study, args, rows=()):
     out = study.balanced(rows) if study.balanced else {"notes": []}
     data = study_data(study, args)
     scale = SCALES[args.preset]
-    flags = " ".join(scale.transfer if study.pretrained else scale.train)
+    flags = " ".join(scale.transfer if study.pretrained else (*scale.train, *scale.otl))
     note = f"Trained on `{utils.rel_path(data)}` with `{flags}`"
     if study.backbones:
         note += (f", each point from its own `{study.backbones}` run's backbone at this scale "

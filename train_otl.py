@@ -201,8 +201,38 @@ def run_flags(g, num):
                    "ablations.py passes it before taking a run folder it did not make")
 
 
+# OTL's own flags, which a peer (--method) never reads, and OTL's views, which a peer reads only
+# with --peer-aug otl (--k stays: SwAV's prototypes, and the size of the unused head otherwise)
+OTL_ONLY = ("views", "label_views", "labeler", "heads", "label_every", "lct", "lct_reduction",
+            "label_bn", "beta", "labeler_start", "labeler_device", "label_batch_size",
+            "label_head_rows", "target_x")
+OTL_VIEWS = ("aug", "n_ops", "cutout")
+
+
+def unused_flags(args):
+    """The flags given (not at their default) that the chosen training never reads, or a reason
+    that they contradict the method: one line, or None."""
+    p = get_args_parser()
+    given = lambda names: [f"--{n.replace('_', '-')}" for n in names
+                           if getattr(args, n, None) != p.get_default(n)]
+    if args.method == "otl":
+        if args.peer_aug != "own":
+            return "--peer-aug chooses a peer's views (--method simclr, byol or swav); OTL's are --aug"
+        return None
+    unused = given(OTL_ONLY + (OTL_VIEWS if args.peer_aug == "own" else ()))
+    if unused:
+        why = (" (its views are its own: --peer-aug otl takes OTL's --aug, --n-ops, --cutout)"
+               if set(unused) & {"--aug", "--n-ops", "--cutout"} else "")
+        return (f"--method {args.method} does not use {', '.join(unused)}: those are OTL's "
+                f"labeler and loss{why}; drop them")
+    return None
+
+
 def resolve_args(args, device):
     """Fill the flags not given from the preset; say which preset was taken."""
+    why = unused_flags(args)
+    if why:
+        raise SystemExit(why)
     try:
         dataset = utils.load_manifest(args.data).get("dataset")
     except (OSError, ValueError):
@@ -629,7 +659,7 @@ def training_split(args, ranks, device):
     true_labels = d["labels"][d["train_idx"][lo:hi]]        # used only with --supervised
     if device.type == "cuda":
         images, true_labels = images.to(device), true_labels.to(device)
-    if not args.supervised and n_total < args.k:
+    if not args.supervised and args.method == "otl" and n_total < args.k:
         raise SystemExit(f"the training split has {n_total} images, fewer than --k {args.k} clusters")
     return d, manifest, images, true_labels, n_total, lo
 

@@ -110,3 +110,30 @@ def test_otl_runs_log_the_collapse_signal_too(small_data, tmp_path):
     row = json.loads((tmp_path / "otl" / "log.jsonl").read_text().splitlines()[0])
     assert 0 < row["feat_spread"] and row["clusters_used_before"] >= 1
     assert os.path.isfile(tmp_path / "otl" / "results.json")
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--method", "simclr", "--views", "4", "--label-views", "4", "--labeler", "sinkhorn", "--heads", "3",
+      "--label-every", "5", "--lct", "false"],
+     "--method simclr does not use --views, --label-views, --labeler, --heads, --label-every, --lct"),
+    (["--method", "byol", "--aug", "simple"], "--peer-aug otl takes OTL's --aug"),
+    (["--peer-aug", "otl"], "--peer-aug chooses a peer's views"),
+])
+def test_flags_a_method_does_not_use_are_refused(small_data, tmp_path, extra, says):
+    with pytest.raises(SystemExit, match=says.replace("-", r"\-")):
+        train(small_data, tmp_path / "run", *extra)
+    assert not (tmp_path / "run").exists()
+
+
+def test_simclr_needs_no_more_images_than_k(small_data, tmp_path):
+    """SimCLR reads no k: a k above the training split's size is OTL's limit, not its."""
+    res = train(small_data, tmp_path / "run", "--method", "simclr", "--k", "500", "--epochs", "1")
+    assert res["epochs"] == 1
+    with pytest.raises(SystemExit, match="fewer than --k 500"):
+        train(small_data, tmp_path / "otl", "--k", "500", "--epochs", "1")
+
+
+def test_otl_views_are_taken_with_peer_aug_otl(small_data, tmp_path):
+    res = train(small_data, tmp_path / "run", "--method", "byol", "--peer-aug", "otl", "--aug",
+                "simple", "--epochs", "1")
+    assert res["epochs"] == 1
