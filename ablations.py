@@ -963,8 +963,10 @@ def k_verdict(rows):
     best, worst = max(rows, key=lambda r: r[m]), min(rows, key=lambda r: r[m])
     d, sd = _diff(best, worst, m)
     top, low = max(PAPER_K, key=PAPER_K.get), min(PAPER_K, key=PAPER_K.get)
-    return (f"kNN@50 best at k = {best['k']} ({best[m]:.1f}), worst at k = {worst['k']} "
-            f"({worst[m]:.1f}): {_judged(d, sd)}; the paper: best at k = {top} "
+    ours = (f"kNN@50 {best[m]:.1f} at every k ({', '.join(str(r['k']) for r in rows)}): no best"
+            if best[m] == worst[m] else f"kNN@50 best at k = {best['k']} ({best[m]:.1f}), worst "
+            f"at k = {worst['k']} ({worst[m]:.1f}): {_judged(d, sd)}")
+    return (f"{ours}; the paper: best at k = {top} "
             f"({PAPER_K[top]:.1f}), worst at k = {low} ({PAPER_K[low]:.1f}), "
             f"{PAPER_K[top] - PAPER_K[low]:+.1f}")
 

@@ -25,6 +25,11 @@ import otl
 METHODS = ("otl", "simclr", "byol", "swav")
 
 
+def need_lightly():
+    """Stop with the install line where the lightly library is missing."""
+    _lightly()
+
+
 def _lightly():
     try:
         import lightly.loss

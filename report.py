@@ -373,6 +373,8 @@ def _note(run):
     tr = run.get("train") or {}
     note = (f"preset {tr.get('preset', '?')}, {tr.get('epochs', '?')} epochs, "
             f"{tr.get('train_minutes', '?')} min on {tr.get('device', '?')}")
+    if tr.get("untrained"):
+        note = "**untrained** (--epochs 0: the network as initialised), " + note
     if run.get("feature", "pool") != "pool" or run.get("linear_feature"):
         note += f", features: {run.get('feature', 'pool')}"
         note += f" (kNN), {run['linear_feature']} (linear)" if run.get("linear_feature") else ""

@@ -233,6 +233,8 @@ def resolve_args(args, device):
     why = unused_flags(args)
     if why:
         raise SystemExit(why)
+    if args.method != "otl":
+        peers.need_lightly()        # before the run folder is made
     try:
         dataset = utils.load_manifest(args.data).get("dataset")
     except (OSError, ValueError):
@@ -570,6 +572,8 @@ def run(args, ranks, device):
             utils.save_checkpoint(first, os.path.join(args.output, "checkpoint0000.pth"))  # baseline
             if args.epochs == 0:     # the untrained network is the run: results.json names it
                 utils.save_checkpoint(first, ckpt_path)
+                print("--epochs 0: nothing is trained; the run is the network as initialised "
+                      "(results.json says untrained)", file=sys.stderr, flush=True)
 
     # ---- the loop: label pass when due, one epoch, then its log line and snapshot, and last the
     # checkpoint, which commits the epoch (a kill before it redoes the epoch, after it loses nothing);
@@ -621,9 +625,6 @@ def resume(args, ranks, device, model, opt, gen, cfg, peer, data_record, rows):
     start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
                                                         utils.model_state(cfg), args, ranks, extras,
                                                         data=data_record)
-    if start_epoch and (extras["method"] or "otl") != args.method:
-        raise SystemExit(f"{ckpt_path} is a run of --method {extras['method'] or 'otl'}, not "
-                         f"{args.method}: use another --output")
     if peer is not None and extras["peer"] is not None:
         peer.load_state_dict(extras["peer"])
     if start_epoch > args.epochs:
@@ -698,6 +699,7 @@ def write_results(args, ranks, device, commit):
         with open(log_path) as fh:
             epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
     results = {"epochs": args.epochs, "preset": args.preset_used, "method": args.method,
+               **({"untrained": True} if args.epochs == 0 else {}),    # --epochs 0: the baseline
                "arch": args.arch,
                "device": str(device), "processes": ranks.world,
                "checkpoint": utils.rel_path(os.path.join(args.output, "checkpoint.pth")),

@@ -389,8 +389,8 @@ def init_backbone(model, path: str) -> dict:
     what the run records of its start: the checkpoint, its sha256, epoch and data set."""
     if not os.path.isfile(path):
         raise SystemExit(f"--init {path}: no such checkpoint (a run folder's checkpoint.pth)")
-    try:
-        src, ck = load_checkpoint(path)
+    try:        # the hash of the very bytes loaded, not of the file read again
+        src, ck, sha = load_checkpoint(path, with_sha256=True)
     except ValueError as e:          # crafted, damaged, or not a training checkpoint
         raise SystemExit(f"--init {path}: {e}") from None
     diff = {k: (ck["model_cfg"].get(k), getattr(model.cfg, k)) for k in ("arch", "width", "small_stem")
@@ -400,8 +400,10 @@ def init_backbone(model, path: str) -> dict:
                          "this run the same --arch, --width and --small-stem")
     model.backbone.load_state_dict(src.backbone.state_dict())
     src_args = ck.get("args") if isinstance(ck.get("args"), dict) else {}
-    return {"checkpoint": rel_path(path), "sha256": sha256_file(path), "epoch": ck.get("epoch"),
-            "data": src_args.get("data"), "supervised": src_args.get("supervised")}
+    supervised = bool(src_args.get("supervised"))
+    return {"checkpoint": rel_path(path), "sha256": sha, "epoch": ck.get("epoch"),
+            "data": src_args.get("data"), "supervised": supervised,
+            "method": "supervised" if supervised else ck.get("method") or "otl"}
 
 
 def lock_run_folder(folder: str, flag: str = "--output", what: str = "training"):
@@ -552,6 +554,10 @@ def restart_from_checkpoint(path: str, model, optimizer, generator, device, mode
          for key, kind in resumable if not isinstance(ck.get(key), kind)), None)
     if problem:
         raise SystemExit(f"{src}: {problem}; {fix}")
+    then, now = ck.get("method") or "otl", getattr(args, "method", "otl")
+    if then != now:     # before the weights: a peer's optimiser state does not fit OTL's, and so on
+        raise SystemExit(f"{src} is a run of --method {then}, not {now}: resume it with --method "
+                         f"{then}, or pass another --output to train {now}")
     if ck["model_cfg"] != model_cfg:
         diff = {k: (v, model_cfg.get(k)) for k, v in ck["model_cfg"].items() if model_cfg.get(k) != v}
         raise SystemExit(f"{src} holds a different model (checkpoint vs now: {diff}); use another "

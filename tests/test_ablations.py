@@ -677,3 +677,12 @@ def test_rewrite_keeps_a_partial_study_partial(tmp_path):
 def test_rewrite_refuses_a_hand_edited_row_naming_it(tmp_path, name, edit, says):
     with pytest.raises(SystemExit, match=says):
         _rewrite_of(tmp_path, name, lambda js: edit(js["rows"]))
+
+
+def test_the_k_verdict_on_a_tie_names_no_best():
+    verdict = ablations.STUDIES["k"].verdict
+    rows = [{"k": k, "knn50": 60.0, "knn50_sd": 1.0, "seeds": [0, 1, 2]} for k in (16, 32)]
+    v = verdict(rows)
+    assert v.startswith("kNN@50 60.0 at every k (16, 32): no best") and "worst at k = 16" not in v
+    rows[1]["knn50"] = 65.0
+    assert verdict(rows).startswith("kNN@50 best at k = 32 (65.0), worst at k = 16 (60.0)")

@@ -64,3 +64,14 @@ def test_eval_knn_program_without_faiss(tmp_path, monkeypatch, capsys):
     without = eval_knn.main(eval_knn.get_args_parser().parse_args(argv))
     assert "faiss is not installed" in capsys.readouterr().out
     assert without["knn_top1"] == with_faiss["knn_top1"]
+
+
+def test_a_k_above_the_training_rows_keeps_the_k_asked_for(tmp_path):
+    """kNN@k for k above the training rows votes with them all, stored under the k asked for
+    (so a table's kNN@200 column finds it) with the k taken beside."""
+    ckpt, _, n_train, _ = untrained_checkpoint(tmp_path)
+    res = eval_knn.main(eval_knn.get_args_parser().parse_args(
+        ["--checkpoint", ckpt, "--ks", "3", str(n_train), "500", "--device", "cpu", "--no-progress"]))
+    assert list(res["knn_top1"]) == ["3", str(n_train), "500"]
+    assert res["knn_top1"]["500"] == res["knn_top1"][str(n_train)]
+    assert res["knn_clipped"] == {"500": n_train}

@@ -137,3 +137,18 @@ def test_otl_views_are_taken_with_peer_aug_otl(small_data, tmp_path):
     res = train(small_data, tmp_path / "run", "--method", "byol", "--peer-aug", "otl", "--aug",
                 "simple", "--epochs", "1")
     assert res["epochs"] == 1
+
+
+def test_resuming_with_another_method_names_both(small_data, tmp_path):
+    train(small_data, tmp_path / "run", "--epochs", "1")
+    with pytest.raises(SystemExit, match=r"is a run of --method otl, not byol: resume it with "
+                                         r"--method otl"):
+        train(small_data, tmp_path / "run", "--method", "byol", "--epochs", "2")
+
+
+def test_init_from_a_peer_records_its_method(small_data, tmp_path):
+    train(small_data, tmp_path / "byol", "--method", "byol", "--epochs", "1")
+    src = tmp_path / "byol" / "checkpoint.pth"
+    res = train(small_data, tmp_path / "otl", "--init", str(src), "--epochs", "1")
+    assert res["init_from"]["method"] == "byol" and res["init_from"]["supervised"] is False
+    assert res["init_from"]["sha256"] == utils.sha256_file(str(src))

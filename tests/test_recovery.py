@@ -273,6 +273,7 @@ def test_a_full_disk_during_training_stops_cleanly_and_resumes(colour_data, tmp_
 
 def test_zero_epochs_names_a_checkpoint_that_exists(colour_data, tmp_path):
     res = _train(colour_data, tmp_path / "run", "--epochs", "0")
+    assert res["untrained"] is True     # a report cannot take it for a trained run
     model, ck = utils.load_checkpoint(res["checkpoint"])
     assert ck["epoch"] == 0
     w0 = utils.load_file(tmp_path / "run" / "checkpoint0000.pth")["model"]

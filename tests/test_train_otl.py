@@ -272,3 +272,11 @@ def test_alexnet_with_an_embedding_trains_and_is_evaluated_on_it(small_data, tmp
     saved = json.loads((tmp_path / "a" / "knn_checkpoint_embed.json").read_text())
     assert saved["feat_dim"] == 16 and saved["knn_top1"] == res["knn_top1"]
     assert (tmp_path / "a" / "features_checkpoint_embed.pt").is_file()
+
+
+def test_a_peer_without_lightly_stops_before_making_its_run_folder(small_data, tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "lightly", None)      # as if it were not installed
+    with pytest.raises(SystemExit, match="pip install -r requirements-peers.txt"):
+        train(small_data, tmp_path / "run", "--method", "simclr")
+    assert not (tmp_path / "run").exists()
