@@ -712,3 +712,4 @@ def write_results(args, ranks, device, commit):
 
 if __name__ == "__main__":
     main(get_args_parser().parse_args())
+    utils.leave_torchrun()

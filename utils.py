@@ -102,9 +102,23 @@ class Ranks:
         return bool(self.sum(torch.tensor([int(flag)], device=self.device))[0])
 
     def close(self):
+        """Every process here, then the group gone (a DistributedDataParallel still holding it
+        keeps gloo's threads until it is freed: leave_torchrun)."""
         if self.world > 1 and self.dist.is_initialized():
             self.dist.barrier()
             self.dist.destroy_process_group()
+
+
+def leave_torchrun() -> None:
+    """For a torchrun process whose work is done and written (its group closed): exit at once.
+    The interpreter's teardown would free what still holds the group (a DistributedDataParallel's
+    reducer in a reference cycle) while gloo's threads run, which can abort the process after its
+    results are saved ("terminate called without an active exception", SIGABRT).  Nothing
+    happens in a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------------------------

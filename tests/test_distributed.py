@@ -67,10 +67,7 @@ def _rank_main(rank, world, port, data, ckpt, out):
     labels, log, again = _labels_of(data, ckpt, _label_args(data, out), ranks)
     torch.save({"labels": labels, "log": log, "again": again}, f"{out}/labels_{rank}.pt")
     ranks.close()
-    # That message is the one gloo's threads give when the interpreter is torn down around them:
-    # the results are saved and the group closed, so leave without the teardown.
-    sys.stderr.flush()
-    os._exit(0)
+    utils.leave_torchrun()      # as train_otl.py does: no teardown around gloo's threads
 
 
 def test_two_processes_label_like_one(small_data, tmp_path):
@@ -169,3 +166,14 @@ def test_two_process_run_resumes_after_a_kill(small_data, tmp_path):
 def test_one_process_labeler_flags_are_refused_across_processes(small_data, tmp_path, flags, says):
     p = _torchrun(tmp_path / "p", small_data, 1, *flags)
     assert p.returncode != 0 and says in p.stderr
+
+
+def test_a_finished_torchrun_process_leaves_without_teardown():
+    """utils.leave_torchrun: under torchrun (WORLD_SIZE > 1) the process exits 0 at once, its
+    output flushed; nothing after it runs (so no teardown frees gloo's threads); alone, it returns."""
+    code = ("import sys, utils; print('written', end=''); sys.stderr.write('said');"
+            "utils.leave_torchrun(); print(' and after')")
+    for world, out in (("2", "written"), ("1", "written and after")):
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "WORLD_SIZE": world}, timeout=120)
+        assert (p.returncode, p.stdout.strip(), p.stderr) == (0, out, "said")
