@@ -63,7 +63,6 @@ import torch
 
 import otl
 import presets
-import report
 import utils
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -194,7 +193,7 @@ SCALES = {
 }
 
 
-_TABLES = report.paper_tables()["tables"]
+_TABLES = utils.paper_tables()["tables"]
 
 
 def paper_table(label):
@@ -220,7 +219,6 @@ PAPER_SPLITS = {model: {m: [r["values"][_SPLITS["columns"].index(model)] for r i
                        for m, e, k in (("knn10", "kNN", 10), ("linear", "linear", None))}
                 for model in ("OTL", "supervised")}
 
-_mean_sd = report.mean_sd
 
 
 def _listed(d):
@@ -281,12 +279,6 @@ def parse_grid(study, text, preset="study"):
     if bad or not vals:
         raise SystemExit(f"--grid {text!r}: choose from {','.join(study.grid)}")
     return vals
-
-
-def md_table(header, rows):
-    """Markdown table lines of a header and rows of cells."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(cells) + " |" for cells in rows)]
 
 
 def _bar(items, args):
@@ -373,18 +365,18 @@ def measurement_ok(r):
     its type."""
     history = r.get("std_history", []) if isinstance(r, dict) else None
     return (isinstance(r, dict) and all(isinstance(r.get(f), str) for f in ("key", "input", "method"))
-            and all(report.is_whole(r.get(f)) for f in ("k", "iterations", "max_minus_min"))
-            and all(report.is_number(r.get(f)) for f in ("beta", "std", "std_before", "std_max", "seconds"))
-            and isinstance(history, list) and all(map(report.is_number, history)))
+            and all(utils.is_whole(r.get(f)) for f in ("k", "iterations", "max_minus_min"))
+            and all(utils.is_number(r.get(f)) for f in ("beta", "std", "std_before", "std_max", "seconds"))
+            and isinstance(history, list) and all(map(utils.is_number, history)))
 
 
 def _measurements(store):
     """{key: measurement} of the store; its damaged lines dropped from it with a warning."""
     if not os.path.isfile(store):
         return {}
-    good, bad = report.jsonl_records(store, measurement_ok)
+    good, bad = utils.jsonl_records(store, measurement_ok)
     if bad:     # out of the file, so that the measurements made again start on a line of their own
-        print(f"warning: {store}: dropped damaged line(s) {report.line_numbers(bad)}, not a whole "
+        print(f"warning: {store}: dropped damaged line(s) {utils.line_numbers(bad)}, not a whole "
               "measurement; they are measured again", flush=True)
         with open(store + ".tmp", "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for _, r in good)
@@ -424,7 +416,7 @@ def labeler_study(study, args):
 
 
 def beta_table(study, rows):
-    return md_table(["input", "beta", "iterations", "final std", "max - min", "std before", "seconds"],
+    return utils.md_table(["input", "beta", "iterations", "final std", "max - min", "std before", "seconds"],
                     [[r["input"], f"{r['beta']:g}", str(r["iterations"]), f"{r['std']:.2f}",
                       str(r["max_minus_min"]), f"{r['std_before']:.1f}", f"{r['seconds']:.2f}"]
                      for r in rows])
@@ -453,7 +445,7 @@ def labelers_table(study, rows, steps=False):
         ("steps to final",) if steps and m == "published" else ()), "s")]
     cell = {"std": lambda r: f"{r['std']:.2f}", "iters": lambda r: str(r["iterations"]),
             "steps to final": lambda r: str(steps_to_final(r)), "s": lambda r: f"{r['seconds']:.2f}"}
-    return md_table(["input", "k", *(f"{m} {c}" for m, c in cols)],
+    return utils.md_table(["input", "k", *(f"{m} {c}" for m, c in cols)],
                     [[inp, str(k), *(cell[c](by[(inp, k, m)]) for m, c in cols)]
                      for inp, k in sorted({(r["input"], r["k"]) for r in rows})])
 
@@ -722,7 +714,7 @@ def train_and_evaluate(args, run, data, flags, outs, log):
 
 
 STUDY_ROWS = (lambda rows: isinstance(rows, list) and all(
-    isinstance(r, dict) and all(report.is_top1(v) for k, v in r.items() if k.startswith(("knn", "linear")))
+    isinstance(r, dict) and all(utils.is_top1(v) for k, v in r.items() if k.startswith(("knn", "linear")))
     for r in rows), "a list of row objects, their accuracies numbers in [0, 100]")
 
 
@@ -733,7 +725,7 @@ STUDY_FIELDS = {"rows": STUDY_ROWS, "grid": (lambda v: isinstance(v, list), "a l
 def read_study(path):
     """A study's results JSON, its rows (and the grid and data a rewrite keeps) checked; None when
     there is none."""
-    return report.read_json(path, "restore it (git checkout), or delete it: the study then reads "
+    return utils.read_json(path, "restore it (git checkout), or delete it: the study then reads "
                             "its rows again from its run folders and trains those that are gone",
                             STUDY_FIELDS, ("rows",))
 
@@ -757,7 +749,7 @@ def claim_run(run, ident):
     where the folder holds a checkpoint but no record (a run the study did not make): it is
     recorded only once train_otl.py --same-flags has found its checkpoint's flags the point's."""
     path = os.path.join(run, "study_point.json")
-    had = report.read_json(path, f"delete it (the run in {run} is then checked against this "
+    had = utils.read_json(path, f"delete it (the run in {run} is then checked against this "
                            "point's flags) or delete that folder", POINT_FIELDS, tuple(POINT_FIELDS))
     if had is None and any(os.path.exists(os.path.join(run, f))
                            for f in ("checkpoint.pth", "checkpoint0000.pth", "results.json")):
@@ -778,7 +770,7 @@ def _checkpoint_of(run, e):
 
 
 def _read_eval(run, e, path):
-    return report.read_eval(path, "linear" if e == "linear" else "knn", _checkpoint_of(run, e),
+    return utils.read_eval(path, "linear" if e == "linear" else "knn", _checkpoint_of(run, e),
                             remake=f"delete it and run the same ablations.py command again: it "
                             f"evaluates {_checkpoint_of(run, e)} again")
 
@@ -787,10 +779,10 @@ def evaluated(run, outs):
     """Whether every evaluation JSON of outs ({name: path}) is there and of the run's checkpoint
     as it is now.  One of other weights (the run trained again since) is deleted, with a line
     saying so, and so made again."""
-    epochs = (report.read_results(run) or {}).get("epochs")
+    epochs = (utils.read_results(run) or {}).get("epochs")
     for e, path in outs.items():
         ev = _read_eval(run, e, path)
-        why = ev and report.stale(path, ev, _checkpoint_of(run, e), 0 if e == "knn_init" else epochs)
+        why = ev and utils.stale(path, ev, _checkpoint_of(run, e), 0 if e == "knn_init" else epochs)
         if why:
             print(f"  {why}: deleted, it is evaluated again", flush=True)
             os.remove(path)
@@ -801,7 +793,7 @@ def training_row(run, point, outs, balanced=False):
     """One run's table row: its grid point, scores, final loss and labeler figures; with
     balanced, also the N and k its labeler balanced (read from the checkpoint), which the
     uneven study needs for the std of the targets it trained on."""
-    res = report.read_results(run)
+    res = utils.read_results(run)
     row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
            "epochs": res.get("epochs"), "preset": res.get("preset"),
            "git_commit": res.get("git_commit"), "command": res.get("command")}
@@ -821,7 +813,7 @@ def training_row(run, point, outs, balanced=False):
         else:
             for kk, v in r["knn_top1"].items():
                 row[f"{e}{kk}"] = round(v, 2)
-    log = report.read_log(os.path.join(run, "log.jsonl"))
+    log = utils.read_log(os.path.join(run, "log.jsonl"))
     if log and "loss" in log[-1]:
         row["final_loss"] = round(log[-1]["loss"], 4)
     lab = [r for r in log if "pl_std" in r]
@@ -830,16 +822,16 @@ def training_row(run, point, outs, balanced=False):
     secs = [r["labeler_s"] for r in lab if "labeler_s" in r]
     if secs:
         row["labeler_s_mean"] = round(sum(secs) / len(secs), 3)
-    epoch_s = sorted(r["epoch_s"] for r in log if report.is_number(r.get("epoch_s")))
+    epoch_s = sorted(r["epoch_s"] for r in log if utils.is_number(r.get("epoch_s")))
     if epoch_s:
         row["epoch_s"] = round(epoch_s[len(epoch_s) // 2], 2)              # the median epoch
-    peak = [r["peak_mib"] for r in log if report.is_number(r.get("peak_mib"))]
+    peak = [r["peak_mib"] for r in log if utils.is_number(r.get("peak_mib"))]
     if peak:
         row["peak_mib"] = max(peak)
     # the kNN monitor against the minutes of training so far, at the run's median epoch time (an
     # epoch slowed by other work on the machine does not shift the curve)
     curve = [[round(r["epoch"] * row["epoch_s"] / 60, 3), r["knn10"]] for r in log
-             if report.is_number(r.get("knn10")) and report.is_number(r.get("epoch"))
+             if utils.is_number(r.get("knn10")) and utils.is_number(r.get("epoch"))
              and "epoch_s" in row]
     if curve:
         row["curve"] = curve
@@ -865,10 +857,10 @@ def seed_means(rows):
         for key in (*METRICS, "final_loss", "train_minutes", "epoch_s", "peak_mib"):
             vals = [r[key] for r in g if r.get(key) is not None]
             if vals:
-                t = torch.tensor(vals, dtype=torch.float64)
-                m[key] = round(t.mean().item(), 4 if key == "final_loss" else 2)
+                mean, sd = utils.mean_sd(vals)
+                m[key] = round(mean, 4 if key == "final_loss" else 2)
                 if key in METRICS and len(vals) > 1:    # one run (a study's `once`): no sd
-                    m[f"{key}_sd"] = round(t.std().item(), 2)
+                    m[f"{key}_sd"] = round(sd, 2)
         means.append(m)
     return means
 
@@ -889,7 +881,7 @@ def training_table(study, rows):
     costs = [(key, name) for key, name in (("epoch_s", "s / epoch"), ("peak_mib", "peak MiB"))
              if any(key in r for r in rows)]
     heads = [{"knn_init10": "knn10 before"}.get(m, m) for m in metrics]
-    lines = md_table(keys + heads + ["final loss", "minutes"] + [n for _, n in costs], [
+    lines = utils.md_table(keys + heads + ["final loss", "minutes"] + [n for _, n in costs], [
         [",".join(map(str, r[k])) if k == "seeds" else str(r.get(k, "")) for k in keys]
         + [cell(r, m) for m in metrics]
         + [f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}"]
@@ -1013,8 +1005,8 @@ def splits_verdict(rows):
     for model in ("OTL", "supervised"):
         rs = [r for r in rows if r.get("model", "OTL") == model]
         if rs:
-            ours = [_mean_sd([r[k] for r in rs if k in r]) for k in ("knn10", "linear")]
-            paper = [_mean_sd(PAPER_SPLITS[model][k]) for k in ("knn10", "linear")]
+            ours = [utils.mean_sd([r[k] for r in rs if k in r]) for k in ("knn10", "linear")]
+            paper = [utils.mean_sd(PAPER_SPLITS[model][k]) for k in ("knn10", "linear")]
             parts.append(f"{model} over {len(rs)} divisions: kNN@10 {ours[0][0]:.1f} +- "
                          f"{ours[0][1]:.1f}, linear {ours[1][0]:.1f} +- {ours[1][1]:.1f} (the "
                          f"paper's: {paper[0][0]:.1f} +- {paper[0][1]:.1f}, {paper[1][0]:.1f} "
@@ -1071,7 +1063,7 @@ EUROSAT_ANCHORS = ("SeCo ResNet-18 93.1 linear; OTL `fast` (ResNet-18, 112 px, 2
 def peers_table(study, rows):
     """The training table, then the published anchors beside it and what the scale gives up."""
     return [*training_table(study, rows), "", "Published anchors, for scale only (other networks, "
-            "schedules and data):", "", *md_table(
+            "schedules and data):", "", *utils.md_table(
                 ["method", "CIFAR-10 kNN, lightly (R18, 200 ep)", "CIFAR-10 linear, solo-learn "
                  "(R18, 1,000 ep)"], [list(a) for a in PEER_ANCHORS]), "",
             f"EuroSAT RGB: {EUROSAT_ANCHORS}. Every method here trains the cpu preset's half-width "
@@ -1156,8 +1148,7 @@ def splits_panel(study, ax, rows, metric, grid):
             continue
         xs = [r["seed"] for r in rs]
         ys = [r.get(metric, float("nan")) for r in rs]
-        t = torch.tensor([y for y in ys if not math.isnan(y)], dtype=torch.float64)
-        m, sd = t.mean().item(), (t.std().item() if t.numel() > 1 else 0.0)
+        m, sd = utils.mean_sd([y for y in ys if not math.isnan(y)])
         ax.plot(xs, ys, "o", color=colour, label=f"{model}, one division each")
         ax.axhline(m, color=colour, lw=1, label=f"{model} mean {m:.1f} +- {sd:.1f} (sd)")
         ax.axhspan(m - sd, m + sd, color=colour, alpha=0.1)
@@ -1190,7 +1181,7 @@ def uneven_notes(rows=(), n=50_000):
         # the sample (n - 1) std over the k clusters: the paper's stds are reproduced by it
         s0 = otl.uneven_target(n, k, x, first=0).std().item()
         s1 = otl.uneven_target(n, k, x, first=1).std().item()
-        su = report.formula_std(n, k, x)                        # the unrounded targets
+        su = utils.formula_std(n, k, x)                        # the unrounded targets
         paper = f"{printed[j]:g}" + (f" (misprint; {fixed[j]:g})" if j in fixed else "")
         agree = "yes" if round(su, 1) == printed[j] else "no"
         lines.append(f"| {x:g} | {su:.2f} | {paper} | {agree} | {s0:.1f} | {s1:.1f} |")
@@ -1264,7 +1255,7 @@ STUDIES = {s.name: s for s in (
               paper="five random 80/20 divisions of SIRI-WHU, from a pretrained ResNet-18 (table "
                     "5whu): " + "; ".join(
                         f"{m}: kNN@10 {{:.1f}} +- {{:.1f}}, linear {{:.1f}} +- {{:.1f}}".format(
-                            *_mean_sd(PAPER_SPLITS[m]["knn10"]), *_mean_sd(PAPER_SPLITS[m]["linear"]))
+                            *utils.mean_sd(PAPER_SPLITS[m]["knn10"]), *utils.mean_sd(PAPER_SPLITS[m]["linear"]))
                         for m in ("OTL", "supervised"))),
     _training("labeler-in-training", grid=("published", "exact", "sinkhorn"), evals=("knn", "linear"),
               points=lambda grid, data, args: [(m, {"labeler": m}, data, ["--labeler", m]) for m in grid],

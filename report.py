@@ -19,24 +19,13 @@ a table without a run says what would make one.  It needs no run folders.
     python report.py --overview --out results
 """
 import argparse
-import json
-import math
 import os
 import platform
 import sys
 
-import torch
-
 import otl
 import utils
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def paper_tables(path=os.path.join(HERE, "paper_tables.json")):
-    """The paper's tables (by LaTeX label) and protocols, as paper_tables.json transcribes them."""
-    with open(path) as fh:
-        return json.load(fh)
 
 
 def _scores(rows, j, knn_k=None):
@@ -96,8 +85,9 @@ def paper_numbers(paper):
     return out
 
 
-PAPER = paper_numbers(paper_tables())
+PAPER = paper_numbers(utils.paper_tables())
 KS = ("10", "50", "100", "200")
+COLUMNS = [*(f"kNN@{k}" for k in KS), "linear", "notes"]     # every table of runs: a row each
 
 
 def get_args_parser():
@@ -131,159 +121,11 @@ def get_args_parser():
 # Reading run folders: every file checked, a user's mistake one line naming the file
 # ----------------------------------------------------------------------------------------------
 
-def is_number(v):
-    """A finite JSON number (not a bool, which Python counts as an int)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def is_whole(v):
-    """A whole number >= 0 (an epoch, a count)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def is_top1(v):
-    """A top-1 accuracy in percent."""
-    return is_number(v) and 0 <= v <= 100
-
-
-WHOLE = (is_whole, "a whole number >= 0")
-TOP1 = (is_top1, "a top-1 accuracy: a number in [0, 100]")
-EVAL_FIELDS = {
-    "epoch": WHOLE, "n_test": WHOLE, "linear_top1": TOP1,
-    "knn_top1": (lambda v: isinstance(v, dict) and v and all(map(is_top1, v.values())),
-                 "{k: top-1 accuracy in [0, 100]}"),
-    "checkpoint_sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 in hex"),
-    "data_dir": (lambda v: isinstance(v, str), "a path")}
-RESULTS_FIELDS = {
-    "epochs": WHOLE, "train_minutes": (lambda v: is_number(v) and v >= 0, "a number >= 0"),
-    "init_from": (lambda v: v is None or isinstance(v, dict) and isinstance(v.get("checkpoint"), str),
-                  'null or {"checkpoint": path, ...}')}
-MANIFEST_FIELDS = {"test_frac": (lambda v: v is None or is_number(v) and 0 < v < 1,
-                                  "a fraction in (0, 1)")}
-LOG_NUMBERS = ("loss", "pl_std", "labeler_s")     # the log's fields that reports and studies read
-
-
-def _shown(v, n=60):
-    text = json.dumps(v)
-    return text if len(text) <= n else text[:n] + "..."
-
-
-def read_json(path, remake, fields=None, required=()):
-    """The JSON object in `path`, None when there is no such file.  A file that is damaged (cut
-    short, not UTF-8), not an object, without a `required` field, or with a field of `fields`
-    ({name: (test, what it must be)}) that fails its test stops the script with one line naming
-    the file, what is wrong and `remake`: what to do to make it again."""
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            obj = json.load(fh)
-    except OSError as e:
-        raise SystemExit(f"cannot read {path} ({e.strerror or e}); {remake}") from None
-    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError
-        raise SystemExit(f"{path} is damaged ({e}); {remake}") from None
-    if not isinstance(obj, dict):
-        raise SystemExit(f"{path} holds {_shown(obj)}, not a JSON object; {remake}")
-    for name in required:
-        if name not in obj:
-            raise SystemExit(f'{path} has no "{name}"; {remake}')
-    for name, (test, what) in (fields or {}).items():
-        if name in obj and not test(obj[name]):
-            raise SystemExit(f'{path}: "{name}" is {_shown(obj[name])}, not {what}; {remake}')
-    return obj
-
-
-def eval_command(kind, checkpoint, feature="pool"):
-    """The command that writes the evaluation JSON of `kind` ("knn" or "linear") of a checkpoint
-    where report.py reads it."""
-    script = "eval_linear.py" if kind == "linear" else "eval_knn.py"
-    return f"python {script} --checkpoint {checkpoint}" + ("" if feature == "pool" else
-                                                          f" --feature {feature}")
-
-
-def read_eval(path, kind, checkpoint, feature="pool", remake=None):
-    """The evaluation JSON at `path` of `kind` ("knn": eval_knn.py's, "linear": eval_linear.py's)
-    of `checkpoint`, its fields checked; None when there is none."""
-    return read_json(path, remake or f"run {eval_command(kind, checkpoint, feature)} again",
-                     EVAL_FIELDS, ("epoch", f"{kind}_top1"))
-
-
-def read_results(run_dir):
-    """A run folder's results.json (written when the run finished), its fields checked; None when
-    there is none."""
-    # a finished run given its train_otl.py command again writes only results.json
-    return read_json(os.path.join(run_dir, "results.json"), "delete it and run the run's "
-                     f"train_otl.py command (--output {run_dir}) again: it writes it anew",
-                     RESULTS_FIELDS, ("epochs",))
-
-
-def jsonl_records(path, valid):
-    """([(line number, record)] of the lines of a JSON-lines file that `valid` accepts, [line
-    numbers of the others]); blank lines are neither."""
-    good, bad = [], []
-    with open(path, "rb") as fh:
-        for i, line in enumerate(fh.read().split(b"\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line.decode("utf-8"))
-            except ValueError:
-                rec = None
-            (good if valid(rec) else bad).append((i, rec))
-    return good, [i for i, _ in bad]
-
-
-def line_numbers(nums, most=10):
-    return ", ".join(map(str, nums[:most])) + (" ..." if len(nums) > most else "")
-
-
-def read_log(path):
-    """The epochs' records of a log.jsonl ([] when there is none).  A line that is not a JSON
-    object with a whole-number "epoch" (a write cut short) is skipped, and a field of LOG_NUMBERS
-    that is not a finite number is left out, each with a warning naming the file and lines: the
-    log only adds figures to a table."""
-    if not os.path.isfile(path):
-        return []
-    good, bad = jsonl_records(path, lambda r: isinstance(r, dict) and is_whole(r.get("epoch")))
-    if bad:
-        print(f"warning: {path}: skipped damaged line(s) {line_numbers(bad)}, not a JSON record of "
-              "an epoch (train_otl.py drops them when the run resumes)", flush=True)
-    out, typed = [], []
-    for i, rec in good:
-        wrong = [k for k in LOG_NUMBERS if k in rec and not is_number(rec[k])]
-        if wrong:
-            typed.append(f"{i} ({', '.join(wrong)})")
-        out.append({k: v for k, v in rec.items() if k not in wrong})
-    if typed:
-        print(f"warning: {path}: left out fields that are not finite numbers, line(s) "
-              f"{line_numbers(typed)}", flush=True)
-    return out
-
-
-def stale(path, ev, checkpoint, epochs, command=None):
-    """None when the evaluation `ev` (read from `path`) is of the run's `checkpoint`, which is of
-    epoch `epochs` (None: not known); else one line naming both sides and what to do (command:
-    what evaluates it again).  The sha256 decides where the evaluation and the file both give
-    one, the epoch where it is known."""
-    had = ev.get("checkpoint_sha256")
-    sha = utils.sha256_file(checkpoint) if had and os.path.isfile(checkpoint) else None
-    if sha in (None, had) and epochs in (None, ev["epoch"]):
-        return None
-    if sha is not None and sha == had:      # the evaluation is of this file: results.json is older
-        return (f"{os.path.join(os.path.dirname(checkpoint), 'results.json')} says {epochs} "
-                f"epochs, but {checkpoint}, evaluated in {path}, is of epoch {ev['epoch']}: the "
-                "run has not finished; run its train_otl.py command again, then evaluate it again")
-    why = (f"{path} is an evaluation of epoch {ev['epoch']}" + (f" (sha256 {had[:12]})" if had else "")
-           + f", but the run's {checkpoint} is of epoch {'?' if epochs is None else epochs}"
-           + (f" (sha256 {sha[:12]})" if sha else ""))
-    return why + (f"; evaluate it again: {command}" if command else "")
-
-
 def _manifest_of(res):
     """The manifest of the data an evaluation read ({} where it is not there)."""
     data = res.get("data_dir")
-    man = data and read_json(os.path.join(data, "manifest.json"), f"run prepare_data.py --out "
-                             f"{data} (with the --source it was made from) again", MANIFEST_FIELDS)
+    man = data and utils.read_json(os.path.join(data, "manifest.json"), f"run prepare_data.py --out "
+                             f"{data} (with the --source it was made from) again", utils.MANIFEST_FIELDS)
     return man or {}
 
 
@@ -326,7 +168,7 @@ def run_summary(run_dir, feature="pool", linear_feature=None):
     stops the report with a line naming both and the command that evaluates it again."""
     if not os.path.isdir(run_dir):
         return None
-    train = read_results(run_dir)
+    train = utils.read_results(run_dir)
     out = {"run": run_dir, "train": train, "feature": feature}
     if feature == "auto":   # as eval_*.py --feature auto: the embedding's results where there are
         feature = "embed" if os.path.isfile(os.path.join(run_dir, "knn_checkpoint_embed.json")) else "pool"
@@ -341,8 +183,8 @@ def run_summary(run_dir, feature="pool", linear_feature=None):
         evs = {}
         for kind, f, path in (("knn", feature, os.path.join(run_dir, f"knn_{stem}{sfx}.json")),
                               ("linear", lin_feature, os.path.join(run_dir, f"linear_{stem}{lin_sfx}.json"))):
-            evs[kind] = read_eval(path, kind, ckpt, f)
-            why = evs[kind] and stale(path, evs[kind], ckpt, epochs, eval_command(kind, ckpt, f))
+            evs[kind] = utils.read_eval(path, kind, ckpt, f)
+            why = evs[kind] and utils.stale(path, evs[kind], ckpt, epochs, utils.eval_command(kind, ckpt, f))
             if why:
                 raise SystemExit(why)
         knn, lin = evs["knn"], evs["linear"]
@@ -356,7 +198,7 @@ def run_summary(run_dir, feature="pool", linear_feature=None):
         out[tag] = {"knn": knn["knn_top1"] if knn else None,
                     "linear": lin["linear_top1"] if lin else None,
                     "epoch": (knn or lin or {}).get("epoch")}
-    log = read_log(os.path.join(run_dir, "log.jsonl"))
+    log = utils.read_log(os.path.join(run_dir, "log.jsonl"))
     if log:
         out["log"] = log
     return out
@@ -446,20 +288,16 @@ def _printed(t, skip=()):
     marks, _ = _marks(t)
     keys = [k for k in ("dataset", "division", "method", "row", "evaluation", "feature", "k",
                         "k_clusters") if any(k in r for r in t["rows"]) and k not in skip]
-    lines = ["| " + " | ".join(keys + [str(c) for c in t["columns"]]) + " |",
-             "|" + "---|" * (len(keys) + len(t["columns"]))]
-    for i, r in enumerate(t["rows"]):
-        cells = ["" if r.get(k) is None else str(r[k]) for k in keys]
-        cells += ["-" if v is None else f"{v:g}{marks.get((i, j), '')}"
-                  for j, v in enumerate(r["values"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    return utils.md_table(keys + [str(c) for c in t["columns"]], (
+        ["" if r.get(k) is None else str(r[k]) for k in keys]
+        + ["-" if v is None else f"{v:g}{marks.get((i, j), '')}" for j, v in enumerate(r["values"])]
+        for i, r in enumerate(t["rows"])))
 
 
 def _reports(results, names):
     out = []
     for name in names:
-        js = read_json(os.path.join(results, name), "write it again with the command that made "
+        js = utils.read_json(os.path.join(results, name), "write it again with the command that made "
                        "it (results/README.md names each)")
         if js:
             out.append((name, js))
@@ -486,8 +324,7 @@ def _model_rows(t, results):
     """A remote-sensing table as rows of models: | who | kNN@10 .. @200 | linear | notes |, the
     paper's columns first, then every run of our reports, each with its preset and, where the
     paper's OTL is higher, what the run gives up."""
-    lines = ["| who | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear | notes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = utils.md_table(["who", *COLUMNS], [])
     paper_otl = {}
     for j, col in enumerate(t["columns"]):
         sc = _scores(t["rows"], j)
@@ -573,37 +410,22 @@ def _study_rows(t, results, key, values, nkeys, metric="knn50", by_rank=False):
     return lines
 
 
-def formula_std(n, k, x):
-    """The sample std over the clusters of the paper's unrounded uneven target,
-    n_i = N i^x / sum_i i^x with i = 0 .. k-1 (table dis-com's stds)."""
-    w = torch.arange(k, dtype=torch.float64) ** float(x)
-    return (n * w / w.sum()).std().item()
-
-
 def _mean_row(name, scores, note):
     """A row of mean +- sd over a list of {"knn", "linear"} scores."""
     def ms(vals):
         vals = [v for v in vals if v is not None]
         if not vals:
             return "-"
-        m, sd = mean_sd(vals)
+        m, sd = utils.mean_sd(vals)
         return _f(m, sd)
     cells = [ms([(s.get("knn") or {}).get(k) for s in scores]) for k in KS]
     return f"| {name} | " + " | ".join(cells) + f" | {ms([s.get('linear') for s in scores])} | {note} |"
 
 
-def mean_sd(vals):
-    """(mean, sample sd) of a list of numbers; sd 0 for one number.  ablations.py uses it too."""
-    m = math.fsum(vals) / len(vals)
-    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
-    return m, sd
-
-
 def _splits_rows(t, results):
     """5whu as rows of models: the paper's five divisions and their mean +- sd, then every run of
     ablations.py splits on SIRI-WHU and their mean +- sd."""
-    lines = ["| who | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear | notes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = utils.md_table(["who", *COLUMNS], [])
     paper = {c: [] for c in t["columns"]}
     for d in sorted({r["division"] for r in t["rows"]}):
         rows = [r for r in t["rows"] if r["division"] == d]
@@ -650,7 +472,7 @@ def _table_section(label, t, results):
     elif label == "dis-com":
         body = _printed(t)
         for ds, k in (("cifar10", 128), ("cifar100", 512)):   # the targets' std, unrounded
-            std = [formula_std(50_000, k, x) for x in t["x"]]
+            std = [utils.formula_std(50_000, k, x) for x in t["x"]]
             body.append(f"| {ds} | std, the formula n_i = N i^x / sum i^x (ours) | {k} | "
                         + " | ".join(f"{v:.1f}" for v in std) + " |")
         body += _study_rows(t, results, "x", t["x"], 3)
@@ -684,25 +506,19 @@ def overview(args):
     """results/tables.md: every table of the paper (paper_tables.json), as printed, with our rows
     from the report JSONs under --results."""
     results = args.results or args.out
-    tables = paper_tables()["tables"]
+    tables = utils.paper_tables()["tables"]
     lines = ["# Every table of the paper, and ours beside it", "",
              "The paper's tables as paper_tables.json transcribes them (top-1 % on the test split; "
              "† marks a misprint, explained under its table), then our runs: each row names its "
              "preset and, where it falls short of the paper, what it gives up.  kNN votes "
              "exp(sim / 0.1); the paper's natural-image kNN is k = 50.  Written by `python "
-             f"report.py --overview --results {utils_rel(results)}` from the report JSONs there.", ""]
+             f"report.py --overview --results {utils.rel_path(results)}` from the report JSONs there.", ""]
     lines += [f"- [`{label}`](#{label}): {t['caption'][:90]}" for label, t in tables.items()] + [""]
     for label, t in tables.items():
         lines += _table_section(label, t, results)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tables.md"), "w") as fh:
-        fh.write("\n".join(lines).rstrip() + "\n")
+    utils.write_text("\n".join(lines).rstrip() + "\n", os.path.join(args.out, "tables.md"))
     print(f"wrote {os.path.join(args.out, 'tables.md')}: {len(tables)} tables")
-
-
-def utils_rel(path):
-    rel = os.path.relpath(os.path.abspath(path), HERE)
-    return path if rel.startswith("..") else rel
 
 
 def main(args):
@@ -735,8 +551,7 @@ def main(args):
     split = next((r["test_split"] for _, r in runs if r and r.get("test_split")), "the test split")
     lines = [f"# {report_name}: results", "",
              f"Top-1 accuracy (%) on {split}; kNN weighted by exp(sim/0.1).",
-             "", "| model | kNN@10 | kNN@50 | kNN@100 | kNN@200 | linear | notes |",
-             "|---|---|---|---|---|---|---|"]
+             "", *utils.md_table(["model", *COLUMNS], [])]
     for name, run in runs:
         if run:
             lines.append(_row(name, run["final"], _note(run)))
@@ -753,14 +568,12 @@ def main(args):
     lines += ["", f"Machine: {args.machine} (the report made on {here})." if args.machine
               else f"Machine: {here}."]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{report_name}.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, f"{report_name}.json"), "w") as fh:
-        json.dump({"dataset": args.dataset, "otl": otl_run, "supervised": sup_run,
-                   "runs": runs_out, "paper": paper,
-                   "machine": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                               "platform": platform.platform(), "runs_ran_on": args.machine}},
-                  fh, indent=1)
+    utils.write_text("\n".join(lines) + "\n", os.path.join(args.out, f"{report_name}.md"))
+    utils.write_json({"dataset": args.dataset, "otl": otl_run, "supervised": sup_run,
+                      "runs": runs_out, "paper": paper,
+                      "machine": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                                  "platform": platform.platform(), "runs_ran_on": args.machine}},
+                     os.path.join(args.out, f"{report_name}.json"))
     print("\n".join(lines))
 
 

@@ -689,15 +689,9 @@ def prepared_problem(data_dir: str, flag: str = "--data") -> str | None:
 def _read_json(path: str, again: str) -> dict:
     """A JSON file of a prepared data set; ValueError naming it when it is cut short or not
     JSON (prepare_data.py writes them atomically, so that is damage from elsewhere)."""
-    try:
-        with open(path, "rb") as fh:
-            obj = json.loads(fh.read().decode("utf-8"))
-    except ValueError as e:             # JSONDecodeError and UnicodeDecodeError
-        raise ValueError(f"{path} is damaged or cut short ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120]}): {again}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not the object "
-                         f"prepare_data.py writes: {again}")
+    obj = read_json(path, again, error=ValueError)
+    if obj is None:
+        raise FileNotFoundError(f"{path} is missing: {again}")
     return obj
 
 
@@ -1040,3 +1034,188 @@ def default_output(checkpoint: str, prefix: str, layer: str = "pool") -> str:
     """<checkpoint dir>/<prefix>_<checkpoint stem>.json (_<layer> added for another layer)"""
     stem = os.path.splitext(os.path.basename(checkpoint))[0] + ("" if layer == "pool" else f"_{layer}")
     return os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"{prefix}_{stem}.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Results files: reading them checked (every stage script's and report's), tables, the paper
+# ----------------------------------------------------------------------------------------------
+
+def is_number(v):
+    """A finite JSON number (not a bool, which Python counts as an int)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_whole(v):
+    """A whole number >= 0 (an epoch, a count)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def is_top1(v):
+    """A top-1 accuracy in percent."""
+    return is_number(v) and 0 <= v <= 100
+
+
+WHOLE = (is_whole, "a whole number >= 0")
+TOP1 = (is_top1, "a top-1 accuracy: a number in [0, 100]")
+EVAL_FIELDS = {
+    "epoch": WHOLE, "n_test": WHOLE, "linear_top1": TOP1,
+    "knn_top1": (lambda v: isinstance(v, dict) and v and all(map(is_top1, v.values())),
+                 "{k: top-1 accuracy in [0, 100]}"),
+    "checkpoint_sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 in hex"),
+    "data_dir": (lambda v: isinstance(v, str), "a path")}
+RESULTS_FIELDS = {
+    "epochs": WHOLE, "train_minutes": (lambda v: is_number(v) and v >= 0, "a number >= 0"),
+    "init_from": (lambda v: v is None or isinstance(v, dict) and isinstance(v.get("checkpoint"), str),
+                  'null or {"checkpoint": path, ...}')}
+MANIFEST_FIELDS = {"test_frac": (lambda v: v is None or is_number(v) and 0 < v < 1,
+                                  "a fraction in (0, 1)")}
+LOG_NUMBERS = ("loss", "pl_std", "labeler_s")     # the log's fields that reports and studies read
+
+
+def _shown(v, n=60):
+    text = json.dumps(v)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def read_json(path, remake, fields=None, required=(), error=SystemExit):
+    """The JSON object in `path`, None when there is no such file.  A file that is damaged (cut
+    short, not UTF-8), not an object, without a `required` field, or with a field of `fields`
+    ({name: (test, what it must be)}) that fails its test raises `error` (a stage script stops;
+    the data loaders raise ValueError) with one line naming the file, what is wrong and `remake`:
+    what to do to make it again."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            obj = json.loads(fh.read().decode("utf-8"))
+    except OSError as e:
+        raise error(f"cannot read {path} ({e.strerror or e}); {remake}") from None
+    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError
+        raise error(f"{path} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                    f"{remake}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path} holds {_shown(obj)}, not a JSON object; {remake}")
+    for name in required:
+        if name not in obj:
+            raise error(f'{path} has no "{name}"; {remake}')
+    for name, (test, what) in (fields or {}).items():
+        if name in obj and not test(obj[name]):
+            raise error(f'{path}: "{name}" is {_shown(obj[name])}, not {what}; {remake}')
+    return obj
+
+
+def eval_command(kind, checkpoint, feature="pool"):
+    """The command that writes the evaluation JSON of `kind` ("knn" or "linear") of a checkpoint
+    where report.py reads it."""
+    script = "eval_linear.py" if kind == "linear" else "eval_knn.py"
+    return f"python {script} --checkpoint {checkpoint}" + ("" if feature == "pool" else
+                                                          f" --feature {feature}")
+
+
+def read_eval(path, kind, checkpoint, feature="pool", remake=None):
+    """The evaluation JSON at `path` of `kind` ("knn": eval_knn.py's, "linear": eval_linear.py's)
+    of `checkpoint`, its fields checked; None when there is none."""
+    return read_json(path, remake or f"run {eval_command(kind, checkpoint, feature)} again",
+                     EVAL_FIELDS, ("epoch", f"{kind}_top1"))
+
+
+def read_results(run_dir):
+    """A run folder's results.json (written when the run finished), its fields checked; None when
+    there is none."""
+    # a finished run given its train_otl.py command again writes only results.json
+    return read_json(os.path.join(run_dir, "results.json"), "delete it and run the run's "
+                     f"train_otl.py command (--output {run_dir}) again: it writes it anew",
+                     RESULTS_FIELDS, ("epochs",))
+
+
+def jsonl_records(path, valid):
+    """([(line number, record)] of the lines of a JSON-lines file that `valid` accepts, [line
+    numbers of the others]); blank lines are neither."""
+    good, bad = [], []
+    with open(path, "rb") as fh:
+        for i, line in enumerate(fh.read().split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except ValueError:
+                rec = None
+            (good if valid(rec) else bad).append((i, rec))
+    return good, [i for i, _ in bad]
+
+
+def line_numbers(nums, most=10):
+    return ", ".join(map(str, nums[:most])) + (" ..." if len(nums) > most else "")
+
+
+def read_log(path):
+    """The epochs' records of a log.jsonl ([] when there is none).  A line that is not a JSON
+    object with a whole-number "epoch" (a write cut short) is skipped, and a field of LOG_NUMBERS
+    that is not a finite number is left out, each with a warning naming the file and lines: the
+    log only adds figures to a table."""
+    if not os.path.isfile(path):
+        return []
+    good, bad = jsonl_records(path, lambda r: isinstance(r, dict) and is_whole(r.get("epoch")))
+    if bad:
+        print(f"warning: {path}: skipped damaged line(s) {line_numbers(bad)}, not a JSON record of "
+              "an epoch (train_otl.py drops them when the run resumes)", flush=True)
+    out, typed = [], []
+    for i, rec in good:
+        wrong = [k for k in LOG_NUMBERS if k in rec and not is_number(rec[k])]
+        if wrong:
+            typed.append(f"{i} ({', '.join(wrong)})")
+        out.append({k: v for k, v in rec.items() if k not in wrong})
+    if typed:
+        print(f"warning: {path}: left out fields that are not finite numbers, line(s) "
+              f"{line_numbers(typed)}", flush=True)
+    return out
+
+
+def stale(path, ev, checkpoint, epochs, command=None):
+    """None when the evaluation `ev` (read from `path`) is of the run's `checkpoint`, which is of
+    epoch `epochs` (None: not known); else one line naming both sides and what to do (command:
+    what evaluates it again).  The sha256 decides where the evaluation and the file both give
+    one, the epoch where it is known."""
+    had = ev.get("checkpoint_sha256")
+    sha = sha256_file(checkpoint) if had and os.path.isfile(checkpoint) else None
+    if sha in (None, had) and epochs in (None, ev["epoch"]):
+        return None
+    if sha is not None and sha == had:      # the evaluation is of this file: results.json is older
+        return (f"{os.path.join(os.path.dirname(checkpoint), 'results.json')} says {epochs} "
+                f"epochs, but {checkpoint}, evaluated in {path}, is of epoch {ev['epoch']}: the "
+                "run has not finished; run its train_otl.py command again, then evaluate it again")
+    why = (f"{path} is an evaluation of epoch {ev['epoch']}" + (f" (sha256 {had[:12]})" if had else "")
+           + f", but the run's {checkpoint} is of epoch {'?' if epochs is None else epochs}"
+           + (f" (sha256 {sha[:12]})" if sha else ""))
+    return why + (f"; evaluate it again: {command}" if command else "")
+
+
+def mean_sd(vals):
+    """(mean, sample sd) of a list of numbers; sd 0 for one number: every table's +- sd."""
+    m = math.fsum(vals) / len(vals)
+    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+    return m, sd
+
+
+def formula_std(n, k, x):
+    """The sample std over the clusters of the paper's unrounded uneven target,
+    n_i = N i^x / sum_i i^x with i = 0 .. k-1 (table dis-com's stds)."""
+    w = torch.arange(k, dtype=torch.float64) ** float(x)
+    return (n * w / w.sum()).std().item()
+
+
+def md_table(header, rows):
+    """Markdown table lines of a header and rows of cells."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cells) + " |" for cells in rows)]
+
+
+def write_text(text: str, path: str) -> None:
+    """A text file (a report's markdown) written atomically: a crash leaves the old one whole."""
+    _atomic_write(path, lambda fh: fh.write(text.encode()))
+
+
+def paper_tables(path=os.path.join(REPO, "paper_tables.json")):
+    """The paper's tables (by LaTeX label) and protocols, as paper_tables.json transcribes them."""
+    with open(path) as fh:
+        return json.load(fh)

@@ -1,7 +1,9 @@
 import os
+import socket
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -36,3 +38,22 @@ def small_data(eurosat_zip, tmp_path_factory):
     out = tmp_path_factory.mktemp("eurosat") / "data"
     prep(eurosat_zip, out, "--per-class", str(PER_CLASS))
     return out
+
+
+def gen(seed):
+    """A seeded generator: each test's random inputs are its own and repeat."""
+    return torch.Generator().manual_seed(seed)
+
+
+def clusters(n_per, centres, noise, seed):
+    """n_per points around each of the C centres (C, D) and their labels: toy kNN data."""
+    C, D = centres.shape
+    y = torch.arange(C).repeat_interleave(n_per)
+    return centres[y] + noise * torch.randn(C * n_per, D, generator=gen(seed)), y
+
+
+def free_port():
+    """A TCP port on the loopback that is free now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

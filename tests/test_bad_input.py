@@ -14,12 +14,9 @@ import otl
 import otl_scale
 import utils
 from evalkit import untrained_checkpoint
+from conftest import gen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 # ------------------------------------------------------------------------------------------------

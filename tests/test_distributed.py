@@ -6,7 +6,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,11 @@ import torch.multiprocessing as mp
 import otl
 import train_otl
 import utils
+from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--width", "8", "--img-size", "16", "--k", "16", "--batch-size", "32", "--preset", "cpu",
         "--device", "cpu", "--no-progress"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _label_args(data, out):
@@ -78,7 +72,7 @@ def test_two_processes_label_like_one(small_data, tmp_path):
                            "model_cfg": utils.model_state(cfg), "args": {}, "epoch": 0}, ckpt)
     single, slog, single_again = _labels_of(small_data, ckpt, _label_args(small_data, tmp_path),
                                             utils.Ranks("cpu"))
-    mp.start_processes(_rank_main, args=(2, _free_port(), str(small_data), ckpt, str(tmp_path)),
+    mp.start_processes(_rank_main, args=(2, free_port(), str(small_data), ckpt, str(tmp_path)),
                        nprocs=2, start_method="spawn")
     parts = [torch.load(tmp_path / f"labels_{r}.pt") for r in range(2)]
     both = torch.cat([p["labels"] for p in parts], 1)
@@ -97,7 +91,7 @@ def test_two_processes_label_like_one(small_data, tmp_path):
 
 def _torchrun(out, data, epochs, *extra, wait=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), "train_otl.py", "--data", str(data), "--output",
+           "--master_port", str(free_port()), "train_otl.py", "--data", str(data), "--output",
            str(out), *TINY, "--epochs", str(epochs), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if wait:

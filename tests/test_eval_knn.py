@@ -8,13 +8,7 @@ import torch
 import eval_knn  # the repository root is on sys.path through tests/conftest.py
 import otl
 from evalkit import untrained_checkpoint
-
-
-def _clusters(n_per, centres, noise, seed):
-    g = torch.Generator().manual_seed(seed)
-    C, D = centres.shape
-    y = torch.arange(C).repeat_interleave(n_per)
-    return centres[y] + noise * torch.randn(C * n_per, D, generator=g), y
+from conftest import clusters
 
 
 def test_faiss_knn_matches_bruteforce_torch():
@@ -22,8 +16,8 @@ def test_faiss_knn_matches_bruteforce_torch():
     C, D = 5, 16
     # overlapping classes so that k changes the answer; 12 images per class, so k = 30 > a class
     centres = torch.randn(C, D, generator=g) * 0.6
-    train, ytr = _clusters(12, centres, 1.0, seed=1)
-    test, yte = _clusters(8, centres, 1.0, seed=2)
+    train, ytr = clusters(12, centres, 1.0, seed=1)
+    test, yte = clusters(8, centres, 1.0, seed=2)
     ks = (1, 5, 10, 30)
     for T in (0.07, 0.5):
         fa = otl.knn_classify(train, ytr, test, ks=ks, T=T,

@@ -9,15 +9,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import otl
+from conftest import clusters, gen
 
 torch.set_num_threads(1)
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                      reason="needs CUDA"))
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def collapsed(n, k, seed=0):
@@ -847,12 +844,6 @@ def test_label_pass_and_extract_features_order():
 # weighted kNN (the search is brute force here; eval_knn.py's FAISS search is tested there)
 # ------------------------------------------------------------------------------------------------
 
-def _clusters(n_per, centres, noise, seed):
-    C, D = centres.shape
-    y = torch.arange(C).repeat_interleave(n_per)
-    return centres[y] + noise * torch.randn(C * n_per, D, generator=gen(seed)), y
-
-
 def test_knn_weighted_vote_by_hand():
     # cosine similarities to the query [1, 0]: 1.0 (class 1), 0.8, 0.8 (class 0), -1 (class 1)
     train = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.8, -0.6], [-1.0, 0.0]])
@@ -877,8 +868,8 @@ def test_knn_weighted_vote_by_hand():
 
 def test_knn_separated_clusters_and_num_classes_from_data():
     centres = torch.eye(6, 32) * 10
-    train, ytr = _clusters(20, centres, 0.3, seed=3)
-    test, yte = _clusters(10, centres, 0.3, seed=4)
+    train, ytr = clusters(20, centres, 0.3, seed=3)
+    test, yte = clusters(10, centres, 0.3, seed=4)
     preds = otl.knn_classify(train, ytr, test, ks=(1, 10, 20, 50), T=0.1, chunk=7)
     assert otl.top1(preds, yte) == {1: 100.0, 10: 100.0, 20: 100.0, 50: 100.0}
     # the class count comes from the labels; a num_classes that contradicts them is rejected
@@ -889,7 +880,7 @@ def test_knn_separated_clusters_and_num_classes_from_data():
 
 
 def test_knn_clips_large_k_with_warning():
-    train, ytr = _clusters(3, torch.eye(2, 4), 0.1, seed=5)
+    train, ytr = clusters(3, torch.eye(2, 4), 0.1, seed=5)
     with pytest.warns(UserWarning, match="clipped"):
         preds = otl.knn_classify(train, ytr, train, ks=(2, 100))
     assert sorted(preds) == [2, 6]

@@ -4,7 +4,6 @@ unique, streaming = in memory, two gloo processes = one, a start, bad input refu
 import io
 import math
 import os
-import socket
 import zipfile
 
 import pytest
@@ -14,11 +13,7 @@ import torch.multiprocessing as mp
 import otl
 import otl_scale
 
-from conftest import EUROSAT
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
+from conftest import EUROSAT, free_port, gen
 
 
 def exact(O, **kw):
@@ -518,12 +513,6 @@ def test_sample_start_leaves_bad_outputs_to_the_whole_call():
 # distributed: two gloo ranks on CPU = one process
 # ---------------------------------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, world, port, O, kw, out):
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -557,7 +546,7 @@ def test_two_gloo_processes_equal_one(k, kw, far, tmp_path):
     single = st.result(refetch=lambda rows: O[rows])
     check_even(single)
     out = str(tmp_path / "r")
-    mp.start_processes(_rank_main, args=(2, _free_port(), O, kw, out), nprocs=2,
+    mp.start_processes(_rank_main, args=(2, free_port(), O, kw, out), nprocs=2,
                        start_method="spawn")
     parts = [torch.load(f"{out}_{r}.pt") for r in range(2)]
     assert torch.equal(torch.cat([p["labels"] for p in parts]), single.labels)

@@ -3,7 +3,6 @@ eval_linear -> report."""
 import json
 import os
 
-import pytest
 
 import eval_knn
 import eval_linear

@@ -11,10 +11,7 @@ import torch
 
 import otl
 import utils
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
+from conftest import gen
 
 
 def small_cfg(**kw):
