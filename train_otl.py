@@ -54,7 +54,8 @@ def get_args_parser():
                    "'cifar-cpu' (make cifar10's CPU twin), 'cifar-fast' (CIFAR-10 on one GPU), "
                    "'alexnet-cifar-cpu' (the labeler studies' network); 'auto': the data set's "
                    "protocol on CUDA and its CPU twin otherwise (the transfer presets for HMHR, "
-                   "SIRI-WHU and UC Merced). docs/presets.md says what each gives up")
+                   "SIRI-WHU, UC Merced and EuroSAT MS, whose bands start from an RGB "
+                   "backbone). docs/presets.md says what each gives up")
     model_flags(p.add_argument_group("model (preset values when not given)"), count)
     optimisation_flags(p.add_argument_group("optimisation"), num)
     otl_flags(p.add_argument_group("OTL"), num)
