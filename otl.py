@@ -537,8 +537,7 @@ def build_model(cfg: ModelConfig) -> OTLNet:
 
 # ---- 7. Batched augmentation of uint8 images on any device, and passes over a data set
 
-def _unit(x):
-    """uint8 / 255 and uint16 / 65535 (multispectral bands keep their 16 bits): [0, 1]."""
+def _unit(x):  # [0, 1]: uint8 / 255, uint16 / 65535 (multispectral bands keep their 16 bits)
     return x.float().div_(torch.iinfo(x.dtype).max) if x.dtype in (torch.uint8, torch.uint16) else x
 
 
@@ -562,10 +561,9 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
             cutout: int = 16, generator: torch.Generator | None = None, rot90: bool = True,
             n_ops: int = 2, flip: bool = True, crop: float = 1.0,
             jitter: bool = True) -> torch.Tensor:
-    """Random views of a uint8 or uint16 batch (B, C, H, W), all on x's device: float [0, 1]
-    (B, C, size, size).  Geometry moves all bands alike; bands that are not colour (C != 3, or
-    uint16) take contrast per band and brightness, Cutout filled with each band's mean, and only
-    the blur of the strong ops: saturation, posterize, solarize and the stretches assume colour.
+    """Random views of a uint8 or uint16 batch (B, C, H, W), all on x's device: float [0, 1] (B, C,
+    size, size).  All bands move alike; bands that are not colour (C != 3, or uint16) take contrast
+    per band, brightness, blur and Cutout of each band's mean, not the ops that assume 8-bit colour.
 
     simple: random resized crop (area `scale` of a window of side `crop`: 224 / 256 crops 224 of
     images resized to 256, as the paper does), random flips and 90-degree rotations (overhead

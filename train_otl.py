@@ -646,6 +646,10 @@ def build(args, n_classes, manifest, ranks, device):
                           embed=args.embed,
                           mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]),
                           in_chans=len(manifest["channel_mean"]))
+    if args.method != "otl" and cfg.in_chans != 3 and args.peer_aug == "own":
+        raise SystemExit(f"--method {args.method}: its own augmentation is of RGB images and "
+                         f"{args.data} holds {cfg.in_chans} bands; pass --peer-aug otl (OTL's, "
+                         "which takes any bands) or prepare RGB bands (prepare_data.py --bands)")
     model = otl.build_model(cfg).to(device).to(memory_format=torch.channels_last)
     net = model
     if ranks.world > 1:
