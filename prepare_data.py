@@ -31,6 +31,7 @@ import tarfile
 import time
 import zipfile
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -593,7 +594,7 @@ def band_problem(a, nodata, first=None):
     return None
 
 
-def _band_list(text, flag):
+def _band_list(text):
     return [b.strip() for b in text.split(",") if b.strip()] if text else None
 
 
@@ -607,7 +608,7 @@ def multiband(args, spec, source, name):
     a = None
     if tiff:
         try:
-            with zipfile.ZipFile(source) if not os.path.isdir(source) else _no_zip() as z:
+            with zipfile.ZipFile(source) if not os.path.isdir(source) else nullcontext() as z:
                 a, nodata, rgb = tiff_bands(read_image_file(source, z, name, args.max_pixels))
         except Exception as e:          # tifffile raises several types for broken files
             if spec.get("bands"):
@@ -637,7 +638,7 @@ def multiband(args, spec, source, name):
             raise SystemExit(f"--band-names: --dataset {args.dataset} names its bands "
                              f"({','.join(names)}); drop the flag")
         names = (SENTINEL2 if args.band_names.strip().lower() == "sentinel2"
-                 else _band_list(args.band_names, "--band-names"))
+                 else _band_list(args.band_names))
     if names is not None and len(names) != a.shape[0]:
         raise SystemExit(f"{shown(name)} in {source} is {what}; "
                          f"{'--band-names' if args.band_names else '--dataset ' + args.dataset} "
@@ -646,7 +647,7 @@ def multiband(args, spec, source, name):
     if args.bands:
         pick = []
         lower = [n.lower() for n in names] if names else []
-        for b in _band_list(args.bands, "--bands"):
+        for b in _band_list(args.bands):
             if b.isdigit() and int(b) < a.shape[0]:
                 pick.append(int(b))
             elif b.lower() in lower:
@@ -666,14 +667,6 @@ def multiband(args, spec, source, name):
         rgb = [f[0] for f in found] if all(found) else None
     return {"shape": (a.shape[0], a.shape[1], a.shape[2], a.dtype.name), "pick": pick,
             "names": kept, "rgb": rgb}
-
-
-class _no_zip:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _resize_bands(a, size):

@@ -104,6 +104,20 @@ def features(ckpt, data, device):
     return f, d["labels"]
 
 
+def scored(work, ckpt, data, device, labels, splits):
+    """[score of each split] of a checkpoint's features, kept in WORK/scores.json by the
+    checkpoint's sha256 and the splits' seeds, so a rerun (or a row added later) scores only
+    what is new."""
+    path, key = os.path.join(work, "scores.json"), f"{utils.sha256_file(ckpt)}:{len(splits)}"
+    done = json.load(open(path)) if os.path.isfile(path) else {}
+    if key not in done:
+        f, lab = features(ckpt, data, device)
+        assert torch.equal(lab, labels), "the preparations list the images alike"
+        done[key] = [score(f, labels, tr, te) for tr, te in splits]
+        utils.write_json(done, path)
+    return done[key]
+
+
 def score(f, labels, train, test):
     """{"knn10", "linear"} top-1 % of features f on one split."""
     pred = otl.knn_classify(f[train], labels[train], f[test], ks=(10,), T=0.1,
@@ -154,9 +168,7 @@ def main(args):
     splits = [utils.stratified_split(labels, 0.2, s) for s in range(args.splits)]
     results = {}
     for name, (ckpt, data) in ckpts.items():
-        f, lab = features(ckpt, data, device)
-        assert torch.equal(lab, labels), "the two preparations list the images alike"
-        per = [score(f, labels, tr, te) for tr, te in splits]
+        per = scored(args.work, ckpt, data, device, labels, splits)
         results[name] = {"what": ROWS[name], "checkpoint": utils.rel_path(ckpt),
                          "per_split": per, **summary(per)}
         print(name, results[name]["knn10"], results[name]["linear"], flush=True)
@@ -167,8 +179,7 @@ def main(args):
             got = utils.load_prepared(data)
             assert torch.equal(got["train_idx"], tr), "prepare_data's split is stratified_split's"
             ckpt = train(args, data, f"supervised_13_split{s}", "--init", args.init, "--supervised")
-            f, _ = features(ckpt, data, device)
-            per.append(score(f, labels, tr, te))
+            per.append(scored(args.work, ckpt, data, device, labels, [(tr, te)])[0])
             ck.append(utils.rel_path(ckpt))
         results["supervised-13"] = {"what": ROWS["supervised-13"], "checkpoint": ck,
                                     "per_split": per, **summary(per)}
