@@ -210,10 +210,15 @@ def verdict(results):
 def write(args, results, labels, seconds):
     man = utils.load_manifest(os.path.join(args.work, "data_ms"))
     epochs = args.epochs or utils.PRESETS[args.preset]["epochs"]
+    ck = utils.load_file(args.init)
+    backbone = {"epoch": ck.get("epoch"), "of": ck["args"].get("epochs"),
+                "preset": ck["args"].get("preset_used"), "git_commit": ck.get("git_commit"),
+                "data": ck["args"].get("data")}
     rec = {"command": utils.command_line(), "git_commit": utils.git_commit(),
            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
            "source": utils.rel_path(args.source), "n_images": int(labels.numel()),
-           "bands": man.get("bands"), "init": utils.rel_path(args.init), "preset": args.preset,
+           "bands": man.get("bands"), "init": utils.rel_path(args.init), "backbone": backbone,
+           "preset": args.preset,
            "epochs": epochs, "splits": args.splits, "rows": results,
            "verdict": verdict(results), "seconds": round(seconds)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -221,8 +226,13 @@ def write(args, results, labels, seconds):
     md = [f"# Multispectral: what 13 Sentinel-2 bands buy over RGB (EuroSAT MS sample)", "",
           f"`{rec['command']}` at `{rec['git_commit']}`; {rec['n_images']} images, "
           f"{args.splits} stratified 80/20 splits, mean +- sd of top-1 %. Trained rows: "
-          f"`{args.preset}`, {epochs} epochs, from `{rec['init']}`. bench/multispectral.py's "
-          "docstring has the protocol.", "",
+          f"`{args.preset}`, {epochs} epochs"
+          + (f" (the preset's {utils.PRESETS[args.preset]['epochs']} cut to fit)"
+             if epochs != utils.PRESETS[args.preset]["epochs"] else "")
+          + f", from `{rec['init']}` ({backbone['preset']} preset on {backbone['data']}, epoch "
+          f"{backbone['epoch']} of {backbone['of']}). bench/multispectral.py's docstring has the "
+          "protocol. The RGB backbone saw these scenes' RGB images (EuroSAT's JPEGs of the same "
+          "names) without labels; the OTL rows see the sample's images without labels.", "",
           "| row | what | kNN@10 | linear |", "|---|---|---|---|"]
     for name, r in results.items():
         md.append(f"| {name} | {r['what']} | {r['knn10']['mean']:.1f} +- {r['knn10']['sd']:.1f} "
