@@ -21,6 +21,11 @@
 ##   cifar100 svhn            the same (downloaded)
 ##   aid patternnet nwpu_resisc45 SRC=..   the same from a local copy
 ##   eurosat-data             prepare EuroSAT into data/eurosat (EUROSAT_SRC, else ../shared/data)
+## Multispectral (13 Sentinel-2 bands; SRC=EuroSATallBands.zip for all 27,000 images)
+##   eurosat-ms               EuroSAT MS's sample: OTL from INIT's RGB backbone inflated to 13
+##                            bands (TRANSFER_PRESET), evaluated
+##   multispectral            what the bands buy: bench/multispectral.py's six rows over repeated
+##                            splits, then results/multispectral.md (MS_ARGS: its flags)
 ##   data DATASET=.. SRC=..   prepare any registered data set into data/<DATASET>
 ##   eval-run RUN=..          kNN and linear probe of RUN's final and random-init checkpoints
 ##   tables                   results/tables.md: every table of the paper beside ours
@@ -75,7 +80,7 @@ TRAINING_STUDIES = k uneven imbalanced labeler-in-training lct
 STUDIES = $(LABELER_STUDIES) $(TRAINING_STUDIES) splits label-bn
 GPU_TABLES = eurosat-gpu $(addsuffix -gpu,$(TRANSFER_SETS)) cifar10-gpu
 
-.PHONY: help setup test eurosat eurosat-supervised eurosat-data data eval-run tables \
+.PHONY: help setup test eurosat eurosat-supervised eurosat-data data eval-run tables eurosat-ms multispectral \
         $(TRANSFER_SETS) $(SCRATCH_SETS) $(GPU_TABLES) ablations $(addprefix ablation-,$(STUDIES)) peers \
         peers-cpu peers-transfer \
         labeler-bench labeler-bench-gpu labeler-matrix labeler-compare train-bench-gpu clean-runs
@@ -98,6 +103,7 @@ test: $(STAMP)
 SHARED_eurosat = EuroSAT.zip
 SHARED_cifar10 = cifar10_jpg.zip
 SHARED_hmhr    = HMHR.zip
+SHARED_eurosat_ms = EuroSAT_MS_sample.zip
 source = $(if $2,--source $2,$(if $(and $(SHARED_$1),$(wildcard ../shared/data/$(SHARED_$1))),--source ../shared/data/$(SHARED_$1),--download))
 # a run folder and report name: RUN_NAME, else $1
 name = $(or $(RUN_NAME),$1)
@@ -125,6 +131,20 @@ eval-run:
 	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint.pth --device $(DEVICE) --feature $(LINEAR_FEATURE)
 	$(PY) eval_knn.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(FEATURE)
 	$(PY) eval_linear.py --checkpoint $(RUN)/checkpoint0000.pth --device $(DEVICE) --feature $(LINEAR_FEATURE)
+
+# ---------------------------------------------------------------------------- EuroSAT MS
+# 13-band GeoTIFFs: prepared with every band at 16 bits, then OTL from INIT (make eurosat's RGB
+# run, made first if missing) with its first conv inflated to 13 bands (train_otl.py --init)
+MS_ARGS ?=
+eurosat-ms: $(STAMP)
+	$(PY) prepare_data.py --dataset eurosat_ms $(call source,eurosat_ms,$(SRC)) --out $(DATA)/$(call name,eurosat_ms) $(PREP_ARGS)
+	test -f $(INIT) || $(MAKE) --no-print-directory eurosat RUN_NAME= PREP_ARGS=
+	$(PY) train_otl.py --data $(DATA)/$(call name,eurosat_ms) --output $(RUNS)/$(call name,eurosat_ms)_from_eurosat --init $(INIT) --preset $(TRANSFER_PRESET) --device $(DEVICE) $(TRAIN_ARGS)
+	$(MAKE) --no-print-directory eval-run RUN=$(RUNS)/$(call name,eurosat_ms)_from_eurosat
+
+multispectral: $(STAMP)
+	test -f $(INIT) || $(MAKE) --no-print-directory eurosat RUN_NAME= PREP_ARGS=
+	$(PY) bench/multispectral.py --init $(INIT) $(if $(SRC),--source $(SRC)) --work $(RUNS)/multispectral --out $(OUT)/multispectral --device $(DEVICE) $(MS_ARGS)
 
 # ---------------------------------------------------------------------------- other data sets
 data: $(STAMP)

@@ -390,6 +390,7 @@ class ModelConfig:
     heads: int = 1                # h heads of k clusters, each labelled by its own translation
     embed: int = 0                # > 0: a linear embedding of this size between the features and
                                   # the heads (the paper's 128-d layer before the last, for kNN)
+    in_chans: int = 3             # bands of the input images (13 for Sentinel-2); mean, std: one each
 
 
 class OTLNet(nn.Module):
@@ -409,13 +410,11 @@ class OTLNet(nn.Module):
         else:
             self.heads = nn.ModuleList(nn.Linear(d, cfg.k) for _ in range(cfg.heads))
         self.out_dim = cfg.heads * cfg.k
-        self.register_buffer("mean", torch.tensor(cfg.mean).view(1, 3, 1, 1))
-        self.register_buffer("std", torch.tensor(cfg.std).view(1, 3, 1, 1))
+        self.register_buffer("mean", torch.tensor(cfg.mean).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(cfg.std).view(1, -1, 1, 1))
 
     def _normalise(self, x):
-        if x.dtype == torch.uint8:
-            x = x.float().div_(255)
-        return (x - self.mean) / self.std
+        return (_unit(x) - self.mean) / self.std
 
     def features(self, x: torch.Tensor, layer: str = "pool") -> torch.Tensor:
         """(B, d) features of the images: "pool" the backbone's pooled output (default), "embed"
@@ -458,7 +457,7 @@ class AlexNet(nn.Module):
     by width / 96; the conv output is averaged to 6 x 6 first (as torchvision's AlexNet does), so
     inputs of 63 px and more work (the paper upsamples CIFAR and SVHN to 224)."""
 
-    def __init__(self, width: int = 96):
+    def __init__(self, width: int = 96, in_chans: int = 3):
         super().__init__()
         c = [max(1, round(n * width / 96)) for n in (96, 256, 384, 384, 256)]
         fc = max(1, round(4096 * width / 96))
@@ -466,7 +465,7 @@ class AlexNet(nn.Module):
         def conv(i, o, kk, st, pad, pool):
             layers = [nn.Conv2d(i, o, kk, st, pad), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
             return nn.Sequential(*layers, *([nn.MaxPool2d(3, 2)] if pool else []))
-        self.blocks = nn.ModuleList([conv(3, c[0], 11, 4, 2, True), conv(c[0], c[1], 5, 1, 2, True),
+        self.blocks = nn.ModuleList([conv(in_chans, c[0], 11, 4, 2, True), conv(c[0], c[1], 5, 1, 2, True),
                                      conv(c[1], c[2], 3, 1, 1, False), conv(c[2], c[3], 3, 1, 1, False),
                                      conv(c[3], c[4], 3, 1, 1, True)])
         self.pool = nn.AdaptiveAvgPool2d((6, 6))
@@ -495,7 +494,7 @@ def build_model(cfg: ModelConfig) -> OTLNet:
     if cfg.heads < 1 or cfg.k < 2 or cfg.embed < 0:
         raise ValueError(f"need heads >= 1, k >= 2 and embed >= 0, got {cfg.heads}, {cfg.k}, {cfg.embed}")
     if cfg.arch == "alexnet":
-        net = AlexNet(cfg.width)
+        net = AlexNet(cfg.width, cfg.in_chans)
         return OTLNet(net, net.out_dim, cfg)
     if cfg.arch == "resnet50":
         if cfg.width != 64:
@@ -520,10 +519,11 @@ def build_model(cfg: ModelConfig) -> OTLNet:
                 self.layer3 = self._make_layer(BasicBlock, 4 * w, 2, stride=2)
                 self.layer4 = self._make_layer(BasicBlock, 8 * w, 2, stride=2)
         net = _Wide(cfg.width)
-    if cfg.small_stem:
-        net.conv1 = nn.Conv2d(3, cfg.width, 3, 1, 1, bias=False)
-        net.maxpool = nn.Identity()
-    if cfg.width != 64 or cfg.small_stem:
+    if cfg.small_stem or cfg.in_chans != 3:
+        kk, st = (3, 1) if cfg.small_stem else (7, 2)
+        net.conv1 = nn.Conv2d(cfg.in_chans, cfg.width, kk, st, kk // 2, bias=False)
+        net.maxpool = nn.Identity() if cfg.small_stem else net.maxpool
+    if cfg.width != 64 or cfg.small_stem or cfg.in_chans != 3:
         for m in net.modules():  # torchvision's initialisation for the layers replaced above
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -537,10 +537,14 @@ def build_model(cfg: ModelConfig) -> OTLNet:
 
 # ---- 7. Batched augmentation of uint8 images on any device, and passes over a data set
 
+def _unit(x):  # [0, 1]: uint8 / 255, uint16 / 65535 (multispectral bands keep their 16 bits)
+    return x.float().div_(torch.iinfo(x.dtype).max) if x.dtype in (torch.uint8, torch.uint16) else x
+
+
 def resize_batch(x: torch.Tensor, size: int, crop: float = 1.0) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> float [0, 1] (B, 3, size, size), antialiased: the test-time transform
-    (the centre `crop` of each side first: 224 / 256 resizes to 256, then crops 224)."""
-    x = x.float().div_(255) if x.dtype == torch.uint8 else x
+    """uint8 or uint16 (B, C, H, W) -> float [0, 1] (B, C, size, size), antialiased: the test-time
+    transform (the centre `crop` of each side first: 224 / 256 resizes to 256, then crops 224)."""
+    x = _unit(x)
     if crop < 1:
         h, w = round(x.shape[-2] * crop), round(x.shape[-1] * crop)
         x = x[..., (x.shape[-2] - h) // 2:, (x.shape[-1] - w) // 2:][..., :h, :w]
@@ -557,7 +561,9 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
             cutout: int = 16, generator: torch.Generator | None = None, rot90: bool = True,
             n_ops: int = 2, flip: bool = True, crop: float = 1.0,
             jitter: bool = True) -> torch.Tensor:
-    """Random views of a uint8 batch (B, 3, H, W), all on x's device: float [0, 1] (B, 3, size, size).
+    """Random views of a uint8 or uint16 batch (B, C, H, W), all on x's device: float [0, 1] (B, C,
+    size, size).  All bands move alike; bands that are not colour (C != 3, or uint16) take contrast
+    per band, brightness, blur and Cutout of each band's mean, not the ops that assume 8-bit colour.
 
     simple: random resized crop (area `scale` of a window of side `crop`: 224 / 256 crops 224 of
     images resized to 256, as the paper does), random flips and 90-degree rotations (overhead
@@ -573,7 +579,7 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     def U(lo, hi, *shape):
         return torch.rand(*(shape or (B,)), device=dev, generator=g) * (hi - lo) + lo
 
-    xf = x.float().div_(255) if x.dtype == torch.uint8 else x.float()
+    xf, C, colour = _unit(x).float(), x.shape[1], x.shape[1] == 3 and x.dtype != torch.uint16
     # --- geometry: crop, flip, rot90 and (strong) rotate/shear/translate as one affine warp
     area = U(*scale)
     logr = U(math.log(3 / 4), math.log(4 / 3))
@@ -596,30 +602,33 @@ def augment(x: torch.Tensor, size: int, strong: bool = False, scale=(0.25, 1.0),
     R = torch.zeros(B, 2, 2, device=dev)
     R[:, 0, 0], R[:, 0, 1], R[:, 1, 0], R[:, 1, 1] = c * flip, -s + shear, s * flip, c
     theta = torch.cat([theta[:, :, :2] @ R, theta[:, :, 2:]], dim=2)
-    grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)
+    grid = F.affine_grid(theta, (B, C, size, size), align_corners=False)
     if x.shape[-1] > 2 * size:  # downscale first so bilinear sampling does not alias
         xf = F.interpolate(xf, scale_factor=size / x.shape[-1] * 2, mode="bilinear",
                            antialias=True, align_corners=False)
     out = F.grid_sample(xf, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
     # --- colour (jitter=False: the geometry alone, for a method with colour ops of its own)
     if jitter:
-        out = _blend(out, out.mean((1, 2, 3), keepdim=True).expand_as(out), U(0.7, 1.3))  # contrast
+        mean = out.mean((1, 2, 3) if colour else (2, 3), keepdim=True)
+        out = _blend(out, mean.expand_as(out), U(0.7, 1.3))                               # contrast
         out = (out * U(0.7, 1.3).view(-1, 1, 1, 1)).clamp_(0, 1)                        # brightness
-        gray = (out * torch.tensor([0.299, 0.587, 0.114], device=dev).view(1, 3, 1, 1)).sum(1, True)
-        out = _blend(out, gray.expand_as(out), U(0.6, 1.4))                             # saturation
+        if colour:
+            gray = (out * torch.tensor([0.299, 0.587, 0.114], device=dev).view(1, 3, 1, 1)).sum(1, True)
+            out = _blend(out, gray.expand_as(out), U(0.6, 1.4))                         # saturation
     if strong:
-        out = _rand_ops(out, U, g, n_ops)
+        out = _rand_ops(out, U, g, n_ops, colour)
     if strong and cutout > 0:
         side = cutout
         cy_ = torch.randint(0, size, (B, 1, 1), device=dev, generator=g)
         cx_ = torch.randint(0, size, (B, 1, 1), device=dev, generator=g)
         ar_ = torch.arange(size, device=dev)
         hole = ((ar_.view(1, -1, 1) - cy_).abs() < side / 2) & ((ar_.view(1, 1, -1) - cx_).abs() < side / 2)
-        out = out.masked_fill(hole[:, None], 0.5)
+        out = (out.masked_fill(hole[:, None], 0.5) if colour else
+               torch.where(hole[:, None], out.mean((2, 3), keepdim=True), out))
     return out
 
 
-def _rand_ops(x, U, g, n_ops: int = 2):
+def _rand_ops(x, U, g, n_ops: int = 2, colour: bool = True):
     """n_ops random photometric ops per image (the geometric ones are in the warp).  Each round
     splits the batch at random into six near-equal groups, one per op (op 5: identity), so each op
     runs on its own group only and nothing waits for the host; under 48 images each image draws
@@ -631,20 +640,22 @@ def _rand_ops(x, U, g, n_ops: int = 2):
             op = torch.randint(0, 6, (B,), device=dev, generator=g)
             y = x
             for i in range(5):
-                y = torch.where((op == i).view(-1, 1, 1, 1), _photometric(i, x, m), y)
+                y = torch.where((op == i).view(-1, 1, 1, 1), _photometric(i, x, m, colour), y)
         else:
             perm = torch.randperm(B, device=dev, generator=g)
             y = x.clone()
             for i in range(5):
                 idx = perm[i * B // 6:(i + 1) * B // 6]
-                y.index_copy_(0, idx, _photometric(i, x.index_select(0, idx), m.index_select(0, idx)))
+                y.index_copy_(0, idx, _photometric(i, x.index_select(0, idx), m.index_select(0, idx), colour))
         x = y
     return x
 
 
-def _photometric(i, x, m):
-    """Photometric op i of images x (b, 3, H, W) in [0, 1] at magnitudes m (b,) in [0, 1)."""
+def _photometric(i, x, m, colour=True):
+    """Photometric op i of images x (b, C, H, W) in [0, 1] at magnitudes m (b,) in [0, 1)."""
     m4 = m.view(-1, 1, 1, 1)
+    if i > 0 and not colour:                            # only the blur suits other bands
+        return x
     if i == 0:                                          # sharpness / blur
         blur = F.avg_pool2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), 3, 1)
         return _blend(x, blur, 1 + (m * 2 - 1) * 0.9)

@@ -148,7 +148,9 @@ SOURCES = {name: {key: src for key, (_, src) in p.items()} for name, p in _ALL.i
 AUTO = {  # data set: (on CUDA, on the CPU); any other data set: (paper, cpu)
     "cifar10": ("alexnet-cifar", "cifar-cpu"), "cifar100": ("alexnet-cifar100", "cifar-cpu"),
     "svhn": ("alexnet-svhn", "cifar-cpu"), "imagenet": ("alexnet-imagenet", "cpu"),
-    **{small: ("transfer", "transfer-cpu") for small in ("hmhr", "siri_whu", "ucmerced")}}
+    **{small: ("transfer", "transfer-cpu") for small in ("hmhr", "siri_whu", "ucmerced")},
+    # EuroSAT MS: its bands start from an RGB EuroSAT backbone (train_otl.py --init inflates it)
+    "eurosat_ms": ("transfer", "transfer-cpu")}
 
 
 def preset_for(name: str, cuda: bool, dataset: str | None = None) -> str:

@@ -54,7 +54,8 @@ def get_args_parser():
                    "'cifar-cpu' (make cifar10's CPU twin), 'cifar-fast' (CIFAR-10 on one GPU), "
                    "'alexnet-cifar-cpu' (the labeler studies' network); 'auto': the data set's "
                    "protocol on CUDA and its CPU twin otherwise (the transfer presets for HMHR, "
-                   "SIRI-WHU and UC Merced). docs/presets.md says what each gives up")
+                   "SIRI-WHU, UC Merced and EuroSAT MS, whose bands start from an RGB "
+                   "backbone). docs/presets.md says what each gives up")
     model_flags(p.add_argument_group("model (preset values when not given)"), count)
     optimisation_flags(p.add_argument_group("optimisation"), num)
     otl_flags(p.add_argument_group("OTL"), num)
@@ -163,7 +164,11 @@ def otl_flags(g, num):
                    "(0 = even, the method's default)")
     g.add_argument("--init", metavar="CHECKPOINT", help="start from the backbone of another run "
                    "(OTL or supervised, any data set), with a fresh head for this run's k: the "
-                   "paper's transfer protocol for small data sets; recorded in the run")
+                   "paper's transfer protocol for small data sets; recorded in the run.  An RGB "
+                   "backbone starts multiband data too: its first conv is inflated (the bands "
+                   "named red, green and blue, e.g. Sentinel-2's B04, B03, B02, take the R, G, B "
+                   "filters, every other band their mean, all scaled by 3 / bands), said on "
+                   "stderr; use the transfer presets, whose network matches the backbone's")
     g.add_argument("--supervised", action="store_true", help="train on the true labels instead "
                    "(same network and schedule): the supervised baseline")
     g.add_argument("--method", choices=peers.METHODS, default="otl", help="otl (default), or a "
@@ -411,7 +416,7 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
 
 
 def batch_loss(net, x, lab, args, opts, device):
-    """The loss of a uint8 batch x (B, 3, H, W) over its --views augmented views: LCT on the
+    """The loss of a uint8 batch x (B, C, H, W) over its --views augmented views: LCT on the
     pseudo-labels lab (label_views * heads, B), or cross-entropy on the true labels lab (B,)
     with --supervised; summed over the heads."""
     xs = torch.cat([otl.augment(x, args.img_size, **opts) for _ in range(args.views)])
@@ -563,7 +568,8 @@ def run(args, ranks, device):
                 "peer": peer.state_dict() if peer is not None else None, "method": args.method}
 
     if start_epoch == 0 and args.init:     # the transfer protocol: another run's backbone
-        args.init_from = utils.init_backbone(model, args.init)
+        args.init_from = utils.init_backbone(model, args.init, manifest.get("rgb_bands"),
+                                             manifest.get("bands"))
         if ranks.main:
             print(f"backbone from {args.init} (epoch {args.init_from['epoch']}); fresh head", flush=True)
     if start_epoch == 0:
@@ -650,13 +656,13 @@ def finished(args, ranks, start_epoch):
 
 
 def training_split(args, ranks, device):
-    """(data, manifest, this process's training images (n, 3, H, W) uint8 and true labels, on the
+    """(data, manifest, this process's training images (n, C, H, W) uint8 / 16 and true labels, on the
     GPU when there is one, the size of the whole training split, the first row of this process's
     contiguous shard)."""
     d, manifest = utils.open_prepared(args.data, size=args.img_size)   # resized once if large
     n_total = len(d["train_idx"])
     lo, hi = ranks.shard(n_total)
-    images = d["images"][d["train_idx"][lo:hi]]             # (n, 3, H, W) uint8
+    images = d["images"][d["train_idx"][lo:hi]]             # (n, C, H, W) uint8 or uint16
     true_labels = d["labels"][d["train_idx"][lo:hi]]        # used only with --supervised
     if device.type == "cuda":
         images, true_labels = images.to(device), true_labels.to(device)
@@ -672,7 +678,12 @@ def build(args, n_classes, manifest, ranks, device):
     cfg = otl.ModelConfig(arch=args.arch, k=n_classes if args.supervised else args.k,
                           small_stem=args.small_stem, width=args.width, heads=args.heads,
                           embed=args.embed,
-                          mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]))
+                          mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]),
+                          in_chans=len(manifest["channel_mean"]))
+    if args.method != "otl" and cfg.in_chans != 3 and args.peer_aug == "own":
+        raise SystemExit(f"--method {args.method}: its own augmentation is of RGB images and "
+                         f"{args.data} holds {cfg.in_chans} bands; pass --peer-aug otl (OTL's, "
+                         "which takes any bands) or prepare RGB bands (prepare_data.py --bands)")
     model = otl.build_model(cfg).to(device).to(memory_format=torch.channels_last)
     net = model
     if ranks.world > 1:

@@ -397,10 +397,33 @@ def load_checkpoint(path: str, device="cpu", with_sha256: bool = False):
     return (model, ckpt, sha) if with_sha256 else (model, ckpt)
 
 
-def init_backbone(model, path: str) -> dict:
+def inflate_first_conv(w: torch.Tensor, bands: int, rgb=None, names=None):
+    """(weights (out, bands, kh, kw), one line saying what was done) of an RGB first conv w
+    (out, 3, kh, kw) for `bands` input bands: the bands at rgb (their indices of red, green and
+    blue, known from the bands' names) take the R, G and B filters, every other band the mean of
+    the three, and all are scaled by 3 / bands, so that an input equal in every band gives the
+    RGB network's response (the sum over bands is the sum of the three filters)."""
+    out = w.mean(1, keepdim=True).repeat(1, bands, 1, 1)
+    for i, j in enumerate(rgb or []):
+        out[:, j] = w[:, i]
+    out *= 3 / bands
+    named = [names[j] if names else str(j) for j in rgb] if rgb else []
+    rest = bands - len(named)
+    line = (f"first conv inflated from RGB to {bands} bands: "
+            + (f"{','.join(named)} take the R,G,B filters, " if named else "no band is named red, "
+               "green or blue, so ")
+            + (f"the other {rest} the mean of the three, " if rest else "")
+            + f"all scaled by 3/{bands}")
+    return out, line
+
+
+def init_backbone(model, path: str, rgb=None, names=None) -> dict:
     """Start `model` from the backbone of another run's checkpoint (OTL or supervised, any data
-    set: the transfer protocol); its head stays freshly initialised for this run's k.  Returns
-    what the run records of its start: the checkpoint, its sha256, epoch and data set."""
+    set: the transfer protocol); its head stays freshly initialised for this run's k.  An RGB
+    backbone (3 bands) starts a model of other bands (or of RGB in another order) through
+    inflate_first_conv, given the indices `rgb` of this data's red, green and blue bands and the
+    bands' `names` (the manifest's rgb_bands and bands), saying so on stderr.  Returns what the
+    run records of its start: the checkpoint, its sha256, epoch and data set."""
     if not os.path.isfile(path):
         raise SystemExit(f"--init {path}: no such checkpoint (a run folder's checkpoint.pth)")
     try:        # the hash of the very bytes loaded, not of the file read again
@@ -412,12 +435,23 @@ def init_backbone(model, path: str) -> dict:
     if diff:
         raise SystemExit(f"--init {path} holds another backbone (its, this run's): {diff}; pass "
                          "this run the same --arch, --width and --small-stem")
-    model.backbone.load_state_dict(src.backbone.state_dict())
+    state, was, now = src.backbone.state_dict(), src.cfg.in_chans, model.cfg.in_chans
+    inflated = None
+    if was != now or (rgb is not None and was == 3 and list(rgb) != [0, 1, 2]):
+        if was != 3:
+            raise SystemExit(f"--init {path} takes {was} bands and this run's data {now}: a "
+                             "backbone starts other bands only from RGB (3 bands); pass an RGB "
+                             "run's checkpoint, or one of the same bands")
+        key = "blocks.0.0.weight" if model.cfg.arch == "alexnet" else "conv1.weight"
+        state[key], inflated = inflate_first_conv(state[key], now, rgb, names)
+        print(f"--init {path}: {inflated}", file=sys.stderr, flush=True)
+    model.backbone.load_state_dict(state)
     src_args = ck.get("args") if isinstance(ck.get("args"), dict) else {}
     supervised = bool(src_args.get("supervised"))
     return {"checkpoint": rel_path(path), "sha256": sha, "epoch": ck.get("epoch"),
             "data": src_args.get("data"), "supervised": supervised,
-            "method": "supervised" if supervised else ck.get("method") or "otl"}
+            "method": "supervised" if supervised else ck.get("method") or "otl",
+            **({"inflated": inflated} if inflated else {})}
 
 
 def lock_run_folder(folder: str, flag: str = "--output", what: str = "training"):
@@ -655,10 +689,14 @@ def trim_log(path: str, epoch: int) -> None:
 # ----------------------------------------------------------------------------------------------
 # A prepared data set is a folder holding
 #   cache.pt       {"images": uint8 (N, 3, H, W), "labels": int64 (N,), "classes": [str],
-#                   "files": [str] (path of each image inside its source)}
+#                   "files": [str] (path of each image inside its source); multiband images
+#                   are (N, C, H, W) uint8 or uint16, the manifest saying which}
 #   split.json     {"seed": int, "test_frac": float, "train": [int], "test": [int]}
 #   manifest.json  source, its sha256, image size, per-class counts, split sizes, channel mean
-#                  and std, skipped files; written last, so its presence marks a complete folder
+#                  and std (of value / 255, or / 65535 for uint16), skipped files; multiband sets
+#                  add channels, dtype, bands (names or null), band_index (in the source's
+#                  files), rgb_bands (where red, green and blue are, or null); written last, so
+#                  its presence marks a complete folder
 
 PREPARED_FILES = ("manifest.json", "cache.pt", "split.json")
 
@@ -704,16 +742,16 @@ def working_size(side: int, size: int) -> int:
 
 
 def working_images(images: torch.Tensor, size: int, chunk: int = 512) -> torch.Tensor:
-    """uint8 (N, 3, H, W) resized once, antialiased, to working_size(W, size) (unchanged when
-    that is W): a CPU epoch's cost then follows the network, not the cache's 256 px."""
+    """uint8 or uint16 (N, C, H, W) resized once, antialiased, to working_size(W, size)
+    (unchanged when that is W): a CPU epoch's cost then follows the network, not the cache's 256 px."""
     side = working_size(images.shape[-1], size)
     if side == images.shape[-1] and side == images.shape[-2]:
         return images
-    out = torch.empty(images.shape[0], 3, side, side, dtype=torch.uint8)
+    out = torch.empty(*images.shape[:2], side, side, dtype=images.dtype)
     for s in range(0, images.shape[0], chunk):
         x = images[s:s + chunk].float()
         out[s:s + chunk] = F.interpolate(x, size=(side, side), mode="bilinear", antialias=True,
-                                         align_corners=False).round_().clamp_(0, 255)
+                                         align_corners=False).round_().clamp_(0, torch.iinfo(images.dtype).max)
     return out
 
 
@@ -764,7 +802,7 @@ def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu
     model = otl.build_model(otl.ModelConfig(
         arch=pre["arch"], k=pre["k"], small_stem=pre["small_stem"], width=pre["width"],
         embed=pre["embed"], mean=tuple(manifest["channel_mean"]),
-        std=tuple(manifest["channel_std"]))).to(device)
+        std=tuple(manifest["channel_std"]), in_chans=len(manifest["channel_mean"]))).to(device)
     if augmented:   # otl.augment draws from the global generator
         torch.manual_seed(seed + 1)
     # label_pass augments only when views > 1: then the second view is made and dropped
@@ -806,6 +844,8 @@ def data_identity(data_dir: str) -> str:
     man = load_manifest(data_dir)
     keys = ("classes", "per_class_counts", "image_size", "n_images")
     ident = {k: man.get(k) for k in keys}
+    if man.get("channels"):         # multiband: which bands (RGB sets keep the identity they had)
+        ident.update(bands=man.get("bands"), band_index=man.get("band_index"), dtype=man.get("dtype"))
     ident["split_sha256"] = sha256_file(os.path.join(data_dir, "split.json"))
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
@@ -820,8 +860,17 @@ def data_record(data_dir: str) -> dict:
     summary = (f"{man.get('n_images')} images of {man.get('image_size')} px in "
                f"{len(man.get('classes') or [])} classes, {split}, {man.get('n_train')} train / "
                f"{man.get('n_test')} test")
+    if man.get("channels"):
+        summary = summary.replace(" px", f" px, {man['channels']} bands of {man.get('dtype')}", 1)
     return {"data_identity": data_identity(data_dir),
-            "images_sha256": images_identity(data_dir)["sha256"], "data_summary": summary}
+            "images_sha256": images_identity(data_dir)["sha256"], "data_summary": summary,
+            **({"data_bands": band_format(man)} if man.get("channels") else {})}
+
+
+def band_format(man: dict) -> str:
+    """The images' bands as a manifest gives them: "3 x uint8" for RGB (a manifest without
+    channels), e.g. "13 x uint16" for Sentinel-2's bands."""
+    return f"{man.get('channels') or 3} x {man.get('dtype') or 'uint8'}"
 
 
 def data_change(ckpt: dict, now: dict) -> str | None:
@@ -913,6 +962,12 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     why = prepared_problem(data_dir, "--data" if given else "")
     if why:
         raise FileNotFoundError(why)
+    then, now = ckpt.get("data_bands", "3 x uint8"), band_format(load_manifest(data_dir))
+    if then != now or model.cfg.in_chans != int(now.split()[0]):
+        raise ValueError(f"{ckpt_path} was trained on {then} bands and {data_dir} holds {now}: "
+                         "a network reads the bands it was trained on; evaluate it on data "
+                         "prepared like its own, or start a run on these bands from it "
+                         "(train_otl.py --init, which adapts an RGB backbone to other bands)")
     stale = data_change({k: v for k, v in ckpt.items() if k != "images_sha256"},
                         data_record(data_dir))
     if stale:   # (images prepared again with the same split: a note below, the features are new)

@@ -24,6 +24,20 @@ def eurosat_zip():
     return EUROSAT
 
 
+EUROSAT_MS = os.path.join(ROOT, "..", "shared", "data", "EuroSAT_MS_sample.zip")
+
+
+@pytest.fixture(scope="session")
+def eurosat_ms_zip():
+    """The sample of real EuroSAT MS GeoTIFFs in ../shared/data (its absence fails under CI=true)."""
+    if not os.path.isfile(EUROSAT_MS):
+        msg = f"the EuroSAT MS sample is missing at {os.path.abspath(EUROSAT_MS)}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + " (CI must have ../shared/data beside the checkout)")
+        pytest.skip(msg)
+    return EUROSAT_MS
+
+
 def prep(src, out, *extra):
     """prepare_data.py's main on `src` with one worker."""
     import prepare_data
