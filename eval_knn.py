@@ -4,7 +4,8 @@
     python eval_knn.py --checkpoint runs/eurosat/checkpoint.pth
 
 Features of the saved train/test split are extracted once (utils.checkpoint_features) and cached
-beside the checkpoint.  Each test image takes its max(ks) nearest training images by cosine
+beside the checkpoint.  --split val scores the training split's validation part against the rest
+of it instead (for choices; the test split is for reporting a finished run).  Each test image takes its max(ks) nearest training images by cosine
 similarity (one exact FAISS search; without faiss installed, the same exact search as blocks of
 matrix products on the feature device), and each neighbour votes for its class with weight
 exp(sim / T) (otl.knn_classify); the top-1 accuracy is reported for every k from that one search.
@@ -80,13 +81,13 @@ def main(args):
     preds = otl.knn_classify(feats["train"], feats["train_labels"], feats["test"], ks=args.ks,
                              T=args.temperature, num_classes=len(feats["classes"]), search=search)
     acc = otl.top1(preds, feats["test_labels"])
-    out = args.output or utils.default_output(args.checkpoint, "knn", args.feature)
+    out = args.output or utils.default_output(args.checkpoint, "knn", args.feature, args.split)
     res = {"knn_top1": {str(k): a for k, a in acc.items()}, "temperature": args.temperature,
            **utils.eval_record(args, feats, time.time() - t0)}
     utils.write_json(res, out)
     summary = "  ".join(f"k={k}: {a:.2f}" for k, a in acc.items())
     print(f"kNN top-1 (T={args.temperature:g}) {summary} | epoch {feats['epoch']}, "
-          f"{res['n_train']} train / {res['n_test']} test -> {out}", flush=True)
+          f"{res['n_train']} train / {res['n_test']} {args.split} -> {out}", flush=True)
     return res
 
 
