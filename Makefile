@@ -35,6 +35,9 @@
 ##   ablation-k ablation-uneven ablation-imbalanced ablation-labeler-in-training ablation-lct
 ##                            training studies (EuroSAT, 3 seeds a point; ABL_PRESET=paper: the
 ##                            paper's CIFAR-10 scale, for a GPU)
+##   ablation-budget          image size, width and stem within the cpu preset's 20 minutes on 2
+##                            cores, chosen on the validation split (hours: a machine doing
+##                            nothing else, as each configuration's epoch is timed once)
 ##   ablation-splits          five divisions of SIRI-WHU from INIT's backbone
 ##   ablation-label-bn        the label pass's BatchNorm mode
 ##   peers                    OTL beside SeLa, SimCLR, BYOL and SwAV, same network, data and
@@ -76,7 +79,7 @@ STAMP       = .venv/.installed
 TRANSFER_SETS = hmhr siri_whu ucmerced
 SCRATCH_SETS  = cifar10 cifar100 svhn aid patternnet nwpu_resisc45
 LABELER_STUDIES = beta k-labeler sinkhorn
-TRAINING_STUDIES = k uneven imbalanced labeler-in-training lct
+TRAINING_STUDIES = k uneven imbalanced labeler-in-training lct budget
 STUDIES = $(LABELER_STUDIES) $(TRAINING_STUDIES) splits label-bn
 GPU_TABLES = eurosat-gpu $(addsuffix -gpu,$(TRANSFER_SETS)) cifar10-gpu
 

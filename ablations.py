@@ -41,6 +41,13 @@ paper's CIFAR-10 and AlexNet, for a GPU; see SCALES):
                     (`make peers`; `make peers-cpu`: the whole cpu schedule, each method once)
   peers-transfer    each method on SIRI-WHU from its own peers run's backbone (the transfer
                     protocol; `make peers-transfer`): does EuroSAT's ranking hold?
+  budget            what the cpu preset's minutes on 2 cores buy: image size 32, 48, 64 px,
+                    width 32, 64 and the small stem, each for the epochs that fit (its epoch
+                    timed once), validation kNN@10 against minutes; the best two with 3 seeds.
+                    Chosen and reported on the validation split (`make ablation-budget`)
+The kNN monitor's curves and every choice read the validation split (train_otl.py's, from
+`utils.VAL_FRAC`); each row's curve_split names the split its curve scored (test in runs from
+before the validation split).
 Other:
   label-bn          the label pass's BatchNorm mode (docs/label_bn.md): writes
                     <output>/label_bn.json; its own flags (ablations.py label-bn --help)
@@ -110,6 +117,11 @@ def _study_flags(s, study):
     s.add_argument("--rewrite", action="store_true", help="train nothing: write the "
                    "table, verdict and plot again from the rows of the study's results "
                    "JSON as they are (after a change to how studies are summarised)")
+    if study.runner is budget_study:
+        s.add_argument("--budget-minutes", type=utils.finite_float, default=BUDGET_MINUTES,
+                       help="minutes of training every configuration gets (default "
+                       f"{BUDGET_MINUTES}: the cpu preset's on 2 cores); its epochs are these "
+                       "over its epoch as timed once, so time on a machine doing nothing else")
     if study.backbones:     # each grid point from its own run of another study: one run each
         return
     if study.pretrained:    # its grid is its seeds: no --seeds
@@ -151,6 +163,8 @@ def main(args):
         return write_results(study, args, labeler_study(study, args))
     if args.rewrite:
         return rewrite(study, args)
+    if study.runner is not None:        # a study of several phases (budget)
+        return study.runner(study, args)
     rows, ran = training_study(study, args)
     out = write_results(study, args, rows, study_notes(study, args, rows))
     out["ran"] = ran
@@ -258,6 +272,8 @@ class Study:
     panel: Optional[Callable] = None      # (study, ax, rows, metric, grid): one metric's panel
     xkey: str = ""              # the panels' x axis
     keys: dict = field(default_factory=dict)  # a row's grid fields: NUMBER or their values
+    runner: Optional[Callable] = None     # (study, args) -> results, instead of training_study
+    notes: Optional[Callable] = None      # (study, args, rows) -> study_notes' dict, instead
 
 
 def default_grid(study, preset="study"):
@@ -635,9 +651,9 @@ def run_stage(cmd, log):
                          "resumes here.")
 
 
-def training_study(study, args):
-    """Train and evaluate every grid point not finished yet; one result row per run, and the runs
-    trained or evaluated.
+def training_study(study, args, pts=None):
+    """Train and evaluate every grid point not finished yet (pts: training_points' runs, made
+    here when not given); one result row per run, and the runs trained or evaluated.
 
     A run folder remembers what it was trained with (study_point.json: the data and the
     train_otl.py flags), and a rerun that asks for other flags in the same folder stops instead of
@@ -658,7 +674,7 @@ def training_study(study, args):
         raise SystemExit(f"--init {args.init}: no such checkpoint; the {study.name} study starts every "
                          "division from a pretrained backbone: run `make eurosat` first, or pass "
                          "--init with another run's checkpoint.pth")
-    pts = training_points(study, args)
+    pts = training_points(study, args) if pts is None else pts
     folder = os.path.join(args.runs, args.preset, study.name)
     extra = shlex.split(args.train_args)
     recorded = recorded_rows(study, args)
@@ -667,11 +683,11 @@ def training_study(study, args):
         run = os.path.join(folder, name)
         ident = {"data": utils.rel_path(data), "train_flags": [*flags, *extra]}
         outs = {e: os.path.join(run, f"{e}.json") for e in study.evals}
-        if i == 0 or study.backbones:   # the first point's random or --init network: the
-            outs["knn_init"] = os.path.join(run, "knn_init.json")  # floor; each backbone's own
+        if (i == 0 or study.backbones) and "knn" in study.evals:  # the first point's random or
+            outs["knn_init"] = os.path.join(run, "knn_init.json")  # --init network: the floor
         old = recorded.get(name)
         if (not os.path.isdir(run) and old and old["study_point"] == ident
-                and all(("linear" if e == "linear" else f"{e}10") in old for e in outs)):
+                and all((e if _kind(e) == "linear" else f"{e}10") in old for e in outs)):
             print(f"[{study.name}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
                   f"(trained at commit {str(old.get('git_commit'))[:12]}; its run folder is not here)",
                   flush=True)
@@ -708,9 +724,11 @@ def train_and_evaluate(args, run, data, flags, outs, log):
     evaluated(run, outs)    # those made before this training are of other weights
     for e, path in outs.items():
         if not os.path.isfile(path):
-            script = "eval_linear.py" if e == "linear" else "eval_knn.py"
+            script = f"eval_{_kind(e)}.py"
+            split = ["--split", "val"] if e.endswith("_val") else []    # choosing: test unread
             run_stage(py + [script, "--checkpoint", _checkpoint_of(run, e), "--device",
-                            args.device, "--feature", "auto", "--output", path, "--no-progress"], log)
+                            args.device, "--feature", "auto", "--output", path, "--no-progress",
+                            *split], log)
 
 
 STUDY_ROWS = (lambda rows: isinstance(rows, list) and all(
@@ -765,12 +783,18 @@ def claim_run(run, ident):
     return False
 
 
+def _kind(e):
+    """The evaluation script of an evaluation's name: knn, knn_init, knn_val -> knn; linear,
+    linear_val -> linear (the _val ones score the validation split: eval_*.py --split val)."""
+    return "linear" if e.startswith("linear") else "knn"
+
+
 def _checkpoint_of(run, e):
     return os.path.join(run, "checkpoint0000.pth" if e == "knn_init" else "checkpoint.pth")
 
 
 def _read_eval(run, e, path):
-    return utils.read_eval(path, "linear" if e == "linear" else "knn", _checkpoint_of(run, e),
+    return utils.read_eval(path, _kind(e), _checkpoint_of(run, e),
                             remake=f"delete it and run the same ablations.py command again: it "
                             f"evaluates {_checkpoint_of(run, e)} again")
 
@@ -808,8 +832,8 @@ def training_row(run, point, outs, balanced=False):
             row["k_clusters"] = ck["args"]["k"]
     for e, path in outs.items():
         r = _read_eval(run, e, path)
-        if e == "linear":
-            row["linear"] = round(r["linear_top1"], 2)
+        if _kind(e) == "linear":
+            row[e] = round(r["linear_top1"], 2)
         else:
             for kk, v in r["knn_top1"].items():
                 row[f"{e}{kk}"] = round(v, 2)
@@ -829,16 +853,17 @@ def training_row(run, point, outs, balanced=False):
     if peak:
         row["peak_mib"] = max(peak)
     # the kNN monitor against the minutes of training so far, at the run's median epoch time (an
-    # epoch slowed by other work on the machine does not shift the curve)
-    curve = [[round(r["epoch"] * row["epoch_s"] / 60, 3), r["knn10"]] for r in log
-             if utils.is_number(r.get("knn10")) and utils.is_number(r.get("epoch"))
-             and "epoch_s" in row]
+    # epoch slowed by other work on the machine does not shift the curve); the split it scored:
+    # val, or test in logs from before the validation split (which name none)
+    mon = [r for r in log if utils.is_number(r.get("knn10")) and utils.is_number(r.get("epoch"))]
+    curve = [[round(r["epoch"] * row["epoch_s"] / 60, 3), r["knn10"]] for r in mon if "epoch_s" in row]
     if curve:
         row["curve"] = curve
+        row["curve_split"] = "val" if all(r.get("knn_split") == "val" for r in mon) else "test"
     return row
 
 
-METRICS = ("knn10", "knn50", "knn100", "knn200", "linear")
+METRICS = ("knn10", "knn50", "knn100", "knn200", "linear", "knn_val10", "knn_val50", "linear_val")
 
 
 def seed_means(rows):
@@ -866,7 +891,7 @@ def seed_means(rows):
 
 
 TABLE_KEYS = ("k", "x", "d", "subset", "n_train", "model", "seed", "seeds", "labeler", "views",
-              "reduction", "method")
+              "reduction", "method", "config")
 
 
 def training_table(study, rows):
@@ -939,13 +964,18 @@ def _f_sd(r, m):
     return f"{r[m]:.1f}" + (f" +- {r[m + '_sd']:.1f}" if m + "_sd" in r else "")
 
 
-def compares(verdict):
-    """A verdict over the grid points that have kNN@50, or the line saying there is one."""
-    def judged(rows):
-        rows = [r for r in rows if VERDICT_METRIC in r]
-        return verdict(rows) if len(rows) >= 2 else "one grid point: nothing to compare"
-    judged.__doc__ = verdict.__doc__
-    return judged
+def compares_on(metric):
+    """A verdict over the grid points that have `metric`, or the line saying there is one."""
+    def wrap(verdict):
+        def judged(rows):
+            rows = [r for r in rows if metric in r]
+            return verdict(rows) if len(rows) >= 2 else "one grid point: nothing to compare"
+        judged.__doc__ = verdict.__doc__
+        return judged
+    return wrap
+
+
+compares = compares_on(VERDICT_METRIC)
 
 
 @compares
@@ -1078,7 +1108,8 @@ def peers_plot(study, axes, rows, grid):
         if r.get("curve"):
             ax = axes[0]
             ax.plot(*zip(*r["curve"]), "o-", label=r["method"])
-    axes[0].set(xlabel="minutes of training", ylabel="kNN@10 top-1 (%)")
+    split = {r.get("curve_split", "test") for r in rows if r.get("curve")}
+    axes[0].set(xlabel="minutes of training", ylabel=f"kNN@10 top-1 (%), {'/'.join(sorted(split))} split")
     if any(r.get("curve") for r in rows):
         axes[0].legend(fontsize=8)
     names, x = [r["method"] for r in rows], torch.arange(len(rows)).tolist()
@@ -1162,6 +1193,152 @@ def training_plot(study, axes, rows, grid):
     for ax, metric in zip(axes, ("knn10", second)):
         study.panel(study, ax, rows, metric, grid)
         ax.set(xlabel=study.xkey, ylabel=f"{metric} top-1 (%)")
+
+
+# ==============================================================================================
+# The budget study: which network and image size a fixed number of minutes on 2 CPU cores buys
+# ==============================================================================================
+
+BUDGET_MINUTES = 20     # the cpu preset's own training time on 2 cores (make eurosat's run)
+BUDGET_FLAGS = ("--preset", "cpu", "--knn-monitor", "1")     # the validation kNN every epoch
+BUDGET_GRID = ("32px-w32", "48px-w32", "64px-w32", "32px-w64", "48px-w64", "64px-w64",
+               "32px-w32-small")
+
+
+def budget_config(g):
+    """A budget grid value, '<size>px-w<width>[-small]', as its fields."""
+    size, width, *stem = g.split("-")
+    return {"config": g, "img_size": int(size[:-2]), "width": int(width[1:]),
+            "stem": "small" if stem else "imagenet"}
+
+
+def budget_flags(c):
+    """train_otl.py's flags of a configuration; Cutout keeps the cpu preset's 16 px at 32 px as
+    the same share of the image at every size."""
+    return ["--img-size", str(c["img_size"]), "--width", str(c["width"]), "--small-stem",
+            str(c["stem"] == "small").lower(), "--cutout", str(16 * c["img_size"] // 32)]
+
+
+def budget_timing(study, args, grid, data, extra):
+    """{config: seconds of one epoch (label pass and training)}: the study's results JSON's where
+    it has them (a resumed study keeps the epochs it set), else one epoch of each configuration
+    timed alone, in <runs>/<preset>/budget/timing/<config>, with the load average before it (other
+    work on the machine slows the epoch, and so shortens the epochs set from it)."""
+    recorded = {r["config"]: r for r in (read_study(results_stem(args) + ".json") or {}).get("rows", [])
+                if r.get("timed_epoch_s")}
+    out = {}
+    for g in grid:
+        if g in recorded:
+            out[g] = {k: recorded[g][k] for k in ("timed_epoch_s", "timed_load")}
+            continue
+        run = os.path.join(args.runs, args.preset, study.name, "timing", run_name(g))
+        log = os.path.join(run, "log.jsonl")
+        if not utils.read_log(log):
+            load = round(os.getloadavg()[0], 2)
+            if load > 0.5:
+                print(f"note: load average {load} before timing {g}: other work on the machine "
+                      "slows the epoch, and the epochs set from it are fewer", flush=True)
+            os.makedirs(run, exist_ok=True)
+            run_stage([sys.executable, "train_otl.py", "--data", data, "--output", run, "--device",
+                       args.device, "--no-progress", *BUDGET_FLAGS[:2],
+                       *budget_flags(budget_config(g)), *extra, "--epochs", "1", "--seed", "0"],
+                      os.path.join(run, "timing.log"))
+            utils.write_json({"load_before": load}, os.path.join(run, "load.json"))
+        with open(os.path.join(run, "load.json")) as fh:
+            load = json.load(fh)["load_before"]
+        out[g] = {"timed_epoch_s": utils.read_log(log)[0]["epoch_s"], "timed_load": load}
+    return out
+
+
+def budget_points(grid, timing, seeds, data, args):
+    """training_points' runs of the budget study: each configuration with the epochs that fit
+    BUDGET_MINUTES at its timed epoch (at least one), the validation kNN every epoch."""
+    pts = []
+    for g in grid:
+        c, t = budget_config(g), timing[g]
+        epochs = max(1, int(args.budget_minutes * 60 // t["timed_epoch_s"]))
+        point = {**c, **t, "budget_minutes": args.budget_minutes, "epochs_fit": epochs}
+        for s in seeds[g]:
+            pts.append((run_name(g) if s == 0 else f"{run_name(g)}_seed{s}",
+                        {**point, "point": run_name(g), "seed": s}, data,
+                        [*BUDGET_FLAGS, *budget_flags(c), "--epochs", str(epochs), "--seed", str(s)]))
+    return pts
+
+
+def budget_study(study, args):
+    """Time an epoch of every configuration, train each once (seed 0) for the epochs that fit the
+    budget, then the two best by validation kNN@10 with the other seeds; the test split unread."""
+    if args.preset == "paper":
+        raise SystemExit("budget chooses the cpu preset's network within its minutes on 2 CPU "
+                         "cores; run it with --preset study (or cpu)")
+    if args.budget_minutes <= 0:
+        raise SystemExit(f"--budget-minutes must be > 0, got {args.budget_minutes}")
+    grid, data = parse_grid(study, args.grid, args.preset), study_data(study, args)
+    seeds, extra = parse_seeds(args), shlex.split(args.train_args)
+    timing = budget_timing(study, args, grid, data, extra)
+    first = {g: seeds[:1] for g in grid}
+    rows, ran = training_study(study, args, budget_points(grid, timing, first, data, args))
+    best = sorted(rows, key=lambda r: -r["knn_val10"])[:2]
+    more = {g: seeds if g in {r["config"] for r in best} else seeds[:1] for g in grid}
+    rows, ran2 = training_study(study, args, budget_points(grid, timing, more, data, args))
+    out = write_results(study, args, rows, study_notes(study, args, rows))
+    out["ran"] = ran + ran2
+    return out
+
+
+def budget_notes(study, args, rows):
+    """Where the epochs came from, and what the study reads."""
+    first = {r["config"]: r for r in rows if r.get("seed", 0) == 0}
+    loads = [r["timed_load"] for r in first.values() if utils.is_number(r.get("timed_load"))]
+    note = (f"Trained on `{utils.rel_path(study_data(study, args))}` with `{' '.join(BUDGET_FLAGS)}` "
+            f"and each configuration's flags, for the epochs that fit {args.budget_minutes:g} "
+            "minutes of training (label passes included) at its epoch as timed once, alone, "
+            "before its runs (load average before the timings: "
+            + (f"{min(loads):g} to {max(loads):g}" if loads else "not recorded") + "). Every "
+            "figure is of the validation split (the training split less its validation part as "
+            "kNN memory bank and probe set); the test split is not read. Seed 0 of every "
+            f"configuration, then seeds {', '.join(map(str, parse_seeds(args)[1:])) or 'none'} of "
+            "the two best by its validation kNN@10.")
+    return {"notes": [note], "data": utils.rel_path(study_data(study, args))}
+
+
+@compares_on("knn_val10")
+def budget_verdict(rows):
+    """The configurations ranked by validation kNN@10 after the budget, the best against the
+    second by the 2-sd rule."""
+    m = "knn_val10"
+    top = sorted(rows, key=lambda r: -r[m])
+    return (", ".join(f"{r['config']} {_f_sd(r, m)}" for r in top) + " validation kNN@10; "
+            f"{top[0]['config']} minus {top[1]['config']}: {_judged(*_diff(top[0], top[1], m))}")
+
+
+def budget_table(study, rows):
+    """A row a configuration: its size, width, stem, epochs, timed epoch, validation figures."""
+    metrics = [m for m in ("knn_val10", "knn_val50", "linear_val") if any(m in r for r in rows)]
+    cell = lambda r, m: _f_sd(r, m) if m in r else ""     # noqa: E731
+    lines = utils.md_table(["config", "px", "width", "stem", "epochs", "s / epoch (timed)", "seeds",
+                      *(m.replace("_val", " val") for m in metrics), "minutes"], [
+        [r["config"], str(r["img_size"]), str(r["width"]), r["stem"], str(r.get("epochs_fit", "")),
+         f"{r.get('timed_epoch_s', float('nan')):.0f}", ",".join(map(str, r.get("seeds", [r.get("seed", 0)]))),
+         *(cell(r, m) for m in metrics), f"{r.get('train_minutes') or 0:.1f}"] for r in rows])
+    return lines + ["", "Each cell: the mean over the seeds +- their sample standard deviation "
+                    "where a configuration has more than one; val: the validation split."]
+
+
+def budget_plot(study, axes, rows, grid):
+    """Validation kNN@10 against the minutes of training, a curve a configuration (its seed 0
+    run's monitor), and each configuration's final validation kNN@10."""
+    for r in rows:
+        if r.get("curve"):
+            axes[0].plot(*zip(*r["curve"]), "o-", ms=3, label=r["config"])
+    axes[0].set(xlabel="minutes of training", ylabel="validation kNN@10 top-1 (%)")
+    if any(r.get("curve") for r in rows):
+        axes[0].legend(fontsize=7)
+    x = list(range(len(rows)))
+    axes[1].bar(x, [r.get("knn_val10", float("nan")) for r in rows],
+                yerr=[r.get("knn_val10_sd", 0.0) for r in rows], capsize=3)
+    axes[1].set_xticks(x, [r["config"] for r in rows], rotation=30, fontsize=8)
+    axes[1].set(ylabel="validation kNN@10 after the budget (%)")
 
 
 # ==============================================================================================
@@ -1281,6 +1458,11 @@ STUDIES = {s.name: s for s in (
               paper="not in the paper, whose tables set OTL beside other methods' published "
                     "numbers only (ours: the same backbone, data, epochs and schedule for every "
                     "method; the published anchors are below the table)"),
+    _training("budget", grid=BUDGET_GRID, evals=("knn_val", "linear_val"), runner=budget_study,
+              notes=budget_notes, table=budget_table, plot=budget_plot, verdict=budget_verdict,
+              paper="not in the paper (ours: within the cpu preset's minutes on 2 CPU cores, "
+                    "which image size, width and stem, at the epochs that fit, learn most? Chosen "
+                    "on the validation split, for the cpu preset)"),
     _training("peers-transfer", grid=("otl", "sela", "simclr", "byol", "swav"),
               data="data/siri_whu", pretrained=True, backbones="peers", evals=("knn", "linear"),
               points=peers_transfer_points, plot=peers_plot, verdict=peers_verdict,
@@ -1408,6 +1590,8 @@ def check_rows(study, rows, path):
 def study_notes(study, args, rows=()):
     """What the study's JSON and table add: where its data differ from the paper's study, and
     (uneven) the targets' std beside the paper's."""
+    if study.notes is not None:
+        return study.notes(study, args, rows)
     out = study.balanced(rows) if study.balanced else {"notes": []}
     data = study_data(study, args)
     scale = SCALES[args.preset]

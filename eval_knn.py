@@ -4,7 +4,8 @@
     python eval_knn.py --checkpoint runs/eurosat/checkpoint.pth
 
 Features of the saved train/test split are extracted once (utils.checkpoint_features) and cached
-beside the checkpoint.  Each test image takes its max(ks) nearest training images by cosine
+beside the checkpoint.  --split val scores the training split's validation part against the rest
+of it instead (for choices; the test split is for reporting a finished run).  Each test image takes its max(ks) nearest training images by cosine
 similarity (one exact FAISS search; without faiss installed, the same exact search as blocks of
 matrix products on the feature device), and each neighbour votes for its class with weight
 exp(sim / T) (otl.knn_classify); the top-1 accuracy is reported for every k from that one search.
@@ -84,7 +85,7 @@ def main(args):
     # kNN@200 column), the k it took said beside
     n_train = len(feats["train_labels"])
     acc = {k: used[min(k, n_train)] for k in sorted(set(args.ks))}
-    out = args.output or utils.default_output(args.checkpoint, "knn", args.feature)
+    out = args.output or utils.default_output(args.checkpoint, "knn", args.feature, args.split)
     res = {"knn_top1": {str(k): a for k, a in acc.items()}, "temperature": args.temperature,
            **({"knn_clipped": {str(k): n_train for k in acc if k > n_train}}
               if max(acc) > n_train else {}),
@@ -92,7 +93,7 @@ def main(args):
     utils.write_json(res, out)
     summary = "  ".join(f"k={k}: {a:.2f}" for k, a in acc.items())
     print(f"kNN top-1 (T={args.temperature:g}) {summary} | epoch {feats['epoch']}, "
-          f"{res['n_train']} train / {res['n_test']} test -> {out}", flush=True)
+          f"{res['n_train']} train / {res['n_test']} {args.split} -> {out}", flush=True)
     return res
 
 

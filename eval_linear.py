@@ -5,7 +5,9 @@
 Features of the saved train/test split come from utils.checkpoint_features (cached beside the
 checkpoint, shared with eval_knn.py).  The L2 weight decay is chosen on a seeded, stratified
 held-out part of the TRAIN split; the probe is then refitted on the whole train split with that
-value and scored once on the test split, which plays no part in the choice.
+value and scored once on the test split, which plays no part in the choice.  --split val: the
+same with the training split less its validation part as the train split and that part as the
+test split (for choices: a preset, a study's pick).
 """
 from __future__ import annotations
 
@@ -150,7 +152,7 @@ def main(args):
                              seed=args.seed, device=device, max_iter=args.max_iter)
     except ValueError as e:
         raise SystemExit(f"linear probe of {args.checkpoint}: {e}") from None
-    out = args.output or utils.default_output(args.checkpoint, "linear", args.feature)
+    out = args.output or utils.default_output(args.checkpoint, "linear", args.feature, args.split)
     res = {**probe, **utils.eval_record(args, feats, time.time() - t0)}
     utils.write_json(res, out)
     wd = res["chosen"]["weight_decay"]
@@ -160,7 +162,7 @@ def main(args):
     val = "none" if res["val_top1"] is None else f"{res['val_top1']:.2f}"
     print(f"linear top-1 {res['linear_top1']:.2f} (val {val}, weight decay "
           f"{res['chosen']['weight_decay']:g}) | epoch {feats['epoch']}, {res['n_train']} train / "
-          f"{res['n_test']} test -> {out}", flush=True)
+          f"{res['n_test']} {args.split} -> {out}", flush=True)
     return res
 
 

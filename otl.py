@@ -704,17 +704,17 @@ def _progress(batches, desc: str, progress: bool):
 
 @torch.inference_mode()
 def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
-               device="cpu", bn: str = "batch", views: int = 1,
-               generator=None, progress: bool = True, head: bool = True,
-               batches: int | None = None, crop: float = 1.0, **aug) -> torch.Tensor:
+               device="cpu", bn: str = "batch", views: int = 1, generator=None,
+               progress: bool = True, head: bool = True, batches: int | None = None,
+               crop: float = 1.0, amp: bool | None = None, **aug) -> torch.Tensor:
     """The network's outputs for every image: (views, N, k) float32 on `device` (head=False: the
-    backbone's features, (views, N, feat_dim), e.g. to try several heads).  views = 1 uses
-    the test-time transform (resize_batch); views > 1 random views (augment with crop and `aug`:
-    strong, cutout, rot90, n_ops, flip).  bn="batch"
-    normalises with batch statistics without touching running statistics (see batch_stats_mode);
-    bn="eval" uses the running statistics.  Batches are shuffled so batch statistics do not depend
-    on the order of the data set.  batches: make exactly this many near-equal batches instead
-    (processes whose BatchNorm is synchronised must make the same number of forward passes)."""
+    backbone's features, (views, N, feat_dim), e.g. to try several heads), under autocast(device,
+    amp).  views = 1 uses the test-time transform (resize_batch); views > 1 random views (augment
+    with crop and `aug`: strong, cutout, rot90, n_ops, flip).  bn="batch" normalises with batch
+    statistics without touching running ones (see batch_stats_mode); bn="eval" uses the running
+    ones.  Batches are shuffled so batch statistics do not depend on the order of the data set.
+    batches: make exactly this many near-equal batches instead (processes whose BatchNorm is
+    synchronised must make the same number of forward passes)."""
     n = images.shape[0]
     perm = torch.randperm(n, generator=generator).to(images.device)
     bounds = ([(s, s + batch_size) for s in range(0, n, batch_size)] if batches is None else
@@ -730,7 +730,7 @@ def label_pass(model: OTLNet, images: torch.Tensor, size: int, batch_size: int =
             for v in range(views):
                 xv = (resize_batch(x, size, crop) if views == 1 else
                       augment(x, size, crop=crop, **aug))
-                with autocast(device):
+                with autocast(device, amp):
                     out[v, idx] = fwd(xv.contiguous(memory_format=torch.channels_last)).float()
     return out
 
@@ -744,25 +744,25 @@ def _eval_mode(model):
         model.train(was)
 
 
-def autocast(device, enabled: bool = True):
-    """bfloat16 autocast on CUDA (where it pays); nothing on the CPU or when not enabled."""
-    dev = torch.device(device)
-    if enabled and dev.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast(device, enabled: bool | None = None):
+    """bfloat16 autocast: enabled None on CUDA only (where it always pays), True on the CPU too
+    (pass it where the processor has native bf16: elsewhere bf16 is emulated, slower), False never."""
+    if enabled or (enabled is None and torch.device(device).type == "cuda"):
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return nullcontext()
 
 
 @torch.no_grad()
 def extract_features(model: OTLNet, images: torch.Tensor, size: int, batch_size: int = 256,
                      device="cpu", progress: bool = True, layer: str = "pool",
-                     crop: float = 1.0) -> torch.Tensor:
-    """Frozen features (of `layer`, see OTLNet.features) of every image with the test-time
-    transform (resize_batch with `crop`) and the model in eval mode: (N, d) float32 on the CPU."""
+                     crop: float = 1.0, amp: bool | None = None) -> torch.Tensor:
+    """Frozen features (of `layer`, see OTLNet.features) of every image: the test-time transform
+    (resize_batch with `crop`), eval mode, autocast(device, amp); (N, d) float32 on the CPU."""
     feats = []
     with _eval_mode(model):
         for s in _progress(range(0, images.shape[0], batch_size), "features", progress):
             x = resize_batch(images[s:s + batch_size].to(device, non_blocking=True), size, crop)
-            with autocast(device):
+            with autocast(device, amp):
                 feats.append(model.features(x, layer).float().cpu())
     return torch.cat(feats)
 

@@ -1152,18 +1152,21 @@ def write_folder(out, imgs, labels, files, train, test, manifest, t0):
     classes = manifest["classes"]
     utils.save_checkpoint({"images": imgs, "labels": labels, "classes": classes, "files": files},
                           os.path.join(out, "cache.pt"))
-    # a random split records how it was drawn; an official one is the source's
-    utils.write_json({"seed": manifest["split_seed"], "test_frac": manifest["test_frac"],
-                      "train": train, "test": test} if manifest["split"] == "random" else
-                     {"split": "official", "train": train, "test": test},
-                     os.path.join(out, "split.json"))
+    # a random split records how it was drawn; an official one is the source's; both the
+    # validation part of the training split that choices read (utils.VAL_FRAC)
+    val = torch.tensor(train)[utils.val_positions({}, train, labels[train])].tolist()
+    utils.write_json({**({"seed": manifest["split_seed"], "test_frac": manifest["test_frac"]}
+                         if manifest["split"] == "random" else {"split": "official"}),
+                      "train": train, "test": test, "val": val, "val_frac": utils.VAL_FRAC,
+                      "val_seed": utils.VAL_SEED}, os.path.join(out, "split.json"))
     counts = torch.bincount(labels, minlength=len(classes)).tolist()
     mean, std = band_stats(imgs)
     manifest.update(per_class_counts=dict(zip(classes, counts)), channel_mean=mean, channel_std=std,
                     files_sha256={f: utils.sha256_file(os.path.join(out, f)) for f in FILES},
                     seconds=round(time.time() - t0, 1))
     utils.write_json(manifest, os.path.join(out, "manifest.json"))  # last: marks a complete cache
-    print(f"wrote {out}: {len(files)} images, train {len(train)} / test {len(test)}, "
+    print(f"wrote {out}: {len(files)} images, train {len(train)} (validation {len(val)} of "
+          f"them) / test {len(test)}, "
           f"{len(manifest['skipped'])} skipped, {time.time() - t0:.0f} s")
 
 

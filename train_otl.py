@@ -12,6 +12,11 @@ global batch, and the first process alone writes checkpoints and logs.  Resume n
 number of processes to repeat an uninterrupted run exactly (another number is resumed, with a
 warning, from the weights and pseudo-labels).
 
+A run trains on the training split less its validation part (utils.VAL_FRAC of it, seeded and
+stratified, which prepare_data.py records in split.json): the kNN monitor scores that part, so
+choices made from it never read the test split, which eval_knn.py and eval_linear.py score once
+the run has finished (their memory bank and probe: the whole training split).
+
 Each epoch that is due (--label-every), a label pass puts the training images through the network,
 `otl.translate` spreads the outputs evenly over the k clusters, and the labels it gives become the
 targets of the next epochs' cross-entropy (label-consistent across views with --lct).  The output
@@ -192,12 +197,21 @@ def run_flags(g, num):
                    "start, so it can pay in long runs (not yet timed in a training run); "
                    "checkpoints, the label pass and evaluation use the uncompiled model, which "
                    "shares its weights")
-    g.add_argument("--amp", type=utils.str2bool, default=None, help="bfloat16 autocast; default: "
-                   "on for CUDA")
+    g.add_argument("--amp", type=utils.str2bool, default=None, help="bfloat16 autocast in the "
+                   "training steps, the label pass and the feature passes (the logits reach the "
+                   "labeler and the loss in float32); default: on for CUDA and for a CPU with "
+                   "native bf16 (avx512_bf16 or amx_bf16), where it is faster, float32 elsewhere "
+                   "(a resumed run keeps its own); false: float32 throughout")
     g.add_argument("--snapshot-every", type=int, default=0, help="keep checkpointNNNN.pth every N "
                    "epochs (0: only the random-init snapshot and the final one)")
     g.add_argument("--knn-monitor", type=int, default=0, help="every N epochs, log kNN@10/50 of the "
-                   "test split (uses labels, for monitoring only; 0 = off)")
+                   "validation split against the rest of the training split (uses labels, for "
+                   "monitoring and choosing; the test split is left for eval_knn.py; 0 = off)")
+    g.add_argument("--hold-out-val", type=utils.str2bool, default=None, help="train on the "
+                   "training split less its validation part (utils.VAL_FRAC, seeded, stratified; "
+                   "default true for a new run), so that the kNN monitor and every choice read "
+                   "images the run never saw; false: the whole training split (a run that "
+                   "started before the validation split resumes so)")
     g.add_argument("--max-minutes", type=num, default=0, help="stop cleanly (checkpoint saved) "
                    "after this many minutes; rerun to continue")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars (for logs)")
@@ -248,8 +262,12 @@ def resolve_args(args, device):
     for key, val in presets.PRESETS[args.preset_used].items():
         if getattr(args, key, None) is None:
             setattr(args, key, val)
-    if args.amp is None:
-        args.amp = device.type == "cuda"
+    saved = utils.saved_run_args(args.output) if os.path.isdir(args.output) else None
+    if args.amp is None and saved is not None and "amp" in saved:
+        args.amp = saved["amp"]             # a resumed run keeps its precision
+    args.amp = utils.resolve_amp(args.amp, device)
+    if args.hold_out_val is None:           # a run from before the validation split: the whole
+        args.hold_out_val = saved.get("hold_out_val", False) if saved else True  # training split
     if args.label_batch_size is None:
         args.label_batch_size = max(args.batch_size, 1024 if device.type == "cuda" else 256)
     if args.schedule == "step" and len(args.lr_drops) != len(args.lr_values):
@@ -306,7 +324,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
     if ranks.world > 1:   # the same number of forward passes on every rank (SyncBatchNorm)
         per_rank = -(-n_total // ranks.world)                       # ceil(n_total / world)
         batches = -(-per_rank // bs)
-    outs = otl.label_pass(model, images, args.img_size, batch_size=bs,
+    outs = otl.label_pass(model, images, args.img_size, batch_size=bs, amp=args.amp,
                           device=device, bn=args.label_bn, views=args.label_views,
                           **utils.augment_options(vars(args)), generator=gen, progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
     t_pass = time.time() - t0
@@ -463,7 +481,7 @@ def collapse_signal(model, peer, images, args, device, n: int = 1024):
     spread over the sphere, 0 collapsed to a point) and, for SwAV, the prototypes in use;
     a spread under peers.COLLAPSED is said on stderr and in the log row."""
     feats = otl.extract_features(model, images[:n], args.img_size, 256, device, progress=False,
-                                 crop=args.crop)
+                                 crop=args.crop, amp=args.amp)
     row = {"feat_spread": round(peers.feature_spread(feats), 4)}
     used = peer.clusters(feats.to(device)) if peer is not None else None
     if used is not None:
@@ -477,12 +495,16 @@ def collapse_signal(model, peer, images, args, device, n: int = 1024):
 
 
 def knn_monitor(model, d, args, device):
-    """kNN@10 / 50 of the test split (monitoring only: it uses the labels)."""
-    feats = otl.extract_features(model, d["images"], args.img_size, 512, device, progress=False,
-                                 crop=args.crop)
-    tr, te = d["train_idx"], d["test_idx"]
-    preds = otl.knn_classify(feats[tr], d["labels"][tr], feats[te], ks=(10, 50))
-    return {f"knn{k}": round(v, 2) for k, v in otl.top1(preds, d["labels"][te]).items()}
+    """kNN@10 / 50 of the validation split, the rest of the training split the memory bank
+    (monitoring and choosing: it uses the labels; the test split is not read)."""
+    fit, val = d["fit_idx"], d["val_idx"]
+    if len(val) == 0:
+        return {}
+    feats = otl.extract_features(model, d["images"][torch.cat([fit, val])], args.img_size, 512,
+                                 device, progress=False, crop=args.crop, amp=args.amp)
+    preds = otl.knn_classify(feats[:len(fit)], d["labels"][fit], feats[len(fit):], ks=(10, 50))
+    return {**{f"knn{k}": round(v, 2) for k, v in otl.top1(preds, d["labels"][val]).items()},
+            "knn_split": "val"}
 
 
 def main(args):
@@ -543,6 +565,12 @@ def run(args, ranks, device):
     d, manifest, images, true_labels, n_total, lo = training_split(args, ranks, device)
     data_record = utils.data_record(args.data)  # checked on resume and when evaluated
     cfg, model, net, peer, opt = build(args, len(d["classes"]), manifest, ranks, device)
+    if args.amp and device.type == "cpu" and not utils.bf16_shapes_ok(model, args.img_size):
+        args.amp = False
+        if ranks.main:
+            print(f"note: float32, not bf16: this network at {args.img_size} px has a strided "
+                  "convolution of a 1 x 1 input, whose bf16 gradients are wrong on the CPU "
+                  "(utils.bf16_shapes_ok); a larger --img-size avoids it", flush=True)
 
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
     start_epoch, labels, starts = resume(args, ranks, device, model, opt, gen, cfg, peer,
@@ -627,10 +655,15 @@ def resume(args, ranks, device, model, opt, gen, cfg, peer, data_record, rows):
     ckpt_path = os.path.join(args.output, "checkpoint.pth")
     extras = {"labeler_starts": None,   # the exact labeler's last translations (per head)
               "peer": None,             # a peer's own modules
-              "method": None}
+              "method": None, "args": None}
     start_epoch, labels = utils.restart_from_checkpoint(ckpt_path, model, opt, gen, device,
                                                         utils.model_state(cfg), args, ranks, extras,
                                                         data=data_record)
+    held = (extras["args"] or {}).get("hold_out_val", False)
+    if start_epoch and held != args.hold_out_val:     # its pseudo-labels are of other images
+        what = "the training split less its validation part" if held else "the whole training split"
+        raise SystemExit(f"{ckpt_path} trained on {what}; resume it with --hold-out-val "
+                         f"{str(held).lower()}, or pass another --output")
     if peer is not None and extras["peer"] is not None:
         peer.load_state_dict(extras["peer"])
     if start_epoch > args.epochs:
@@ -656,18 +689,21 @@ def finished(args, ranks, start_epoch):
 
 
 def training_split(args, ranks, device):
-    """(data, manifest, this process's training images (n, C, H, W) uint8 / 16 and true labels, on the
-    GPU when there is one, the size of the whole training split, the first row of this process's
-    contiguous shard)."""
+    """(data, manifest, this process's training images (n, C, H, W) uint8 / 16 and true labels,
+    on the GPU when there is one, the number of images trained on (the training split, less its
+    validation part with --hold-out-val), the first row of this process's contiguous shard)."""
     d, manifest = utils.open_prepared(args.data, size=args.img_size)   # resized once if large
-    n_total = len(d["train_idx"])
+    rows = d["fit_idx"] if args.hold_out_val else d["train_idx"]
+    n_total = len(rows)
     lo, hi = ranks.shard(n_total)
-    images = d["images"][d["train_idx"][lo:hi]]             # (n, C, H, W) uint8 or uint16
-    true_labels = d["labels"][d["train_idx"][lo:hi]]        # used only with --supervised
+    images = d["images"][rows[lo:hi]]                       # (n, C, H, W) uint8 or uint16
+    true_labels = d["labels"][rows[lo:hi]]                  # used only with --supervised
     if device.type == "cuda":
         images, true_labels = images.to(device), true_labels.to(device)
     if not args.supervised and args.method == "otl" and n_total < args.k:
-        raise SystemExit(f"the training split has {n_total} images, fewer than --k {args.k} clusters")
+        raise SystemExit(f"the training split has {n_total} images"
+                         + (" less its validation part" if args.hold_out_val else "")
+                         + f", fewer than --k {args.k} clusters")
     return d, manifest, images, true_labels, n_total, lo
 
 

@@ -53,6 +53,51 @@ def pick_device(name: str = "auto") -> torch.device:
     return dev
 
 
+def cpu_bf16() -> bool:
+    """Whether this processor computes bfloat16 natively (avx512_bf16 or amx_bf16 among its
+    flags, and torch's oneDNN able to use them): there bf16 autocast speeds up a CPU's convolutions;
+    elsewhere bf16 is emulated and slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = set(re.findall(r"\b(avx512_bf16|amx_bf16)\b", fh.read()))
+    except OSError:             # not Linux: no flags to read, so no bf16 on the CPU
+        return False
+    mkldnn = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(flags) and torch.backends.mkldnn.is_available() and bool(mkldnn and mkldnn())
+
+
+def resolve_amp(amp, device) -> bool:
+    """--amp: given (true or false), as given; not given (None), bf16 autocast on CUDA and on a
+    CPU with native bf16 (cpu_bf16), float32 elsewhere."""
+    if amp is not None:
+        return bool(amp)
+    return torch.device(device).type == "cuda" or cpu_bf16()
+
+
+def bf16_shapes_ok(model, size: int) -> bool:
+    """Whether `model` on `size`-px images has no strided convolution of a 1 x 1 input: there
+    oneDNN's bf16 kernels give garbage weight gradients on the CPU (from uninitialised memory, so
+    not on every step; ResNet-18 with the ImageNet stem at 16 px or less has one in its last
+    stage), so bf16 autocast is for networks and sizes without one.  One forward pass of two
+    images in eval mode, which records each convolution's input."""
+    bad = []
+
+    def seen(m, inputs, _):       # (a hook that returns something would replace the output)
+        if max(m.stride) > 1 and min(inputs[0].shape[-2:]) == 1:
+            bad.append(m)
+    hooks = [m.register_forward_hook(seen) for m in model.modules()
+             if isinstance(m, torch.nn.Conv2d)]
+    was = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(torch.rand(2, 3, size, size, device=next(model.parameters()).device))
+    finally:
+        model.train(was)
+        for h in hooks:
+            h.remove()
+    return not bad
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA runs asynchronously), before reading a clock."""
     if device.type == "cuda":
@@ -570,6 +615,24 @@ def _resumable(path: str, folder: str, rank: int, fix: str):
     return ck, src
 
 
+def saved_run_args(folder: str) -> dict | None:
+    """The arguments a run folder's checkpoint was trained with (checkpoint.pth, else its newest
+    intact snapshot), None for a new run or one whose checkpoints do not read: a resumed run keeps
+    the choices it started with where a flag's default has changed since."""
+    path = os.path.join(folder, "checkpoint.pth")
+    try:
+        ck = load_file(path) if os.path.isfile(path) else None
+    except ValueError:          # damaged (the newest snapshot below) or crafted (resume says so)
+        ck = None
+    if ck is None:
+        try:
+            ck = _newest_intact_snapshot(folder)[0]
+        except ValueError:
+            ck = None
+    args = ck.get("args") if isinstance(ck, dict) else None
+    return args if isinstance(args, dict) else None
+
+
 def _copy_into(src: str, fh) -> None:
     with open(src, "rb") as f:
         shutil.copyfileobj(f, fh, 1 << 20)
@@ -691,7 +754,8 @@ def trim_log(path: str, epoch: int) -> None:
 #   cache.pt       {"images": uint8 (N, 3, H, W), "labels": int64 (N,), "classes": [str],
 #                   "files": [str] (path of each image inside its source); multiband images
 #                   are (N, C, H, W) uint8 or uint16, the manifest saying which}
-#   split.json     {"seed": int, "test_frac": float, "train": [int], "test": [int]}
+#   split.json     {"seed": int, "test_frac": float, "train": [int], "test": [int], "val": [int]
+#                   (part of train: see VAL_FRAC), "val_frac", "val_seed"}
 #   manifest.json  source, its sha256, image size, per-class counts, split sizes, channel mean
 #                  and std (of value / 255, or / 65535 for uint16), skipped files; multiband sets
 #                  add channels, dtype, bands (names or null), band_index (in the source's
@@ -755,9 +819,36 @@ def working_images(images: torch.Tensor, size: int, chunk: int = 512) -> torch.T
     return out
 
 
+# The validation split: a seeded, stratified VAL_FRAC of the training split that every choice (a
+# preset, a study's pick, the kNN monitor) reads, so the test split is read only to report a
+# finished run.  prepare_data.py records it in split.json ("val"); a folder prepared before it
+# did gets the same rows derived here.
+VAL_FRAC, VAL_SEED = 0.1, 0
+
+
+def val_positions(split: dict, train_idx: torch.Tensor, train_labels) -> torch.Tensor:
+    """Positions within the training split (train_idx, its labels in that order) of its
+    validation part, sorted: split.json's "val" where it records one, else stratified_split of
+    the training labels (VAL_FRAC, VAL_SEED), the rows prepare_data.py records.  ValueError when
+    a recorded "val" names images outside the training split."""
+    if split.get("val") is None:
+        return stratified_split(train_labels, VAL_FRAC, VAL_SEED)[1] if len(train_idx) else \
+            torch.zeros(0, dtype=torch.long)
+    try:
+        val = torch.tensor(split["val"], dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError("split.json's \"val\" is not a list of image indices") from None
+    pos = torch.isin(torch.as_tensor(train_idx), val).nonzero().flatten()
+    if pos.numel() != val.unique().numel():
+        raise ValueError("split.json's \"val\" names images outside its training split")
+    return pos
+
+
 def load_prepared(data_dir: str, size: int | None = None) -> dict:
-    """The prepared data set in `data_dir`: images, labels, classes, train and test indices;
-    with `size` (the network's input side), the images at working_images(images, size).
+    """The prepared data set in `data_dir`: images, labels, classes, train and test indices, and
+    the training split's two parts: val_idx (its validation part, val_positions) and fit_idx (the
+    rest, what a run trains on unless told otherwise); with `size` (the network's input side),
+    the images at working_images(images, size).
     FileNotFoundError or ValueError (a damaged file), each one line naming the file and what to
     run."""
     again = f"run prepare_data.py --out {data_dir} first"
@@ -779,6 +870,13 @@ def load_prepared(data_dir: str, size: int | None = None) -> dict:
             raise ValueError(f"{split} names images past the {n} of {cache} (the two files are "
                              f"of different preparations): {again}")
     d["split_seed"] = sp.get("seed")
+    try:
+        val = val_positions(sp, d["train_idx"], d["labels"][d["train_idx"]])
+    except ValueError as e:
+        raise ValueError(f"{split}: {e}: {again}") from None
+    keep = torch.ones(len(d["train_idx"]), dtype=torch.bool)
+    keep[val] = False
+    d["val_idx"], d["fit_idx"] = d["train_idx"][val], d["train_idx"][keep]
     if size is not None:
         d["images"] = working_images(d["images"], int(size))
     return d
@@ -942,13 +1040,15 @@ def stratified_split(labels, frac: float, seed: int = 0):
 
 
 def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu",
-                        batch_size: int = 256, progress: bool = True, layer: str = "pool") -> dict:
+                        batch_size: int = 256, progress: bool = True, layer: str = "pool",
+                        amp: bool | None = None) -> dict:
     """Frozen features (of `layer`: otl.OTLNet.features) of the train and test split for a
-    checkpoint, extracted once and cached beside it as features_<checkpoint name>.pt (or
-    features_<name>_<layer>.pt; reused while the checkpoint and data are unchanged).  layer
-    "auto" is the embedding when the model has one, else "pool".  Returns {"train": (Ntr, D),
-    "test": (Nte, D), "train_labels", "test_labels", "classes", "data_dir", "img_size",
-    "checkpoint", "epoch", "layer" (the layer taken)}."""
+    checkpoint, extracted once (under otl.autocast(device, amp)) and cached beside it as
+    features_<checkpoint name>.pt (or features_<name>_<layer>.pt; reused while the checkpoint,
+    data and precision are unchanged).  layer "auto" is the embedding when the model has one,
+    else "pool".  Returns {"train": (Ntr, D), "test": (Nte, D), "train_labels", "test_labels",
+    "val_pos" (the positions in "train" of the validation split: val_positions), "classes",
+    "data_dir", "img_size", "checkpoint", "epoch", "layer" (the layer taken)}."""
     model, ckpt, ckpt_sha256 = load_checkpoint(ckpt_path, device, with_sha256=True)
     args = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
     given, data_dir = data_dir, data_dir or args.get("data")
@@ -994,6 +1094,9 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
         key["working_size"] = working_size(int(side), size)   # images resized once (load_prepared)
     if layer != "pool":
         key["layer"] = layer
+    bf16 = amp if amp is not None else torch.device(device).type == "cuda"   # as otl.autocast
+    if bf16 != (torch.device(device).type == "cuda"):    # caches made before --amp keep their key
+        key["bf16"] = bf16
     if os.path.isfile(cache):
         try:
             saved = load_file(cache)
@@ -1001,7 +1104,7 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
             print(f"note: {e}; extracting the features again", flush=True)
             saved = None
         if isinstance(saved, dict) and saved.get("key") == key:
-            return {**saved, "layer": layer}
+            return {**saved, "layer": layer, "val_pos": _val_of(data_dir, saved)}
     trained_on, now = ckpt.get("images_sha256"), key["images"]["sha256"]
     if trained_on and now and trained_on != now:
         print(f"note: the images of {data_dir} were prepared again since {ckpt_path} was trained "
@@ -1009,7 +1112,7 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
               "are now", flush=True)
     d = load_prepared(data_dir, size)
     feats = otl.extract_features(model, d["images"], size, batch_size, device, progress,
-                                 layer=layer, crop=crop)                                          # (N, D)
+                                 layer=layer, crop=crop, amp=amp)                                 # (N, D)
     out = {"train": feats[d["train_idx"]], "test": feats[d["test_idx"]],
            "train_labels": d["labels"][d["train_idx"]], "test_labels": d["labels"][d["test_idx"]],
            "classes": list(d["classes"]), "data_dir": data_dir, "img_size": size,
@@ -1019,7 +1122,14 @@ def checkpoint_features(ckpt_path: str, data_dir: str | None = None, device="cpu
     except CannotWrite as e:      # a cache: the evaluation goes on without it
         print(f"note: the features are not cached ({e}); the next evaluation extracts them again",
               flush=True)
-    return {**out, "layer": layer}
+    return {**out, "layer": layer, "val_pos": _val_of(data_dir, out)}
+
+
+def _val_of(data_dir: str, feats: dict) -> torch.Tensor:
+    """val_positions of the data set whose features these are (split.json and the training
+    labels: cache.pt is not read)."""
+    sp = _read_json(os.path.join(data_dir, "split.json"), f"run prepare_data.py --out {data_dir} again")
+    return val_positions(sp, torch.tensor(sp["train"], dtype=torch.long), feats["train_labels"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1043,9 +1153,17 @@ def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
                    "pooled output, default), embed (the embedding, for models with one: the "
                    "paper's 128-d AlexNet layer), conv1 .. conv5 (a conv block averaged over "
                    "space), or auto (embed when the model has an embedding, else pool)")
+    p.add_argument("--split", default="test", choices=["test", "val"], help="test (default): "
+                   "fit on the whole training split, score the test split, once per finished "
+                   "run, to report it; val: fit on the training split less its validation part "
+                   "and score that part, for choosing (a preset, a study's pick) without reading "
+                   "the test split")
+    p.add_argument("--amp", type=str2bool, default=None, help="bfloat16 autocast in the feature "
+                   "extraction; default: on for CUDA and for a CPU with native bf16 (avx512_bf16 "
+                   "or amx_bf16), where it is faster; false: float32")
     p.add_argument("--output", default=None,
                    help=f"results JSON; default <checkpoint dir>/{prefix}_<checkpoint stem>.json "
-                   "(_<feature> added for another --feature)")
+                   "(_<feature> added for another --feature, val_ after the prefix for --split val)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (for logs and batch jobs)")
 
@@ -1053,16 +1171,26 @@ def add_checkpoint_args(p, prefix: str, device_use: str) -> None:
 def eval_features(args):
     """(device, features) for an evaluation script's flags (add_checkpoint_args)."""
     device = pick_device(args.device)
+    args.amp = resolve_amp(getattr(args, "amp", None), device)
     try:
         feats = checkpoint_features(args.checkpoint, args.data, device=device,
                                     batch_size=args.batch_size, progress=not args.no_progress,
-                                    layer=getattr(args, "feature", "pool"))
+                                    layer=getattr(args, "feature", "pool"), amp=args.amp)
     except (OSError, ValueError) as e:       # missing, damaged or unreadable files: one line
         raise SystemExit(str(e)) from None
     if hasattr(args, "feature"):
         args.feature = feats["layer"]        # "auto" resolved, so output names say which layer
+    if getattr(args, "split", "test") == "val":     # the training split's two parts, test unread
+        keep = torch.ones(len(feats["train"]), dtype=torch.bool)
+        keep[feats["val_pos"]] = False
+        feats = {**feats, "test": feats["train"][~keep], "test_labels": feats["train_labels"][~keep],
+                 "train": feats["train"][keep], "train_labels": feats["train_labels"][keep]}
     for part in ("train", "test"):
         if feats[part].shape[0] == 0:
+            if getattr(args, "split", "test") == "val":
+                raise SystemExit(f"--split val: the validation part of {feats['data_dir']}'s "
+                                 "training split is empty (a class needs 2 training images to "
+                                 "give it one); use --split test")
             raise SystemExit(f"the {part} split of {feats['data_dir']} is empty: nothing to "
                              f"{'fit' if part == 'train' else 'score'}; prepare the data again "
                              "with a --test-frac that leaves images on both sides")
@@ -1077,7 +1205,8 @@ def eval_features(args):
 
 def eval_record(args, feats: dict, seconds: float) -> dict:
     """What every evaluation's results JSON records besides its scores."""
-    return {"checkpoint": rel_path(args.checkpoint), "epoch": feats["epoch"],
+    return {"split": getattr(args, "split", "test"), "amp": getattr(args, "amp", None),
+            "checkpoint": rel_path(args.checkpoint), "epoch": feats["epoch"],
             "checkpoint_sha256": feats["key"]["checkpoint_sha256"],
             "data_dir": rel_path(feats["data_dir"]), "n_train": feats["train"].shape[0],
             "n_test": feats["test"].shape[0], "feat_dim": feats["train"].shape[1],
@@ -1085,9 +1214,11 @@ def eval_record(args, feats: dict, seconds: float) -> dict:
             "seconds": seconds}
 
 
-def default_output(checkpoint: str, prefix: str, layer: str = "pool") -> str:
-    """<checkpoint dir>/<prefix>_<checkpoint stem>.json (_<layer> added for another layer)"""
+def default_output(checkpoint: str, prefix: str, layer: str = "pool", split: str = "test") -> str:
+    """<checkpoint dir>/<prefix>_<checkpoint stem>.json (_<layer> added for another layer,
+    <prefix>_val_... for the validation split's)"""
     stem = os.path.splitext(os.path.basename(checkpoint))[0] + ("" if layer == "pool" else f"_{layer}")
+    prefix += "" if split == "test" else f"_{split}"
     return os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"{prefix}_{stem}.json")
 
 

@@ -686,3 +686,40 @@ def test_the_k_verdict_on_a_tie_names_no_best():
     assert v.startswith("kNN@50 60.0 at every k (16, 32): no best") and "worst at k = 16" not in v
     rows[1]["knn50"] = 65.0
     assert verdict(rows).startswith("kNN@50 best at k = 32 (65.0), worst at k = 16 (60.0)")
+
+
+def test_budget_study(small_data, tmp_path, inline):
+    """Each configuration's epoch timed once, its epochs set to fit the budget, trained with the
+    validation kNN logged every epoch; then the two best by validation kNN@10 with the other
+    seeds; every figure of the validation split, the test split unread; a rerun trains nothing."""
+    args = ["--grid", "32px-w32,48px-w32,32px-w32-small", "--seeds", "0,1", "--budget-minutes",
+            "0.05", "--train-args",
+            "--width 8 --batch-size 64 --k 16 --views 1 --label-views 1 --lct false --aug simple"]
+    study("budget", tmp_path, small_data, *args)
+    out, md = saved(tmp_path, "budget")
+    seed0 = {r["config"]: r for r in out["rows"] if r["seed"] == 0}
+    assert set(seed0) == {"32px-w32", "48px-w32", "32px-w32-small"}
+    best = sorted(seed0.values(), key=lambda r: -r["knn_val10"])[:2]
+    assert sorted(r["config"] for r in out["rows"] if r["seed"] == 1) == sorted(r["config"] for r in best)
+    runs = tmp_path / "runs" / "study" / "budget"
+    for r in out["rows"]:
+        assert r["epochs"] == r["epochs_fit"] == max(1, int(0.05 * 60 // r["timed_epoch_s"]))
+        assert r["curve_split"] == "val" and len(r["curve"]) == r["epochs"]
+        assert 0 <= r["knn_val10"] <= 100 and 0 <= r["linear_val"] <= 100 and "knn10" not in r
+        ev = json.loads((runs / os.path.basename(r["run"]) / "knn_val.json").read_text())
+        assert ev["split"] == "val" and ev["n_test"] == 20          # 2 of each class's 16
+    ck = utils.load_file(runs / "48px_w32" / "checkpoint.pth")
+    assert ck["args"]["img_size"] == 48 and ck["args"]["cutout"] == 24 and ck["args"]["knn_monitor"] == 1
+    assert (runs / "timing" / "32px_w32_small" / "log.jsonl").is_file()
+    assert "validation kNN@10" in out["verdict"] and "| 48px-w32 | 48 | 32 | imagenet |" in md
+    assert "test split is not read" in md
+    assert study("budget", tmp_path, small_data, *args)["ran"] == []
+
+
+def test_budget_study_refuses_what_it_cannot_time(small_data, tmp_path):
+    with pytest.raises(SystemExit, match="--budget-minutes must be > 0"):
+        study("budget", tmp_path, small_data, "--budget-minutes", "0")
+    with pytest.raises(SystemExit, match="run it with --preset study"):
+        study("budget", tmp_path, small_data, "--preset", "paper")
+    with pytest.raises(SystemExit, match="choose from 32px-w32"):
+        study("budget", tmp_path, small_data, "--grid", "40px-w48")

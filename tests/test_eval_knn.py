@@ -7,6 +7,7 @@ import torch
 
 import eval_knn  # the repository root is on sys.path through tests/conftest.py
 import otl
+import utils
 from evalkit import untrained_checkpoint
 from conftest import clusters
 
@@ -69,3 +70,16 @@ def test_a_k_above_the_training_rows_keeps_the_k_asked_for(tmp_path):
     assert list(res["knn_top1"]) == ["3", str(n_train), "500"]
     assert res["knn_top1"]["500"] == res["knn_top1"][str(n_train)]
     assert res["knn_clipped"] == {"500": n_train}
+
+
+def test_eval_knn_on_the_validation_split(tmp_path):
+    """--split val: the training split's validation part against the rest of it, the test split
+    unread; its own results file beside the test split's."""
+    ckpt, data_dir, n_train, n_test = untrained_checkpoint(tmp_path)
+    res = eval_knn.main(eval_knn.get_args_parser().parse_args(
+        ["--checkpoint", ckpt, "--ks", "3", "--device", "cpu", "--no-progress", "--split", "val"]))
+    saved = json.loads((tmp_path / "run" / "knn_val_checkpoint.json").read_text())
+    assert saved["split"] == "val" and saved["knn_top1"] == res["knn_top1"]
+    n_val = len(utils.load_prepared(str(data_dir))["val_idx"])        # derived: 1 of a class
+    assert n_val == 3 and (saved["n_train"], saved["n_test"]) == (n_train - n_val, n_val)
+    assert not (tmp_path / "run" / "knn_checkpoint.json").exists()

@@ -81,3 +81,16 @@ def test_eval_linear_program_reuses_cached_features(tmp_path, monkeypatch):
                 "seconds"):
         assert key in saved
     assert not (run / "linear_checkpoint.json").exists()  # --output was honoured
+
+
+def test_eval_linear_on_the_validation_split(tmp_path):
+    """--split val: the probe fitted on the training split less its validation part and scored
+    on that part; the results say which split they are of."""
+    ckpt, data_dir, n_train, n_test = untrained_checkpoint(tmp_path)
+    res = eval_linear.main(eval_linear.get_args_parser().parse_args(
+        ["--checkpoint", ckpt, "--device", "cpu", "--max-iter", "50", "--wd-grid", "1e-3",
+         "--no-progress", "--split", "val"]))
+    saved = json.loads((tmp_path / "run" / "linear_val_checkpoint.json").read_text())
+    n_val = len(utils.load_prepared(str(data_dir))["val_idx"])
+    assert saved["split"] == "val" and (saved["n_train"], saved["n_test"]) == (n_train - n_val, n_val)
+    assert saved["linear_top1"] == res["linear_top1"] and 0 <= res["linear_top1"] <= 100

@@ -97,7 +97,7 @@ def test_the_collapse_signal_flags_a_constant_network(capsys):
         for p in model.parameters():
             p.zero_()                            # every image maps to the same features
     images = (torch.rand(64, 3, 16, 16) * 255).to(torch.uint8)
-    args = argparse.Namespace(img_size=16, crop=1.0)
+    args = argparse.Namespace(img_size=16, crop=1.0, amp=False)
     row = train_otl.collapse_signal(model, None, images, args, torch.device("cpu"))
     assert row["feat_spread"] < peers.COLLAPSED and row["collapsed"] is True
     assert "collapsing" in capsys.readouterr().err

@@ -51,7 +51,8 @@ def test_checkpoint_rebuilds_model_and_random_init_snapshot(small_data, tmp_path
     model, ck = utils.load_checkpoint(str(tmp_path / "r" / "checkpoint.pth"))
     assert ck["epoch"] == 1 and ck["args"]["k"] == 16 and ck["model_cfg"]["width"] == 8
     assert model(torch.zeros(2, 3, 16, 16, dtype=torch.uint8)).shape == (2, 16)
-    assert ck["pseudo_labels"].shape == (ck["args"]["label_views"], 160)  # one row per labelled view
+    # one row per labelled view, one column per training image less the validation split's 20
+    assert ck["pseudo_labels"].shape == (ck["args"]["label_views"], 140)
     m0, ck0 = utils.load_checkpoint(str(tmp_path / "r" / "checkpoint0000.pth"))
     assert ck0["epoch"] == 0
     assert any(not torch.equal(a, b) for a, b in zip(m0.state_dict().values(), model.state_dict().values()))
@@ -76,7 +77,7 @@ def test_sinkhorn_labeler_and_summed_lct(small_data, tmp_path):
     row = json.loads((tmp_path / "s" / "log.jsonl").read_text().splitlines()[0])
     assert row["labeler_iters"] > 0 and 0 <= row["pl_std"] < row["pl_std_max"]
     ck = utils.load_file(tmp_path / "s" / "checkpoint.pth")
-    assert ck["args"]["labeler"] == "sinkhorn" and ck["pseudo_labels"].shape[1] == 160
+    assert ck["args"]["labeler"] == "sinkhorn" and ck["pseudo_labels"].shape[1] == 140
     mean = train(small_data, tmp_path / "m", "--epochs", "1", "--lr", "0")
     summed = train(small_data, tmp_path / "u", "--epochs", "1", "--lr", "0", "--lct-reduction", "sum")
     lm, lu = (json.loads((tmp_path / r / "log.jsonl").read_text().splitlines()[0])["loss"] for r in "mu")
@@ -251,7 +252,7 @@ def test_multi_head_run_labels_every_head_evenly(small_data, tmp_path):
     train(small_data, tmp_path / "h", "--epochs", "1", "--heads", "3", "--k", "8")
     ck = utils.load_file(tmp_path / "h" / "checkpoint.pth")
     pl = ck["pseudo_labels"]                     # (label_views * heads, n): view-major
-    assert pl.shape == (ck["args"]["label_views"] * 3, 160)
+    assert pl.shape == (ck["args"]["label_views"] * 3, 140)
     for row in pl:
         counts = torch.bincount(row, minlength=8)
         assert int(counts.max() - counts.min()) <= 1
@@ -280,3 +281,25 @@ def test_a_peer_without_lightly_stops_before_making_its_run_folder(small_data, t
     with pytest.raises(SystemExit, match="pip install -r requirements-peers.txt"):
         train(small_data, tmp_path / "run", "--method", "simclr")
     assert not (tmp_path / "run").exists()
+
+
+def test_validation_split_is_held_out_monitored_and_kept_on_resume(small_data, tmp_path):
+    """A new run trains on the training split less its validation part, and its kNN monitor
+    scores that part (knn_split "val"); a run from before the validation split (no hold_out_val in
+    its checkpoint) resumes on the whole training split, and asking it otherwise is one line."""
+    train(small_data, tmp_path / "v", "--epochs", "1", "--knn-monitor", "1")
+    row = json.loads((tmp_path / "v" / "log.jsonl").read_text().splitlines()[0])
+    assert row["knn_split"] == "val" and 0 <= row["knn10"] <= 100
+    assert utils.load_file(tmp_path / "v" / "checkpoint.pth")["args"]["hold_out_val"] is True
+    old = tmp_path / "old"
+    train(small_data, old, "--epochs", "1", "--hold-out-val", "false")
+    for name in ("checkpoint.pth", "checkpoint0001.pth"):     # as a run made before the flag
+        ck = utils.load_file(old / name)
+        del ck["args"]["hold_out_val"]
+        utils.save_checkpoint(ck, str(old / name))
+    with pytest.raises(SystemExit, match="trained on the whole training split; resume it with "
+                                         "--hold-out-val false"):
+        train(small_data, old, "--epochs", "2", "--hold-out-val", "true")
+    train(small_data, old, "--epochs", "2")
+    ck = utils.load_file(old / "checkpoint.pth")
+    assert ck["epoch"] == 2 and ck["pseudo_labels"].shape[1] == 160 and not ck["args"]["hold_out_val"]

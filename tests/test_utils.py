@@ -206,3 +206,39 @@ def test_working_images_resize_a_large_cache_once(small_data):
     # the test-time view of a resized image is close to the one of the full cache
     gap = (otl.resize_batch(small, 16) - otl.resize_batch(full, 16)).abs()
     assert gap.mean() < 0.01 and gap.max() < 0.1
+
+
+# ------------------------------------------------------------------------------------------------
+# the validation split and bf16 on the CPU
+# ------------------------------------------------------------------------------------------------
+
+def test_validation_split_is_recorded_and_derived_alike(small_data, tmp_path):
+    """prepare_data.py records a stratified 10 % of the training split as "val"; a folder prepared
+    before it did (no "val" in split.json) gets the same rows; a "val" outside the training split
+    is one line naming split.json."""
+    d = utils.load_prepared(str(small_data))
+    sp = json.loads((small_data / "split.json").read_text())
+    assert sp["val"] == d["val_idx"].tolist() and sp["val_frac"] == utils.VAL_FRAC
+    assert set(sp["val"]) <= set(sp["train"])
+    assert torch.bincount(d["labels"][d["val_idx"]]).tolist() == [2] * 10   # 10 % of 16 a class
+    assert sorted(d["fit_idx"].tolist() + d["val_idx"].tolist()) == d["train_idx"].tolist()
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in ("cache.pt", "manifest.json"):
+        (old / f).symlink_to(small_data / f)
+    (old / "split.json").write_text(json.dumps({k: v for k, v in sp.items()
+                                                if not k.startswith("val")}))
+    assert torch.equal(utils.load_prepared(str(old))["val_idx"], d["val_idx"])
+    (old / "split.json").write_text(json.dumps({**sp, "val": sp["test"][:3]}))
+    with pytest.raises(ValueError, match=r"split\.json: .*outside its training split"):
+        utils.load_prepared(str(old))
+
+
+def test_bf16_is_refused_where_the_cpus_kernels_are_wrong():
+    """ResNet-18 with the ImageNet stem at 16 px gives its last stage a 1 x 1 input to a strided
+    convolution, whose bf16 weight gradients oneDNN gets wrong; at 32 px (the cpu preset) none."""
+    model = otl.build_model(otl.ModelConfig(k=8, width=8))
+    assert not utils.bf16_shapes_ok(model, 16) and utils.bf16_shapes_ok(model, 32)
+    assert utils.bf16_shapes_ok(otl.build_model(small_cfg()), 16)     # the small stem keeps 2 x 2
+    assert model.training                                              # the check left it so
+    assert utils.resolve_amp(None, "cpu") == utils.cpu_bf16() and not utils.resolve_amp(False, "cpu")
