@@ -60,8 +60,7 @@ class ScaleResult(TranslateResult):
     active: int = 0               # rows solved (the others kept their best cluster)
 
 
-def _within(counts, lo, hi) -> bool:
-    """Whether every count is within its bounds [lo, hi] (otl.count_bounds)."""
+def _within(counts, lo, hi) -> bool:   # every count within its bounds (otl.count_bounds)
     return bool(((counts >= lo) & (counts <= hi)).all())
 
 
@@ -92,10 +91,10 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     if beta <= 1:
         raise ValueError(f"beta must be > 1 (it shrinks the step), got {beta}")
     otl.check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
-    n, k = outputs.shape
-    tie_eps = 2.0 ** -26 if tie_eps is None else tie_eps
-    if start is not None:
-        start = tame_start(start, outputs)
+    (n, k), tie_eps = outputs.shape, 2.0 ** -26 if tie_eps is None else tie_eps
+    if start is not None:   # within median +- the outputs' span: past it a cluster empties (fills)
+        T0, span = otl.check_start(start, k), float(outputs.max() - outputs.min())  # as before,
+        start = T0.clamp(T0.median() - span, T0.median() + span)  # but 1e16 swamped O - T's bits
     if dense and 2 <= k <= full_rows_up_to and n >= max(DENSE_ROWS, DENSE_ROWS_PER_K * k):
         res = _dense_translate(outputs, target, seed, tie_eps, start, n_init)
         if res is not None:
@@ -111,17 +110,6 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     for s in range(0, n, st.chunk):
         st.add(outputs[s:s + st.chunk])
     return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
-
-
-def tame_start(start, outputs: torch.Tensor) -> torch.Tensor:
-    """A start T clipped to [median(T) - span, median(T) + span], span = max(O) - min(O): past
-    that an entry empties its cluster (or fills it against every cluster at or below the
-    median) as it did, but a huge entry (1e16 on outputs near 1) would swamp O - T's precision
-    and leave labels that are not argmax(O - T).  A start within the range is returned as it is."""
-    T = otl.check_start(start, outputs.shape[1])
-    span = float(outputs.max() - outputs.min()) if outputs.numel() else 0.0
-    mid = T.median()
-    return T.clamp(mid - span, mid + span)
 
 
 def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 2048, **kw):

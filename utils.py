@@ -90,7 +90,8 @@ def bf16_shapes_ok(model, size: int) -> bool:
     was = model.training
     try:
         with torch.no_grad():
-            model.eval()(torch.rand(2, 3, size, size, device=next(model.parameters()).device))
+            model.eval()(torch.rand(2, model.cfg.in_chans, size, size,
+                                    device=next(model.parameters()).device))
     finally:
         model.train(was)
         for h in hooks:

@@ -220,7 +220,8 @@ def test_k_study_with_seeds(small_data, tmp_path, inline):
           TINY_TRAIN.replace(" --k 16", ""))
     out, md = saved(tmp_path, "k")
     assert [(m["k"], m["seeds"]) for m in out["seed_means"]] == [(8, [0, 1]), (16, [0, 1])]
-    assert "kNN@50 best at k = " in out["verdict"] and " 2 sd" in out["verdict"]
+    v = out["verdict"]      # (tiny runs can tie: test_the_k_verdict_on_a_tie_names_no_best)
+    assert ("kNN@50 best at k = " in v and " 2 sd" in v) or "at every k (8, 16): no best" in v
     assert "Trained on `" in md and "the paper's study trained AlexNet on CIFAR-10" in md
 
 

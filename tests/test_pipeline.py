@@ -96,7 +96,7 @@ def test_feature_auto_and_the_overview_of_every_table(small_data, tmp_path):
     # cifar10.json of run a), the paper's misprints marked, a line for each table without a run
     report.main(report.get_args_parser().parse_args(["--overview", "--out", str(out)]))
     md = (out / "tables.md").read_text()
-    tables = json.loads(open(os.path.join(report.HERE, "paper_tables.json")).read())["tables"]
+    tables = json.loads(open(os.path.join(utils.REPO, "paper_tables.json")).read())["tables"]
     for label, t in tables.items():
         assert f"## `{label}`: {t['caption']}" in md
     assert md.count(" misprint (") == sum(len(t["misprints"]) for t in tables.values())
