@@ -26,11 +26,8 @@ METHODS = ("otl", "simclr", "byol", "swav")
 
 
 def need_lightly():
-    """Stop with the install line where the lightly library is missing."""
-    _lightly()
-
-
-def _lightly():
+    """The lightly library's losses, heads and utilities; where it is missing, a stop with the
+    install line."""
     try:
         import lightly.loss
         import lightly.models.modules
@@ -134,7 +131,7 @@ class Peer(nn.Module):
 
     def __init__(self, method: str, model: otl.OTLNet, k: int = 128):
         super().__init__()
-        lightly = _lightly()
+        lightly = need_lightly()
         heads = lightly.models.modules
         d = model.feat_dim
         self.method = method
