@@ -852,11 +852,13 @@ def training_row(run, point, outs, balanced=False):
     peak = [r["peak_mib"] for r in log if utils.is_number(r.get("peak_mib"))]
     if peak:
         row["peak_mib"] = max(peak)
-    # the kNN monitor against the minutes of training so far, at the run's median epoch time (an
-    # epoch slowed by other work on the machine does not shift the curve); the split it scored:
-    # val, or test in logs from before the validation split (which name none)
+    # the kNN monitor against the minutes of training so far, at the epoch timed alone where the
+    # study timed one (budget), else the run's median epoch (an epoch slowed by other work on the
+    # machine does not shift the curve); the split it scored: val, or test in logs from before
+    # the validation split (which name none)
     mon = [r for r in log if utils.is_number(r.get("knn10")) and utils.is_number(r.get("epoch"))]
-    curve = [[round(r["epoch"] * row["epoch_s"] / 60, 3), r["knn10"]] for r in mon if "epoch_s" in row]
+    per = row.get("timed_epoch_s", row.get("epoch_s"))
+    curve = [[round(r["epoch"] * per / 60, 3), r["knn10"]] for r in mon if per is not None]
     if curve:
         row["curve"] = curve
         row["curve_split"] = "val" if all(r.get("knn_split") == "val" for r in mon) else "test"
