@@ -18,6 +18,7 @@ solver on them (`_Solver`: an ascending auction, then the exact finish by shorte
 steps on the counts, then the solver on the rows near a boundary).  Design: docs/labeler.md."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import time
@@ -69,7 +70,8 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
               init: str = "median", method: str = "exact", candidates: int = 24,
               max_candidates: int = 48, full_rows_up_to: int = 128,
               full_rows_bytes: int = 1 << 30, start=None, sample_start: bool = True,
-              dense: bool = True, n_init: int = 8192) -> TranslateResult:
+              dense: bool = True, n_init: int = 8192, distributed: bool = False,
+              row_offset: int = 0) -> TranslateResult:
     """otl.translate's problem and guarantees: T with labels = argmax(O - T) and every count within
     1 of the target (even by default).  With dense, for 2 <= k <= full_rows_up_to, N >= DENSE_ROWS
     and N >= DENSE_ROWS_PER_K x k, the dense path runs first (`_Dense`); otherwise, or where it
@@ -77,39 +79,47 @@ def translate(outputs: torch.Tensor, target=None, beta: float = 1.5, alpha0: flo
     defaults to 2**-26).  start: a T to start from instead of the column medians (the other
     view's, the last epoch's).  sample_start: without a start, for k > 2 x full_rows_up_to and
     outputs far from balance at their medians, start from the exact T of a random quarter of the
-    rows (`sample_start_T`).  method=
-    "published" (beta, alpha0, patience, max_iter, tie_eps default 1e-6, seed, init) and
-    "sinkhorn" are otl.translate's."""
-    if method in ("published", "sinkhorn"):
-        if method == "sinkhorn":
-            return otl.translate(outputs, target=target, method="sinkhorn", start=start)
-        return otl.translate(outputs, target=target, method="published", start=start, beta=beta,
-                             alpha0=alpha0, patience=patience, max_iter=max_iter,
-                             tie_eps=1e-6 if tie_eps is None else tie_eps, seed=seed, init=init)
+    rows (`sample_start_T`).  distributed: `outputs` are this process's shard of torchrun's
+    (its first row global number row_offset); only k-vectors and k x k tables travel.  Every
+    labeler by one name: method="exact" this one, "reference" otl.translate_exact, "published"
+    (beta, alpha0, patience, max_iter, tie_eps default 1e-6, seed, init), "sinkhorn" otl's."""
+    if method not in ("exact", "reference", "published", "sinkhorn") or (
+            distributed and method != "exact"):
+        raise ValueError(f"method must be 'exact' (the one across processes), 'reference', "
+                         f"'published' or 'sinkhorn', got {method!r}")
+    if method == "reference":
+        return otl.translate_exact(outputs, target=target, start=start)
     if method != "exact":
-        raise ValueError(f"method must be 'exact', 'published' or 'sinkhorn', got {method!r}")
+        pub = dict(beta=beta, alpha0=alpha0, patience=patience, max_iter=max_iter, seed=seed,
+                   init=init, tie_eps=1e-6 if tie_eps is None else tie_eps)
+        return otl.translate(outputs, target=target, method=method, start=start,
+                             **(pub if method == "published" else {}))
     if beta <= 1:
         raise ValueError(f"beta must be > 1 (it shrinks the step), got {beta}")
-    otl.check_outputs(outputs, finite=False)     # checked chunk by chunk, without an N x k copy
+    if not distributed:     # a shard's checks are StreamingTranslator's (N >= k of them all)
+        otl.check_outputs(outputs, finite=False)     # chunk by chunk, without an N x k copy
     (n, k), tie_eps = outputs.shape, 2.0 ** -26 if tie_eps is None else tie_eps
-    if start is not None:   # within median +- the outputs' span: past it a cluster empties (fills)
-        T0, span = otl.check_start(start, k), float(outputs.max() - outputs.min())  # as before,
-        start = T0.clamp(T0.median() - span, T0.median() + span)  # but 1e16 swamped O - T's bits
-    if dense and 2 <= k <= full_rows_up_to and n >= max(DENSE_ROWS, DENSE_ROWS_PER_K * k):
-        res = _dense_translate(outputs, target, seed, tie_eps, start, n_init)
-        if res is not None:
-            return res
-    if start is None and sample_start and k > 2 * full_rows_up_to:
-        start = sample_start_T(outputs, target=target, seed=seed, candidates=candidates,
-                               max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
-                               tie_eps=tie_eps)
+    if not distributed:     # a shard's span and medians are not the whole outputs'
+        if start is not None:   # within median +- the outputs' span: past it a cluster empties
+            T0, span = otl.check_start(start, k), float(outputs.max() - outputs.min())
+            start = T0.clamp(T0.median() - span, T0.median() + span)   # (1e16 swamps O - T's bits)
+        if dense and 2 <= k <= full_rows_up_to and n >= max(DENSE_ROWS, DENSE_ROWS_PER_K * k):
+            res = _dense_translate(outputs, target, seed, tie_eps, start, n_init)
+            if res is not None:
+                return res
+        if start is None and sample_start and k > 2 * full_rows_up_to:
+            start = sample_start_T(outputs, target=target, seed=seed, candidates=candidates,
+                                   max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
+                                   tie_eps=tie_eps)
     st = StreamingTranslator(k, target=target, seed=seed, candidates=candidates,
                              max_candidates=max_candidates, full_rows_up_to=full_rows_up_to,
-                             distributed=False, rows_hint=n, full_rows_bytes=full_rows_bytes,
-                             tie_eps=tie_eps, start=start, n_init=n_init)
+                             distributed=distributed, rows_hint=n, start=start, n_init=n_init,
+                             row_offset=row_offset if distributed else None, tie_eps=tie_eps,
+                             full_rows_bytes=full_rows_bytes)
     for s in range(0, n, st.chunk):
         st.add(outputs[s:s + st.chunk])
-    return st.result(refetch=lambda rows: outputs[rows.to(outputs.device)])
+    off = row_offset if distributed else 0
+    return st.result(refetch=lambda rows: outputs[(rows - off).to(outputs.device)])
 
 
 def sample_start_T(outputs: torch.Tensor, target=None, every=None, probe: int = 2048, **kw):
@@ -156,9 +166,7 @@ def _column_medians(A):
 
 
 def _launch_bound(device):
-    """Whether each torch operation on `device` costs a launch (and a wait where the host reads its
-    result) more than its work at the labeler's sizes: a GPU.  There passes go over all rows at
-    once, not over blocks sized for a CPU's cache."""
+    """A GPU: an op there costs its launch more than its work, so passes take all rows at once."""
     return torch.device(device).type != "cpu"
 
 
@@ -221,17 +229,10 @@ class _Comm:
             self.dist.all_reduce(y, op=getattr(self.dist.ReduceOp, op))
         return y if y is x else y.to(x.device)
 
-    def sum(self, x):
-        return self._on_backend(x, "SUM")
-
-    def max(self, x):
-        return self._on_backend(x, "MAX")
-
-    def min(self, x):
-        return self._on_backend(x, "MIN")
-
-    def broadcast(self, x):
-        return self._on_backend(x, "broadcast")
+    sum = functools.partialmethod(_on_backend, op="SUM")       # comm.sum(x), in place
+    max = functools.partialmethod(_on_backend, op="MAX")
+    min = functools.partialmethod(_on_backend, op="MIN")
+    broadcast = functools.partialmethod(_on_backend, op="broadcast")    # rank 0's x
 
     def total(self, n: int) -> int:
         """A count summed over ranks."""
@@ -589,8 +590,7 @@ def _whole_parts(vals):
 
 
 def _cat(parts):
-    """torch.cat of a non-empty list of tensors; a single one as it is (no copy, and on a GPU no
-    launch: the solver's rounds are mostly one block)."""
+    """torch.cat of tensors; one as it is (no copy or launch: a round is mostly one block)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

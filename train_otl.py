@@ -138,9 +138,11 @@ def otl_flags(g, num):
                    "untouched) or running statistics; docs/label_bn.md has the measurement")
     g.add_argument("--beta", type=num, default=1.5, help="decay rate of the translation step "
                    "(--labeler published); the paper finds any value from 1.5 to 50 works")
-    g.add_argument("--labeler", choices=("exact", "published", "sinkhorn"), default="exact",
+    g.add_argument("--labeler", choices=("exact", "reference", "published", "sinkhorn"), default="exact",
                    help="exact (default: otl.translate's problem, by otl_scale's tuned labeler): "
-                   "counts within 1 of the target in every epoch; published: the paper's Algorithm 1 as the authors run it, which "
+                   "counts within 1 of the target in every epoch; reference: the same problem by "
+                   "otl.py's short reference labeler (otl.translate_exact), slower; published: the "
+                   "paper's Algorithm 1 as the authors run it, which "
                    "stops short of balance and is faster on some outputs (docs/labeler.md, 'Which "
                    "labeler by default', has the measurement); sinkhorn: SeLa's Sinkhorn-Knopp "
                    "(lam 25), the baseline the paper compares with (even target only)")
@@ -317,8 +319,8 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
     """Label pass + translation of this rank's images: pseudo-labels (label_views, n_rank),
     statistics of all ranks for the log, and each head's translation of the first view (the
     exact labeler's start next time with --labeler-start epochs; `starts` holds the last ones).
-    The exact labeler is otl_scale's (the tuned one); across ranks it runs on every rank's
-    outputs at once (otl_scale.StreamingTranslator: only k-vectors and k x k matrices travel)."""
+    Every labeler by its name through otl_scale.translate; across ranks the exact one runs on
+    every rank's outputs at once (only k-vectors and k x k matrices travel)."""
     t0 = time.time()
     batches, bs = None, args.label_batch_size
     if ranks.world > 1:   # the same number of forward passes on every rank (SyncBatchNorm)
@@ -328,7 +330,7 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
                           device=device, bn=args.label_bn, views=args.label_views,
                           **utils.augment_options(vars(args)), generator=gen, progress=not args.no_progress and ranks.main, batches=batches)  # (V, n, k)
     t_pass = time.time() - t0
-    n, k = outs.shape[1], outs.shape[2] // args.heads
+    k = outs.shape[2] // args.heads
     lo = ranks.shard(n_total)[0]
     target = otl.uneven_target(n_total, k, args.target_x) if args.target_x else None
     labels, stats, first = [], [], {}
@@ -339,26 +341,16 @@ def make_labels(model, images, args, device, gen, ranks, n_total, starts=None):
         if args.labeler_device == "cpu":
             o = o.cpu()
         t_copy = time.perf_counter() - t_copy
-        if args.labeler == "exact":   # otl.translate's problem, by the tuned labeler
+        start = None
+        if args.labeler == "exact":   # the other view's T, or the last epoch's
             start = (first.get(h) if v > 0 and args.labeler_start != "medians" else
                      (starts or {}).get(h) if args.labeler_start == "epochs" else None)
-            if ranks.world == 1:   # translate: the dense path at k <= 128, the sample start at k > 256
-                res = otl_scale.translate(o, target=target, seed=seed, start=start,
-                                          sample_start=args.labeler_start != "medians",
-                                          n_init=args.label_head_rows)
-            else:
-                st = otl_scale.StreamingTranslator(k, target=target, seed=seed,
-                                                   n_init=args.label_head_rows, distributed=True,
-                                                   row_offset=lo, rows_hint=n, start=start)
-                for s in range(0, n, st.chunk):
-                    st.add(o[s:s + st.chunk])
-                res = st.result(refetch=lambda rows, o=o: o[(rows - lo).to(o.device)])
-            if v == 0:
-                first[h] = res.T.cpu()
-        elif args.labeler == "sinkhorn":        # SeLa's labels, the even target only
-            res = otl.translate(o, method="sinkhorn")
-        else:
-            res = otl.translate(o, target=target, method="published", beta=args.beta, seed=seed)
+        res = otl_scale.translate(o, target=target, method=args.labeler, seed=seed, start=start,
+                                  beta=args.beta, sample_start=args.labeler_start != "medians",
+                                  n_init=args.label_head_rows, distributed=ranks.world > 1,
+                                  row_offset=lo)
+        if v == 0 and args.labeler == "exact":
+            first[h] = res.T.cpu()
         labels.append(res.labels)
         raw_counts = ranks.sum(torch.bincount(o.argmax(1), minlength=k))
         hi_lo = ranks.gather((o.max().item(), o.min().item()))
@@ -711,11 +703,7 @@ def build(args, n_classes, manifest, ranks, device):
     """(config, model, the network the steps run through (DistributedDataParallel across
     processes, compiled with --compile), the peer's own modules (--method; None for OTL), SGD on
     both, one kernel a step on CUDA)."""
-    cfg = otl.ModelConfig(arch=args.arch, k=n_classes if args.supervised else args.k,
-                          small_stem=args.small_stem, width=args.width, heads=args.heads,
-                          embed=args.embed,
-                          mean=tuple(manifest["channel_mean"]), std=tuple(manifest["channel_std"]),
-                          in_chans=len(manifest["channel_mean"]))
+    cfg = utils.model_config(vars(args), manifest, k=n_classes if args.supervised else args.k)
     if args.method != "otl" and cfg.in_chans != 3 and args.peer_aug == "own":
         raise SystemExit(f"--method {args.method}: its own augmentation is of RGB images and "
                          f"{args.data} holds {cfg.in_chans} bands; pass --peer-aug otl (OTL's, "

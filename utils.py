@@ -883,6 +883,15 @@ def load_prepared(data_dir: str, size: int | None = None) -> dict:
     return d
 
 
+def model_config(p: dict, manifest: dict, **over) -> otl.ModelConfig:
+    """The one builder of a network's config: a preset's or a run's flags (vars(args)) for the data
+    of `manifest` (its bands, their mean and std), with `over` replacing fields (k, say)."""
+    fields = {key: p[key] for key in ("arch", "k", "small_stem", "width", "heads", "embed")}
+    return otl.ModelConfig(**{**fields, "mean": tuple(manifest["channel_mean"]),
+                              "std": tuple(manifest["channel_std"]),
+                              "in_chans": len(manifest["channel_mean"]), **over})
+
+
 def augment_options(p: dict) -> dict:
     """otl.augment's keywords (and label_pass's) from a preset or a run's flags (vars(args))."""
     return dict(strong=p["aug"] == "strong", cutout=p["cutout"], rot90=p["rot90"],
@@ -898,10 +907,7 @@ def random_net_features(images: torch.Tensor, manifest: dict, preset: str = "cpu
     labeler's realistic input (bench_labeler.py, ablations.py)."""
     pre = PRESETS[preset]
     torch.manual_seed(seed)
-    model = otl.build_model(otl.ModelConfig(
-        arch=pre["arch"], k=pre["k"], small_stem=pre["small_stem"], width=pre["width"],
-        embed=pre["embed"], mean=tuple(manifest["channel_mean"]),
-        std=tuple(manifest["channel_std"]), in_chans=len(manifest["channel_mean"]))).to(device)
+    model = otl.build_model(model_config(pre, manifest, heads=1)).to(device)   # its features
     if augmented:   # otl.augment draws from the global generator
         torch.manual_seed(seed + 1)
     # label_pass augments only when views > 1: then the second view is made and dropped

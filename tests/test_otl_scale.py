@@ -506,10 +506,6 @@ def test_sample_start_leaves_bad_outputs_to_the_whole_call():
 
 
 # ---------------------------------------------------------------------------------------------
-# several processes: two gloo ranks on the CPU = one process
-# ---------------------------------------------------------------------------------------------
-
-# ---------------------------------------------------------------------------------------------
 # distributed: two gloo ranks on CPU = one process
 # ---------------------------------------------------------------------------------------------
 
@@ -529,6 +525,38 @@ def _rank_main(rank, world, port, O, kw, out):
         torch.save({"labels": r.labels, "T": r.T, "counts": r.counts}, f"{out}_{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+def _translate_rank(rank, world, port, O, kw, out):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                           world_size=world)
+    try:
+        lo, hi = rank * O.shape[0] // world, (rank + 1) * O.shape[0] // world
+        r = otl_scale.translate(O[lo:hi], distributed=True, row_offset=lo, **kw)
+        torch.save({"labels": r.labels, "T": r.T}, f"{out}_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_translate_across_processes_is_one_call(tmp_path):
+    """otl_scale.translate(shard, distributed=True, row_offset=...) on each rank, with candidate
+    lists that fall short (rows read again from the rank's own shard): one process's labels."""
+    n, k, kw = 20_000, 120, {"full_rows_up_to": 0, "max_candidates": 24, "candidates": 8}
+    O = dominant(n, k, 12)
+    st = otl_scale.StreamingTranslator(k, distributed=False, rows_hint=n // 2, **kw)
+    st.add(O)
+    single = st.result(refetch=lambda rows: O[rows])
+    out = str(tmp_path / "t")
+    mp.start_processes(_translate_rank, args=(2, free_port(), O, kw, out), nprocs=2,
+                       start_method="spawn")
+    parts = [torch.load(f"{out}_{r}.pt") for r in range(2)]
+    assert single.refetched > 0
+    assert torch.equal(torch.cat([p["labels"] for p in parts]), single.labels)
+    assert all(torch.equal(p["T"], single.T) for p in parts)
+    with pytest.raises(ValueError, match="across processes"):
+        otl_scale.translate(O, method="published", distributed=True)
+
 
 @pytest.mark.parametrize("k, kw, far", [(120, {}, False), (120, {}, True),
                                         (120, {"full_rows_up_to": 0, "max_candidates": 24,
@@ -567,13 +595,15 @@ def test_exact_on_cuda_equals_cpu(k):
 # the other methods through otl_scale.translate, and the exact finish's shortest paths
 # ---------------------------------------------------------------------------------------------
 
-def test_published_and_sinkhorn_through_the_tuned_translate():
+def test_every_labeler_through_the_tuned_translate():
     """method="published" and "sinkhorn" are otl.translate's, with the published rules' tie_eps
-    default (1e-6)."""
+    default (1e-6); "reference" is otl.translate_exact."""
     O = torch.randn(3000, 20, generator=gen(50))
     for method in ("published", "sinkhorn"):
         a, b = otl_scale.translate(O, method=method), otl.translate(O, method=method)
         assert torch.equal(a.labels, b.labels) and torch.equal(a.T, b.T)
+    ref, exact = otl_scale.translate(O, method="reference"), otl.translate_exact(O)
+    assert torch.equal(ref.labels, exact.labels) and torch.equal(ref.T, exact.T)
     with pytest.raises(ValueError, match="method"):
         otl_scale.translate(O, method="auction")
 

@@ -84,6 +84,17 @@ def test_sinkhorn_labeler_and_summed_lct(small_data, tmp_path):
     assert mean and summed and lu == pytest.approx(4 * lm, rel=1e-4)
 
 
+def test_reference_labeler_trains_to_the_exact_ones_balance(small_data, tmp_path):
+    """--labeler reference (otl.py's exact labeler) trains, with the counts of the tuned exact
+    labeler's problem: every count within 1 of the target, so the same std."""
+    stds = {}
+    for lab in ("reference", "exact"):
+        train(small_data, tmp_path / lab, "--epochs", "1", "--labeler", lab)
+        stds[lab] = json.loads((tmp_path / lab / "log.jsonl").read_text().splitlines()[0])["pl_std"]
+        assert utils.load_file(tmp_path / lab / "checkpoint.pth")["args"]["labeler"] == lab
+    assert stds["reference"] == pytest.approx(stds["exact"]) and stds["exact"] < 1
+
+
 def test_resume_with_another_model_fails_loudly(small_data, tmp_path):
     train(small_data, tmp_path / "m", "--epochs", "1")
     with pytest.raises(SystemExit, match="different model"):
