@@ -129,8 +129,12 @@ class Peer(nn.Module):
     both ways; SwAV a projection head, k prototypes on the unit sphere, frozen for the first
     epoch as its paper, and the swapped-prediction loss with Sinkhorn-Knopp codes."""
 
-    def __init__(self, method: str, model: otl.OTLNet, k: int = 128):
+    def __init__(self, method: str, model: otl.OTLNet, k: int = 128, size: int = 32,
+                 own: dict | None = None, aug: dict | None = None):
+        """size: the views' side; own: `views`' options (rot90, flip, crop) for the method's own
+        augmentation, or aug: otl.augment's options to take OTL's views instead (--peer-aug otl)."""
         super().__init__()
+        self.size, self.own, self.aug = size, own or {}, aug
         lightly = need_lightly()
         heads = lightly.models.modules
         d = model.feat_dim
@@ -158,6 +162,16 @@ class Peer(nn.Module):
     def trainable(self):
         """The parameters the optimiser trains (BYOL's target follows by momentum instead)."""
         return [p for p in self.parameters() if p.requires_grad]
+
+    def step(self, model: otl.OTLNet, x: torch.Tensor, epoch: int, device,
+             amp: bool | None = None) -> torch.Tensor:
+        """A training step's loss on the uint8 batch x: its two views (the method's own or OTL's),
+        the forward passes under otl.autocast(device, amp), the loss in float32."""
+        xs = (views(x, self.size, self.method, **self.own) if self.aug is None else
+              [otl.augment(x, self.size, **self.aug) for _ in range(2)])
+        with otl.autocast(device, amp):
+            return self.loss(model, [v.contiguous(memory_format=torch.channels_last) for v in xs],
+                             epoch).float()
 
     def loss(self, model: otl.OTLNet, xs: list, epoch: int) -> torch.Tensor:
         """The method's loss on two views xs (each (B, 3, S, S) in [0, 1]) of a batch."""

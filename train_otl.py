@@ -402,7 +402,7 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
         idx = perm[step * b:(step + 1) * b]
         x = images[idx].to(device, non_blocking=True)
         if peer is not None:
-            loss = peer_loss(peer, model, x, args, opts, device, epoch)
+            loss = peer.step(model, x, epoch, device, args.amp)
         else:
             lab = targets[..., idx.to(targets.device)].to(device)   # (B,) true or (L * H, B) pseudo
             loss = batch_loss(net, x, lab, args, opts, device)
@@ -443,19 +443,6 @@ def batch_loss(net, x, lab, args, opts, device):
             loss = loss + otl.lct_loss(logits[:, :, h], lab_h, consistent=args.lct,
                                         reduction=args.lct_reduction)
     return loss
-
-
-def peer_loss(peer, model, x, args, opts, device, epoch):
-    """A peer's loss (--method) on two views of the uint8 batch x: its own published
-    augmentation, or OTL's with --peer-aug otl (to tell the method apart from its views)."""
-    if args.peer_aug == "own":
-        xs = peers.views(x, args.img_size, args.method, rot90=args.rot90, flip=args.flip,
-                         crop=args.crop)
-    else:
-        xs = [otl.augment(x, args.img_size, **opts) for _ in range(2)]
-    with otl.autocast(device, args.amp):
-        return peer.loss(model, [v.contiguous(memory_format=torch.channels_last) for v in xs],
-                         epoch).float()
 
 
 def peak_mib(device) -> float:
@@ -718,7 +705,10 @@ def build(args, n_classes, manifest, ranks, device):
             model, device_ids=[ranks.local] if device.type == "cuda" else None)
     if args.compile:   # the training steps only (a label pass's other batch sizes would recompile)
         net = torch.compile(net)
-    peer = peers.Peer(args.method, model, args.k).to(device) if args.method != "otl" else None
+    peer = None if args.method == "otl" else peers.Peer(
+        args.method, model, args.k, args.img_size,
+        own=dict(rot90=args.rot90, flip=args.flip, crop=args.crop),
+        aug=None if args.peer_aug == "own" else utils.augment_options(vars(args))).to(device)
     params = list(model.parameters()) + (peer.trainable() if peer is not None else [])
     opt = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
                           nesterov=False, fused=True if device.type == "cuda" else None)
