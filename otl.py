@@ -368,28 +368,24 @@ def _strict_ties(O, T, labels, top):
 
 # ---- 4. Sinkhorn-Knopp, SeLa's labeler (Asano et al., ICLR 2020): the paper's baseline
 
-def sinkhorn_knopp(outputs: torch.Tensor, lam: float = 25.0, tol: float = 1e-3,
-                   max_iter: int = 1000):
-    """SeLa's labeler: P = softmax(O)**lam scaled alternately along rows and columns (in the log
-    domain: lam = 25 overflows float32) until its marginals are uniform; labels = argmax.  Returns
-    (labels (N,), log_P (N, k), iters); tol: the rows' largest relative error (columns are exact)."""
+def sinkhorn_knopp(outputs: torch.Tensor, lam: float = 25.0, tol: float = 0.1,
+                   max_iter: int = 10000):
+    """SeLa's labeler as SeLa computes it (its optimize_L_sk): P = softmax(O)**lam once, in float64,
+    then r (k) and c (N) by two matrix-vector products an iteration until sum_s |c_s / c'_s - 1|
+    <= tol (checked every 10th); Q = diag(c) P diag(r), rows summing to 1/N, columns to about 1/k;
+    labels = argmax of Q's rows.  Entries of P that underflow are raised to float64's smallest
+    normal, so no column is all zero.  Returns (labels (N,), Q (N, k), iterations)."""
     check_outputs(outputs)
     n, k = outputs.shape
-    logP = lam * F.log_softmax(outputs.detach().to(torch.float64), dim=1)  # (N, k)
-    f64 = dict(dtype=torch.float64, device=outputs.device)
-    log_r, log_c = torch.full((n,), -math.log(n), **f64), torch.full((k,), -math.log(k), **f64)
-    u, v = torch.zeros(n, **f64), torch.zeros(k, **f64)
-    it = 0
-    for it in range(1, max_iter + 1):
-        u = log_r - torch.logsumexp(logP + v[None, :], dim=1)
-        v = log_c - torch.logsumexp(logP + u[:, None], dim=0)
-        if it % 10 == 0 or it == max_iter:
-            # columns are exact after the v update; check how far rows have drifted
-            row = torch.logsumexp(logP + u[:, None] + v[None, :], dim=1)
-            if (row - log_r).exp().sub(1).abs().max().item() < tol:
-                break
-    logQ = logP + u[:, None] + v[None, :]
-    return torch.argmax(logQ, dim=1), logQ, it
+    P = F.softmax(outputs.detach().to(torch.float64), dim=1).pow_(lam).clamp_(min=2.0 ** -1022)
+    c, err, it = torch.full((n,), 1 / n, dtype=torch.float64, device=outputs.device), math.inf, 0
+    while it < max(max_iter, 1) and err > tol:
+        r = (1 / k) / (P.T @ c)
+        c_new = (1 / n) / (P @ r)
+        err = (c / c_new - 1).abs().sum().item() if it % 10 == 0 else err
+        c, it = c_new, it + 1
+    Q = P.mul_(c[:, None]).mul_(r)
+    return Q.argmax(1), Q, it
 
 
 def _translate_sinkhorn(outputs, target, **settings) -> TranslateResult:
