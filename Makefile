@@ -78,6 +78,7 @@ STAMP       = .venv/.installed
 
 TRANSFER_SETS = hmhr siri_whu ucmerced
 SCRATCH_SETS  = cifar10 cifar100 svhn aid patternnet nwpu_resisc45
+# the studies of `make ablations`; tests/test_makefile.py holds them to ablations.STUDIES
 LABELER_STUDIES = beta k-labeler sinkhorn
 TRAINING_STUDIES = k uneven imbalanced labeler-in-training lct budget
 STUDIES = $(LABELER_STUDIES) $(TRAINING_STUDIES) splits label-bn

@@ -2,6 +2,7 @@
 rerun skips finished runs, and the label-bn experiment."""
 import json
 import os
+import re
 import runpy
 import sys
 
@@ -518,6 +519,13 @@ def test_label_bn_measures_a_trained_network(small_data, tmp_path):
                   "--width", "8", "--img-size", "16", "--device", "cpu", "--no-progress")
     assert (run_dir / "label_bn.json").is_file()
     assert trained["results"]["batch"]["spread"] != fresh["results"]["batch"]["spread"]
+
+
+def test_the_docs_list_every_study():
+    """docs/ablations.md's table of the studies is STUDIES, in its order (the Makefile's targets:
+    tests/test_makefile.py)."""
+    with open(os.path.join(ablations.HERE, "docs", "ablations.md")) as fh:
+        assert re.findall(r"^\| `([\w-]+)` \|", fh.read(), re.M) == list(ablations.STUDIES)
 
 
 def test_unknown_study_fails():

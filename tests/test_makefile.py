@@ -155,3 +155,29 @@ def test_a_file_named_like_a_study_does_not_stop_it(tmp_path):
 def test_no_python_in_a_recipe():
     text = (ROOT / "Makefile").read_text()
     assert "python -c" not in text and "$(PY) -c" not in text and "$(shell" not in text
+
+
+def _words(text, var):
+    """A variable of the Makefile as its words, the $(VAR)s in it expanded."""
+    value = re.search(rf"^{var}\s*\??=(.*)$", text, re.M).group(1).split()
+    return [w for v in value for w in (_words(text, v[2:-1]) if v.startswith("$(") else [v])]
+
+
+def test_every_study_has_a_target_that_runs_it():
+    """ablations.STUDIES is the list of the studies: `make ablations` runs those in the Makefile's
+    STUDIES (ablation-<study>), the others (peers, peers-transfer) have targets of their names,
+    `make help` names each, and each runs `ablations.py <study>`."""
+    import ablations
+    text = (ROOT / "Makefile").read_text()
+    listed = _words(text, "STUDIES")
+    assert len(set(listed)) == len(listed) and set(listed) <= set(ablations.STUDIES)
+    assert _words(text, "LABELER_STUDIES") == [n for n, s in ablations.STUDIES.items()
+                                                if s.kind == "labeler"]
+    every = [c[2] for c in dry_run("ablations", "DEVICE=cpu") if len(c) > 2 and c[1] == "ablations.py"]
+    assert every == listed
+    shown = make("help", dry=False)
+    for name in ablations.STUDIES:
+        target = f"ablation-{name}" if name in listed else name
+        assert re.search(rf"(^|\s){re.escape(target)}(\s|$)", shown), target
+        runs = [c[2] for c in dry_run(target, "DEVICE=cpu") if len(c) > 2 and c[1] == "ablations.py"]
+        assert runs and runs[-1] == name, target
