@@ -699,8 +699,8 @@ def test_the_k_verdict_on_a_tie_names_no_best():
 
 def test_budget_study(small_data, tmp_path, inline):
     """Each configuration's epoch timed once, its epochs set to fit the budget, trained with the
-    validation kNN logged every epoch; then the two best by validation kNN@10 with the other
-    seeds; every figure of the validation split, the test split unread; a rerun trains nothing."""
+    validation kNN logged every epoch; then the two best by validation kNN@10 and the cpu preset's
+    own with the other seeds; every figure of the validation split, the test split unread; a rerun trains nothing."""
     args = ["--grid", "32px-w32,48px-w32,32px-w32-small", "--seeds", "0,1", "--budget-minutes",
             "0.05", "--train-args",
             "--width 8 --batch-size 64 --k 16 --views 1 --label-views 1 --lct false --aug simple"]
@@ -709,7 +709,8 @@ def test_budget_study(small_data, tmp_path, inline):
     seed0 = {r["config"]: r for r in out["rows"] if r["seed"] == 0}
     assert set(seed0) == {"32px-w32", "48px-w32", "32px-w32-small"}
     best = sorted(seed0.values(), key=lambda r: -r["knn_val10"])[:2]
-    assert sorted(r["config"] for r in out["rows"] if r["seed"] == 1) == sorted(r["config"] for r in best)
+    more = {r["config"] for r in best} | {"32px-w32"}       # and the cpu preset's own
+    assert sorted(r["config"] for r in out["rows"] if r["seed"] == 1) == sorted(more)
     runs = tmp_path / "runs" / "study" / "budget"
     for r in out["rows"]:
         assert r["epochs"] == r["epochs_fit"] == max(1, int(0.05 * 60 // r["timed_epoch_s"]))
@@ -721,6 +722,8 @@ def test_budget_study(small_data, tmp_path, inline):
     assert ck["args"]["img_size"] == 48 and ck["args"]["cutout"] == 24 and ck["args"]["knn_monitor"] == 1
     assert (runs / "timing" / "32px_w32_small" / "log.jsonl").is_file()
     assert "validation kNN@10" in out["verdict"] and "| 48px-w32 | 48 | 32 | imagenet |" in md
+    first = out["verdict"].split(" ")[0]                     # the best by its seeds' mean
+    assert ("minus the cpu preset's 32px-w32" in out["verdict"]) == (first != "32px-w32")
     assert "test split is not read" in md
     assert study("budget", tmp_path, small_data, *args)["ran"] == []
 
