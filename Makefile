@@ -251,7 +251,7 @@ labeler-compare: $(STAMP)
 	$(PY) bench/compare_labelers.py $(REV) otl_scale.py --inputs small,stream,large --expect-same
 
 train-bench-gpu: $(STAMP)
-	$(PY) bench/bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out $(OUT)/train_throughput_gpu.json
+	$(PY) bench/bench_train.py --device cuda --sizes 224,112,64 --out $(OUT)/train_throughput_gpu.json
 
 clean-runs:
 	rm -rf $(RUNS)

@@ -119,15 +119,17 @@ def test_bench_labeler_gpu_flag_without_a_gpu(tmp_path):
 
 def test_bench_train_measures_float32_and_bf16(tmp_path):
     """bench_train.py --amp both: every OTL figure in float32 and under bf16 autocast, their
-    ratio, and what train_otl.py's --amp would take here, in the JSON."""
+    ratio, and what train_otl.py's --amp would take here, in the JSON; the batched augmentation
+    beside torchvision's per image."""
     import bench_train
     out = tmp_path / "t.json"
     res = bench_train.main(bench_train.get_args_parser().parse_args(
         ["--device", "cpu", "--sizes", "32", "--width", "8", "--batch-size", "16", "--steps", "2",
          "--warmup", "1", "--label-batch-size", "16", "--amp", "both", "--only",
-         "otl_train,features", "--out", str(out)]))
+         "otl_train,features,augment,per_image", "--out", str(out)]))
     r = json.loads(out.read_text())["sizes"]["32"]
     assert r == res["sizes"]["32"] and "label_pass_fp32" not in r and "supervised" not in r
+    assert r["augment"]["views_per_s"] > 0 and r["per_image"]["views_per_s"] > 0
     for f in ("otl_train", "features"):
         assert r[f + "_fp32"]["views_per_s"] > 0 and r[f + "_bf16"]["views_per_s"] > 0
         assert r[f + "_bf16_over_fp32"] == pytest.approx(
