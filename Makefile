@@ -47,7 +47,6 @@
 ## Benchmarks
 ##   labeler-bench            the labelers on the same outputs: time, balance, memory
 ##   labeler-bench-gpu        the same on a CUDA GPU
-##   labeler-matrix           ours against the published rules on trained networks' outputs
 ##   labeler-compare REV=..   this labeler against REV's: the same labels and T, and the time
 ##   train-bench-gpu          training and label-pass images/s against a plain supervised loop
 ## Housekeeping
@@ -87,7 +86,7 @@ GPU_TABLES = eurosat-gpu $(addsuffix -gpu,$(TRANSFER_SETS)) cifar10-gpu
 .PHONY: help setup test eurosat eurosat-supervised eurosat-data data eval-run tables eurosat-ms multispectral \
         $(TRANSFER_SETS) $(SCRATCH_SETS) $(GPU_TABLES) ablations $(addprefix ablation-,$(STUDIES)) peers \
         peers-cpu peers-transfer \
-        labeler-bench labeler-bench-gpu labeler-matrix labeler-compare train-bench-gpu clean-runs
+        labeler-bench labeler-bench-gpu labeler-compare train-bench-gpu clean-runs
 .DELETE_ON_ERROR:
 
 help:
@@ -240,32 +239,11 @@ peers-transfer: peers-cpu
 # The labelers on the same outputs (Gaussian N = 50,000, k = 50..1000; EuroSAT outputs of a fresh
 # and of the trained network where data/eurosat and runs/eurosat exist; 1.28M x 3000 streamed).
 labeler-bench: eurosat-data
-	$(PY) bench/bench_labeler.py --out $(OUT)/labeler_bench.json --plot $(OUT)/labeler_bench.png
+	$(PY) bench/bench_labeler.py --out $(OUT)/labeler_bench.json
 
 labeler-bench-gpu: $(STAMP)
 	PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $(PY) bench/bench_labeler.py --device cuda --skip-real \
-	  --ref-n 640000 --repeat 3 --out $(OUT)/labeler_bench_gpu.json --plot $(OUT)/labeler_bench_gpu.png
-
-# ours against the published rules on random and trained networks' outputs, EuroSAT and CIFAR-10,
-# all images and the training split, k = 10 .. 3000 (about an hour on 2 cores); it needs the
-# trained networks of `make eurosat` and `make cifar10`; MATRIX_V names the files
-MATRIX_V ?= new
-MATRIX_RUN = $(PY) bench/bench_labeler.py --skip-large --ks 10 --methods exact,published
-MATRIX_E = --data $(DATA)/eurosat --net cpu --checkpoint $(RUNS)/eurosat/checkpoint.pth
-MATRIX_C = --data $(DATA)/cifar10 --net alexnet-cifar-cpu --checkpoint $(RUNS)/cifar10/checkpoint.pth --real-split train
-MATRIX_OUT = $(foreach s,eurosat_small_k eurosat_train_small_k cifar10_small_k eurosat_large_k eurosat_train_large_k cifar10_large_k,$(OUT)/labeler_bench_$(MATRIX_V)_$(s).json)
-labeler-matrix: eurosat-data
-	$(MAKE) --no-print-directory data DATASET=cifar10
-	@for f in $(RUNS)/eurosat/checkpoint.pth $(RUNS)/cifar10/checkpoint.pth; do test -f $$f || \
-	  { echo "$$f is missing: the matrix needs the trained networks of make eurosat and make cifar10"; exit 1; }; done
-	$(MATRIX_RUN) $(MATRIX_E) --real-ks 10,50,100,128 --trained-ks 10,50,100 --fresh 5 --out $(word 1,$(MATRIX_OUT))
-	$(MATRIX_RUN) $(MATRIX_E) --real-split train --real-ks 10,50,100,128 --trained-ks 10,50,100 --fresh 5 --out $(word 2,$(MATRIX_OUT))
-	$(MATRIX_RUN) $(MATRIX_C) --real-ks 10,50,100,128 --trained-ks 10,50,100 --fresh 5 --out $(word 3,$(MATRIX_OUT))
-	$(MATRIX_RUN) $(MATRIX_E) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 4,$(MATRIX_OUT))
-	$(MATRIX_RUN) $(MATRIX_E) --real-split train --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 5,$(MATRIX_OUT))
-	$(MATRIX_RUN) $(MATRIX_C) --real-ks 500,1000,3000 --trained-ks 500,1000,3000 --out $(word 6,$(MATRIX_OUT))
-	$(PY) bench/bench_labeler.py --summary $(MATRIX_OUT) --matrix-plot $(OUT)/labeler_matrix_$(MATRIX_V).png \
-	  > $(OUT)/labeler_matrix_$(MATRIX_V).md
+	  --ref-n 640000 --out $(OUT)/labeler_bench_gpu.json
 
 # otl_scale.py's labeler against REV's (a commit, or a path to another otl_scale.py): the same
 # labels and T on Gaussian, collapsed and grouped inputs at k = 2 - 3000, and the time of each
@@ -274,7 +252,7 @@ labeler-compare: $(STAMP)
 	$(PY) bench/compare_labelers.py $(REV) otl_scale.py --inputs small,stream,large --expect-same
 
 train-bench-gpu: $(STAMP)
-	$(PY) bench/bench_train.py --device cuda --sizes 224,112,64 --compile 112 --out $(OUT)/train_throughput_gpu.json
+	$(PY) bench/bench_train.py --device cuda --sizes 224,112,64 --out $(OUT)/train_throughput_gpu.json
 
 clean-runs:
 	rm -rf $(RUNS)

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -931,6 +932,38 @@ def fresh_head_outputs(feats: torch.Tensor, k: int, seed: int = 0) -> torch.Tens
     """(N, k) outputs of fresh_head(d, k, seed)."""
     with torch.no_grad():
         return fresh_head(feats.shape[1], k, seed).to(feats.device)(feats)
+
+
+def measure_labeler(O: torch.Tensor, method: str, **settings) -> dict:
+    """One labeler by its name (exact, reference, published, sinkhorn: otl_scale.translate's
+    method) on outputs O, timed, as the benchmarks and the labeler studies record it: the call's
+    seconds (the device synchronised around it), iterations, stop_reason, std (of the counts
+    against the target, N / k unless settings give one) and max - min, std_before (argmax alone),
+    std_max (every row in one cluster), the std after each step where the labeler keeps them
+    (std_history), exact's rows read again and solved; and the method and the settings given
+    (the rest translate's defaults), so published as the authors run it (init="zero",
+    tie_eps=0) is told from it as train_otl.py runs it."""
+    import otl_scale    # here: it imports scipy, which no other helper needs (not timed)
+    n, k = O.shape
+    synchronize(O.device)
+    t0 = time.perf_counter()
+    res = otl_scale.translate(O, method=method, **settings)
+    synchronize(O.device)
+    seconds = time.perf_counter() - t0
+    target = res.target.cpu()
+    counts = torch.bincount(res.labels.cpu(), minlength=k).double()
+    before = torch.bincount(O.argmax(1).cpu(), minlength=k).double()
+    rec = {"method": method, "settings": settings, "seconds": round(seconds, 4),
+           "iterations": int(res.iterations), "stop_reason": res.stop_reason,
+           "std": (counts - target).pow(2).mean().sqrt().item(),
+           "max_minus_min": int(counts.max() - counts.min()),
+           "std_before": (before - target).pow(2).mean().sqrt().item(),
+           "std_max": otl.worst_std(target, n)}
+    if res.std_history:
+        rec["std_history"] = [round(h, 4) for h in res.std_history]
+    if method == "exact":
+        rec.update(refetched=res.refetched, active=res.active)
+    return rec
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:

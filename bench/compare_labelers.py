@@ -1,33 +1,31 @@
-"""Two versions of the tuned exact labeler (otl_scale.translate) on the same inputs: do they
-give the same labels and T to the bit, and which is faster?  What to run before committing a
-change to the labeler: on real outputs alone a slowdown on other inputs can pass unseen.
+"""Two versions of the exact labeler on the same inputs: do they give the same labels and T to
+the bit, and which is faster?  Run it before committing a change to the labeler (on real outputs
+alone a slowdown on other inputs can pass unseen).
 
     python bench/compare_labelers.py HEAD otl_scale.py              # the last commit against the tree
     python bench/compare_labelers.py HEAD~5 otl_scale.py --inputs large   # at 320,000 x 3000
     python bench/compare_labelers.py HEAD otl_scale.py --pt 'saved/*.pt' --expect-same
-    python bench/compare_labelers.py old/otl_scale.py otl_scale.py --device cuda --inputs large --large-n 1280000
     python bench/compare_labelers.py f95442e otl_scale.py --inputs none --views runs/eurosat/checkpoint.pth
 
-A and B: a path to an otl_scale.py (or to an otl.py: an older one held the tuned labeler, today's
-is the reference), or a git revision, read with `git show` (its otl_scale.py and otl.py, or its
-otl.py alone).
+A and B, each called as translate(O, method="exact"): a path to an otl_scale.py (with the otl.py
+beside it) or to an otl.py (an older one held the tuned labeler; today's is the reference), or a
+git revision (its otl_scale.py and otl.py, or its otl.py alone).
 Input sets (--inputs, comma-separated; default small,stream):
   small   Gaussian with a drift across columns, k = 2 - 100, N = 600 - 20,000 (the dense path)
   stream  k = 200 - 3000 (the streaming path): Gaussian with and without a drift, identical rows,
           half of the rows one identical row, 10 tight groups, a few dominant columns
-  large   Gaussian 320,000 x 3000 (--large-n x --large-k)
-  --pt    saved (N, k) outputs (torch.save), each whole and as four subsets (--whole-only: whole);
-          a saved (V, N, k) stack is one case of V views, labelled as --views labels them
-  --views a checkpoint: its network's label pass over --data's training split, two augmented
-          views as train_otl.py makes them (its augmentation, seed --seed), labelled as its
-          make_labels does with the default flags: the first view from the column medians, the
-          second from the first's T (what a training epoch's label call costs)
-Each case: one warm-up call of each version, then --reps calls alternating A, B (median time).
-Each result is checked: counts within 1 of the target and labels argmax(O - T) outside the
-tie-break's size (`valid`); labels and T are compared apart (where N / k is not whole, which
-clusters take the extra rows is not unique, so labels may differ while both are valid).
-Results: a line a case, a summary, and --out JSON (written after every case); with
---expect-same the exit status is 1 when any case differs.
+  large   Gaussian --large-n x --large-k (320,000 x 3000)
+  --pt    saved (N, k) outputs (bench_labeler.py --save-inputs), each whole and as four subsets
+          (--whole-only: whole); a saved (V, N, k) stack is one case of V views, as --views
+  --views a checkpoint's label pass over --data's training split, two augmented views labelled
+          as train_otl.py labels them: the first from the column medians, the second from the
+          first's T (what a training epoch's label call costs)
+Each case: a call of each version (the results compared), then --reps calls alternating A, B
+(the median time).  B's results are checked: counts within 1 of the target, labels argmax(O - T)
+outside the tie-break's size (`valid`).  Labels and T are compared apart: where N / k is not
+whole, which clusters take the extra rows is not unique (labels may differ, both valid).
+A line a case, a summary, and --out JSON (written after every case); with --expect-same the
+exit status is 1 when any case differs or B is invalid.
 """
 import os, sys  # noqa: E401  (run as bench/<name>.py: the repository root holds otl, utils)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 import glob
 import importlib.util
-import json
 import statistics
 import subprocess
 import tempfile
@@ -43,49 +40,45 @@ import time
 
 import torch
 
+import utils
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 def _load_file(path, name):
-    mod_spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    sys.modules[name] = mod
-    mod_spec.loader.exec_module(mod)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod
 
 
 def load(spec, name, tmp):
-    """The tuned exact labeler at `spec`: a path to an otl_scale.py (read with the otl.py beside
-    it) or to an older otl.py that held the labeler itself, or a git revision (its otl_scale.py
-    with its otl.py; its otl.py alone where it has no otl_scale.py)."""
+    """The labeler module at `spec` (see the docstring's A and B), copied under tmp/name."""
     if os.path.isfile(spec):
         files = {os.path.basename(spec): open(spec).read()}
-        if os.path.basename(spec) == "otl_scale.py":
-            with open(os.path.join(os.path.dirname(os.path.abspath(spec)), "otl.py")) as fh:
-                files["otl.py"] = fh.read()
+        if "otl_scale.py" in files:
+            files["otl.py"] = open(os.path.join(os.path.dirname(os.path.abspath(spec)), "otl.py")).read()
     else:
-        files = {}
-        for f in ("otl.py", "otl_scale.py"):
-            r = subprocess.run(["git", "show", f"{spec}:{f}"], capture_output=True, text=True,
-                               cwd=os.path.dirname(os.path.abspath(__file__)))
-            if r.returncode == 0:
-                files[f] = r.stdout
+        shown = {f: subprocess.run(["git", "show", f"{spec}:{f}"], capture_output=True, text=True,
+                                   cwd=HERE) for f in ("otl.py", "otl_scale.py")}
+        files = {f: r.stdout for f, r in shown.items() if r.returncode == 0}
         if "otl.py" not in files:
             raise SystemExit(f"{spec!r} is neither a file nor a git revision with an otl.py; give "
                              "a path to an otl_scale.py (or an older otl.py) or a commit")
     d = os.path.join(tmp, name)
     os.makedirs(d, exist_ok=True)
     for f, text in files.items():
-        with open(os.path.join(d, f if f in ("otl.py", "otl_scale.py") else "otl.py"), "w") as fh:
+        with open(os.path.join(d, f if f == "otl_scale.py" else "otl.py"), "w") as fh:
             fh.write(text)
     base = _load_file(os.path.join(d, "otl.py"), f"otl_{name}")
     if "otl_scale.py" not in files:
         return base
-    saved = sys.modules.get("otl")
-    sys.modules["otl"] = base          # its otl_scale imports its own otl
+    saved, sys.modules["otl"] = sys.modules.get("otl"), base     # its otl_scale imports its otl
     try:
         return _load_file(os.path.join(d, "otl_scale.py"), f"otl_scale_{name}")
     finally:
         if saved is None:
-            sys.modules.pop("otl", None)
+            del sys.modules["otl"]
         else:
             sys.modules["otl"] = saved
 
@@ -133,10 +126,9 @@ def cases(which, args):
         n, name = X.shape[0], os.path.join(os.path.basename(os.path.dirname(os.path.abspath(p))),
                                            os.path.basename(p))     # (folder/file: names repeat)
         yield name, X
-        if args.whole_only:
-            continue
-        for tag, sub in (("[:80%]", X[:int(0.8 * n)]), ("[n/3:]", X[n // 3:]), ("[::2]", X[::2]),
-                         ("[:-777]", X[:-777])):
+        for tag, sub in (() if args.whole_only else (
+                ("[:80%]", X[:int(0.8 * n)]), ("[n/3:]", X[n // 3:]), ("[::2]", X[::2]),
+                ("[:-777]", X[:-777]))):
             if sub.shape[0] > 0:
                 yield name + tag, sub
 
@@ -145,34 +137,28 @@ def views_of(checkpoint, data, seed):
     """(2, N, k) outputs of the checkpoint's network on the data's training split: two augmented
     views, as train_otl.py's label pass makes them (BatchNorm on batch statistics)."""
     import otl
-    import utils
     model, ckpt = utils.load_checkpoint(checkpoint, "cpu")
     a = ckpt["args"]
     d = utils.load_prepared(data)
-    images = d["images"][d["train_idx"]]
     torch.manual_seed(seed)
-    outs = otl.label_pass(model, images, int(a["img_size"]), batch_size=int(a["label_batch_size"]),
-                          device="cpu", bn=a["label_bn"], views=2, **utils.augment_options(a),
-                          generator=torch.Generator().manual_seed(seed), progress=False)
-    return outs.contiguous()
+    return otl.label_pass(model, d["images"][d["train_idx"]], int(a["img_size"]),
+                          batch_size=int(a["label_batch_size"]), device="cpu", bn=a["label_bn"],
+                          views=2, **utils.augment_options(a), progress=False,
+                          generator=torch.Generator().manual_seed(seed)).contiguous()
 
 
 def call(mod, X):
     """(seconds, results): one call on (N, k) outputs; on a (V, N, k) stack, view 0 from the
     medians and each other view from view 0's T, with make_labels' seeds and settings."""
-    if X.is_cuda:
-        torch.cuda.synchronize()
-    t = time.perf_counter()
     tuned = hasattr(mod, "StreamingTranslator")       # (otl.py's reference takes no seed)
+    kw = (lambda v: dict(seed=1 + v, n_init=8192) if tuned else {})
+    t = time.perf_counter()
     if X.dim() == 2:
         res = [mod.translate(X, method="exact")]
     else:
-        res = [mod.translate(X[0], method="exact", **(dict(seed=1, n_init=8192) if tuned else {}))]
-        for v in range(1, X.shape[0]):
-            kw = dict(seed=1 + v, n_init=8192) if tuned else {}
-            res.append(mod.translate(X[v], method="exact", start=res[0].T, **kw))
-    if X.is_cuda:
-        torch.cuda.synchronize()
+        res = [mod.translate(X[0], method="exact", **kw(0))]
+        res += [mod.translate(X[v], method="exact", start=res[0].T, **kw(v))
+                for v in range(1, X.shape[0])]
     return time.perf_counter() - t, res
 
 
@@ -186,11 +172,35 @@ def valid(X, r, tie_eps=2.0 ** -26):
     return bool(((c >= lo) & (c <= hi)).all()) and bool((S.max(1).values - own <= eps).all())
 
 
+def compare(name, X, A, B, reps):
+    """One case's record: A's and B's results compared, B's checked, --reps times of each."""
+    _, RA = call(A, X)
+    _, RB = call(B, X)
+    same = {f: all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for a, b in zip(RA, RB))
+            for f in ("labels", "T", "counts")}
+    ra, rb = RA[-1], RB[-1]
+    ta, tb = [], []
+    for _ in range(reps):
+        ta.append(call(A, X)[0])
+        tb.append(call(B, X)[0])
+    row = {"case": name, "shape": list(X.shape), "same": all(same.values()),
+           "labels_same": same["labels"], "T_same": same["T"],
+           "valid_b": all(valid(X if X.dim() == 2 else X[v], r) for v, r in enumerate(RB)),
+           "seconds_a": ta, "seconds_b": tb, "iterations_a": sum(r.iterations for r in RA),
+           "iterations_b": sum(r.iterations for r in RB),
+           "max_minus_min_a": int(ra.counts.max() - ra.counts.min()),
+           "max_minus_min_b": int(rb.counts.max() - rb.counts.min())}
+    if not row["same"]:
+        row["labels_differ"] = int((ra.labels.cpu() != rb.labels.cpu()).sum())
+        row["T_max_abs_diff"] = float((ra.T.cpu() - rb.T.cpu()).abs().max())
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("a", help="version A: a path to an otl.py, or a git revision")
+    p.add_argument("a", help="version A: a path to an otl_scale.py or otl.py, or a git revision")
     p.add_argument("b", help="version B: likewise")
     p.add_argument("--inputs", default="small,stream",
                    help="input sets, comma-separated: small, stream, large, none (default small,stream)")
@@ -204,82 +214,44 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=1, help="timed calls of each version a case (default 1)")
     p.add_argument("--large-n", type=int, default=320_000, help="rows of the large set (320,000)")
     p.add_argument("--large-k", type=int, default=3000, help="columns of the large set (3000)")
-    p.add_argument("--device", default="cpu",
-                   help="where the outputs are when the labelers get them: cpu (default) or cuda")
     p.add_argument("--out", help="write the results here as JSON")
     p.add_argument("--expect-same", action="store_true",
-                   help="exit with status 1 if any case gives other labels, T or counts")
+                   help="exit with status 1 if any case gives other labels, T or counts, or B is invalid")
     args = p.parse_args(argv)
     which = {w.strip() for w in args.inputs.split(",")} - {"", "none"}
-    bad = which - {"small", "stream", "large"}
-    if bad:
-        p.error(f"unknown input set(s) {sorted(bad)}: choose from small, stream, large, none")
+    if which - {"small", "stream", "large"}:
+        p.error(f"unknown input set(s) {sorted(which - {'small', 'stream', 'large'})}: choose "
+                "from small, stream, large, none")
     if args.reps < 1:
         p.error("--reps must be at least 1")
-    try:
-        dev = torch.device(args.device)
-    except RuntimeError as err:
-        p.error(f"--device {args.device!r}: {err}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch sees no CUDA device here")
+    rec = {"command": " ".join(["python", "bench/compare_labelers.py"] + (argv or sys.argv[1:])),
+           "a": args.a, "b": args.b, "threads": torch.get_num_threads(), "cases": []}
+    print(f"{'case':32s} {'same':5s} {'A s':>8s} {'B s':>8s} {'B/A':>5s}  iterations A / B")
     with tempfile.TemporaryDirectory() as tmp:
         A, B = load(args.a, "A", tmp), load(args.b, "B", tmp)
-        rec = {"command": " ".join(["python", "bench/" + os.path.basename(__file__)] + (argv or sys.argv[1:])),
-               "a": args.a, "b": args.b, "threads": torch.get_num_threads(),
-               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-               "cases": []}
-        differ = invalid = 0
-        print(f"{'case':32s} {'same':5s} {'A s':>8s} {'B s':>8s} {'B/A':>5s}  iterations A / B")
         for name, X in cases(which, args):
-            X = X.to(dev)
-            _, RA = call(A, X)      # warm-up, and the results compared
-            _, RB = call(B, X)
-            labels_same = all(torch.equal(a.labels.cpu(), b.labels.cpu()) for a, b in zip(RA, RB))
-            T_same = all(torch.equal(a.T.cpu(), b.T.cpu()) for a, b in zip(RA, RB))
-            ok = [valid(X if X.dim() == 2 else X[v], r) for v, r in enumerate(RB)]
-            same = labels_same and T_same and all(torch.equal(a.counts.cpu(), b.counts.cpu())
-                                                  for a, b in zip(RA, RB))
-            ra, rb = RA[-1], RB[-1]
-            ta, tb = [], []
-            for _ in range(args.reps):
-                ta.append(call(A, X)[0])
-                tb.append(call(B, X)[0])
-            ma, mb = statistics.median(ta), statistics.median(tb)
-            differ += not same
-            invalid += not all(ok)
-            row = {"case": name, "shape": list(X.shape), "same": same, "labels_same": labels_same,
-                   "T_same": T_same, "valid_b": all(ok), "seconds_a": ta,
-                   "seconds_b": tb, "iterations_a": sum(r.iterations for r in RA),
-                   "iterations_b": sum(r.iterations for r in RB),
-                   "max_minus_min_a": int(ra.counts.max() - ra.counts.min()),
-                   "max_minus_min_b": int(rb.counts.max() - rb.counts.min())}
-            if not same:
-                row["labels_differ"] = int((ra.labels.cpu() != rb.labels.cpu()).sum())
-                row["T_max_abs_diff"] = float((ra.T.cpu() - rb.T.cpu()).abs().max())
+            row = compare(name, X, A, B, args.reps)
             rec["cases"].append(row)
             if args.out:        # after every case: a long comparison cut short keeps what it did
-                with open(args.out, "w") as f:
-                    json.dump(rec, f, indent=1)
-            flag = "yes" if same else ("lab" if labels_same else "NO")
-            print(f"{name:32s} {flag:5s} {ma:8.3f} {mb:8.3f} {mb / ma:5.2f}  "
-                  f"{row['iterations_a']} / {row['iterations_b']}{'' if all(ok) else '  B INVALID'}",
-                  flush=True)
-        n = len(rec["cases"])
-        if n:
-            ratios = [statistics.median(c["seconds_b"]) / statistics.median(c["seconds_a"])
-                      for c in rec["cases"]]
-            rec["summary"] = {"cases": n, "differ": differ, "invalid_b": invalid,
-                              "labels_differ": sum(not c["labels_same"] for c in rec["cases"]),
-                              "b_over_a_median": statistics.median(ratios),
-                              "b_over_a_max": max(ratios)}
-            print(f"{n} cases, {differ} differ ({rec['summary']['labels_differ']} in labels), "
-                  f"{invalid} invalid in B; B / A time: median "
-                  f"{rec['summary']['b_over_a_median']:.2f}, largest {rec['summary']['b_over_a_max']:.2f}")
-        else:
-            print("no cases: choose --inputs or --pt")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rec, f, indent=1)
+                utils.write_json(rec, args.out)
+            ma, mb = statistics.median(row["seconds_a"]), statistics.median(row["seconds_b"])
+            flag = "yes" if row["same"] else ("lab" if row["labels_same"] else "NO")
+            print(f"{name:32s} {flag:5s} {ma:8.3f} {mb:8.3f} {mb / ma:5.2f}  {row['iterations_a']} / "
+                  f"{row['iterations_b']}{'' if row['valid_b'] else '  B INVALID'}", flush=True)
+    cs = rec["cases"]
+    differ, invalid = sum(not c["same"] for c in cs), sum(not c["valid_b"] for c in cs)
+    if cs:
+        ratios = [statistics.median(c["seconds_b"]) / statistics.median(c["seconds_a"]) for c in cs]
+        rec["summary"] = {"cases": len(cs), "differ": differ, "invalid_b": invalid,
+                          "labels_differ": sum(not c["labels_same"] for c in cs),
+                          "b_over_a_median": statistics.median(ratios), "b_over_a_max": max(ratios)}
+        print(f"{len(cs)} cases, {differ} differ ({rec['summary']['labels_differ']} in labels), "
+              f"{invalid} invalid in B; B / A time: median {statistics.median(ratios):.2f}, "
+              f"largest {max(ratios):.2f}")
+    else:
+        print("no cases: choose --inputs or --pt")
+    if args.out:
+        utils.write_json(rec, args.out)
     return 1 if args.expect_same and (differ or invalid) else 0
 
 

@@ -2,13 +2,9 @@
 
     python bench/multispectral.py --init runs/eurosat/checkpoint.pth --out results/multispectral
 
-Rows (each network evaluated on frozen features, kNN@10 and the linear probe):
-  random-13        a random 13-band network (train_otl.py --epochs 0: its random-init snapshot)
-  rgb-backbone     the RGB backbone (--init) on the sample's B04,B03,B02, as it is (--epochs 0)
-  inflated-13      that backbone inflated to 13 bands (train_otl.py --init's rule), untrained
-  otl-13           the inflated backbone trained on with OTL (--preset, transfer-cpu)
-  otl-rgb          the same on B04,B03,B02 only
-  supervised-13    supervised from the same start on 13 bands (trained once per split)
+Rows (--rows; --help lists them): a random 13-band network (train_otl.py --epochs 0), the RGB
+backbone (--init) as it is, inflated to 13 bands (train_otl.py --init's rule), each trained on
+with OTL (--preset) on 13 bands and on RGB, and supervised on 13 bands from the same start.
 
 Protocol.  Every network's features of all the images (the test-time view, the model in eval
 mode) are scored on --splits seeded stratified 80/20 splits (utils.stratified_split, seeds 0 ..
@@ -38,18 +34,23 @@ import utils
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RGB = "B04,B03,B02"
-ROWS = {
-    "random-13": "a random 13-band network",
-    "rgb-backbone": "the RGB backbone on the sample's B04,B03,B02 (untrained here)",
-    "inflated-13": "that backbone inflated to 13 bands, untrained",
-    "otl-13": "the inflated backbone trained on with OTL, 13 bands",
-    "otl-rgb": "the RGB backbone trained on with OTL, B04,B03,B02 only",
-    "supervised-13": "supervised from the inflated backbone, 13 bands (once per split)",
+ROWS = {    # row: what it is, its run folder, its data, train_otl.py's flags (INIT: --init's path)
+    "random-13": ("a random 13-band network", "random_13", "ms", ["--epochs", 0]),
+    "rgb-backbone": ("the RGB backbone on the sample's B04,B03,B02 (untrained here)", "rgb_backbone",
+                     "rgb", ["--init", "INIT", "--epochs", 0]),
+    "inflated-13": ("that backbone inflated to 13 bands, untrained", "inflated_13", "ms",
+                    ["--init", "INIT", "--epochs", 0]),
+    "otl-13": ("the inflated backbone trained on with OTL, 13 bands", "otl_13", "ms", ["--init", "INIT"]),
+    "otl-rgb": ("the RGB backbone trained on with OTL, B04,B03,B02 only", "otl_rgb", "rgb",
+                ["--init", "INIT"]),
+    "supervised-13": ("supervised from the inflated backbone, 13 bands (once per split)",
+                      "supervised_13_split", "ms", ["--init", "INIT", "--supervised"]),
 }
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="rows:\n" + "\n".join(f"  {r:<15} {v[0]}" for r, v in ROWS.items()))
     p.add_argument("--source", default=os.path.join(ROOT, "..", "shared", "data",
                                                     "EuroSAT_MS_sample.zip"),
                    help="EuroSAT MS (the sample, or the official EuroSATallBands.zip: 27,000 "
@@ -128,12 +129,24 @@ def score(f, labels, train, test):
 
 
 def summary(per_split):
-    out = {}
-    for m in ("knn10", "linear"):
-        v = torch.tensor([s[m] for s in per_split], dtype=torch.float64)
-        out[m] = {"mean": round(v.mean().item(), 2),
-                  "sd": round(v.std().item(), 2) if len(v) > 1 else None}
-    return out
+    """{"knn10", "linear"}: {"mean", "sd"} over the splits."""
+    return {m: dict(zip(("mean", "sd"), (round(v, 2) for v in utils.mean_sd([s[m] for s in per_split]))))
+            for m in ("knn10", "linear")}
+
+
+def runs_of(args, name, prepared, splits):
+    """[(checkpoint, its data, the splits it is scored on)] of a row, trained when not yet."""
+    _, folder, kind, flags = ROWS[name]
+    flags = [args.init if f == "INIT" else f for f in flags]
+    if name != "supervised-13":     # trained once, without labels; scored on every split
+        return [(train(args, prepared[kind], folder, *flags), prepared[kind], splits)]
+    runs = []                       # it sees labels: trained on each split's training part
+    for s, (tr, te) in enumerate(splits):
+        data = prepare(args, f"ms_split{s}", "--seed", s)
+        assert torch.equal(utils.load_prepared(data)["train_idx"], tr), \
+            "prepare_data's split is stratified_split's"
+        runs.append((train(args, data, f"{folder}{s}", *flags), data, [(tr, te)]))
+    return runs
 
 
 def main(args):
@@ -148,43 +161,18 @@ def main(args):
                          "first (make eurosat, or train_otl.py --preset cpu)")
     device = utils.pick_device(args.device)
     # OTL's data: every band, and RGB, each split 459 / 10 (one image a class held out)
-    ms = prepare(args, "ms", "--test-frac", "0.01")
-    rgb = prepare(args, "rgb", "--test-frac", "0.01", "--bands", RGB)
-    ckpts = {}
-    if "random-13" in rows:
-        ckpts["random-13"] = (train(args, ms, "random_13", "--epochs", 0), ms)
-    if "rgb-backbone" in rows:
-        ckpts["rgb-backbone"] = (train(args, rgb, "rgb_backbone", "--init", args.init,
-                                       "--epochs", 0), rgb)
-    if "inflated-13" in rows:
-        ckpts["inflated-13"] = (train(args, ms, "inflated_13", "--init", args.init,
-                                      "--epochs", 0), ms)
-    if "otl-13" in rows:
-        ckpts["otl-13"] = (train(args, ms, "otl_13", "--init", args.init), ms)
-    if "otl-rgb" in rows:
-        ckpts["otl-rgb"] = (train(args, rgb, "otl_rgb", "--init", args.init), rgb)
-
-    labels = utils.load_prepared(ms)["labels"]
+    prepared = {"ms": prepare(args, "ms", "--test-frac", "0.01"),
+                "rgb": prepare(args, "rgb", "--test-frac", "0.01", "--bands", RGB)}
+    labels = utils.load_prepared(prepared["ms"])["labels"]
     splits = [utils.stratified_split(labels, 0.2, s) for s in range(args.splits)]
     results = {}
-    for name, (ckpt, data) in ckpts.items():
-        per = scored(args.work, ckpt, data, device, labels, splits)
-        results[name] = {"what": ROWS[name], "checkpoint": utils.rel_path(ckpt),
+    for name in (r for r in ROWS if r in rows):
+        runs = runs_of(args, name, prepared, splits)
+        per = [x for ckpt, data, sp in runs for x in scored(args.work, ckpt, data, device, labels, sp)]
+        ck = [utils.rel_path(c) for c, _, _ in runs]
+        results[name] = {"what": ROWS[name][0], "checkpoint": ck if name == "supervised-13" else ck[0],
                          "per_split": per, **summary(per)}
         print(name, results[name]["knn10"], results[name]["linear"], flush=True)
-    if "supervised-13" in rows:
-        per, ck = [], []
-        for s, (tr, te) in enumerate(splits):
-            data = prepare(args, f"ms_split{s}", "--seed", s)
-            got = utils.load_prepared(data)
-            assert torch.equal(got["train_idx"], tr), "prepare_data's split is stratified_split's"
-            ckpt = train(args, data, f"supervised_13_split{s}", "--init", args.init, "--supervised")
-            per.append(scored(args.work, ckpt, data, device, labels, [(tr, te)])[0])
-            ck.append(utils.rel_path(ckpt))
-        results["supervised-13"] = {"what": ROWS["supervised-13"], "checkpoint": ck,
-                                    "per_split": per, **summary(per)}
-        print("supervised-13", results["supervised-13"]["knn10"],
-              results["supervised-13"]["linear"], flush=True)
     write(args, results, labels, time.time() - t0)
 
 

@@ -433,7 +433,7 @@ def test_start_near_the_answer_balances(k):
     """start=T of a similar input (another view of the same images, here the same outputs moved
     a little): exact balance and translation-only labels as from the medians; streamed in
     batches it gives the dense call's labels and T.  (How much time it saves is measured by
-    bench_labeler.py --views, not here.)"""
+    compare_labelers.py --views, not here.)"""
     g = gen(41)
     O = torch.randn(12000, k, generator=g) + torch.linspace(0, 2, k)     # far from balance
     other = O + 0.1 * torch.randn(O.shape, generator=g)

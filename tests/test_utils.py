@@ -242,3 +242,37 @@ def test_bf16_is_refused_where_the_cpus_kernels_are_wrong():
     assert utils.bf16_shapes_ok(otl.build_model(small_cfg()), 16)     # the small stem keeps 2 x 2
     assert model.training                                              # the check left it so
     assert utils.resolve_amp(None, "cpu") == utils.cpu_bf16() and not utils.resolve_amp(False, "cpu")
+
+
+def test_measure_labeler_records_each_labeler_by_its_name():
+    """utils.measure_labeler, the one timed call of the benchmarks and the studies: each name's
+    record on the same Gaussian outputs (N / k not whole): the exact labelers within one of the
+    target, the published rules' std after each step, the settings given in the record (the
+    authors' published run told from training's), exact's rows solved and read again."""
+    n, k = 2001, 20
+    O = torch.randn(n, k, generator=gen(5))
+    floor = ((n % k) / k * (1 - (n % k) / k)) ** 0.5     # the least std the integers allow
+    before = torch.bincount(O.argmax(1), minlength=k).double()
+    authors = dict(init="zero", tie_eps=0)
+    recs = {m: utils.measure_labeler(O, m) for m in ("exact", "reference", "published", "sinkhorn")}
+    recs["authors"] = utils.measure_labeler(O, "published", **authors)
+    for name, r in recs.items():
+        assert r["method"] == ("published" if name == "authors" else name)
+        assert r["settings"] == (authors if name == "authors" else {})
+        assert r["seconds"] > 0 and r["iterations"] >= 1 and isinstance(r["stop_reason"], str)
+        assert r["std_before"] == pytest.approx((before - n / k).pow(2).mean().sqrt().item())
+        assert r["std_max"] == pytest.approx(n * (k - 1) ** 0.5 / k)
+        assert r["std"] < r["std_before"]
+        assert ("refetched" in r and "active" in r) == (name == "exact")
+        json.dumps(r)                                  # a record is JSON as it is
+    for name in ("exact", "reference"):
+        assert recs[name]["max_minus_min"] <= 1 and recs[name]["std"] == pytest.approx(floor)
+    assert 0 < recs["exact"]["active"] <= n and recs["exact"]["refetched"] >= 0
+    for name in ("published", "authors"):             # the std after every step, the best kept
+        hist = recs[name]["std_history"]
+        assert len(hist) >= recs[name]["iterations"] > 1
+        assert min(hist) == pytest.approx(recs[name]["std"], abs=1e-4)
+    assert recs["authors"]["std_history"] != recs["published"]["std_history"]    # T from 0
+    assert "std_history" not in recs["sinkhorn"]
+    with pytest.raises(ValueError, match="method must be"):
+        utils.measure_labeler(O, "exactly")
