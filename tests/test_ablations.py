@@ -77,9 +77,9 @@ def test_k_labeler_and_sinkhorn_share_measurements(small_data, tmp_path):
     study("k-labeler", tmp_path, small_data, "--n", "150", "--grid", "10,20")
     out, _ = saved(tmp_path, "k-labeler")
     assert {(r["input"], r["k"], r["method"]) for r in out["rows"]} == {
-        (i, k, m) for i in ("gaussian", "random_net") for k in (10, 20) for m in ("published", "exact")}
+        (i, k, m) for i in ("gaussian", "random_net") for k in (10, 20) for m in ("published", "reference")}
     for r in out["rows"]:
-        if r["method"] == "exact":      # ours: as even as the integers allow
+        if r["method"] == "reference":      # otl.py's exact labeler: as even as the integers allow
             assert r["max_minus_min"] <= 1
     store = tmp_path / "runs" / "study" / "labeler" / "measurements.jsonl"
     before = store.read_text().count("\n")
@@ -87,7 +87,7 @@ def test_k_labeler_and_sinkhorn_share_measurements(small_data, tmp_path):
     out, _ = saved(tmp_path, "sinkhorn")
     # only the Sinkhorn-Knopp measurements were new; OTL's came from the store
     assert store.read_text().count("\n") == before + 4
-    assert {r["method"] for r in out["rows"]} == {"published", "exact", "sinkhorn"}
+    assert {r["method"] for r in out["rows"]} == {"published", "reference", "sinkhorn"}
     # the same input for every method: one (input, k) gives one std before labelling
     for i in ("gaussian", "random_net"):
         assert len({r["std_before"] for r in out["rows"] if r["input"] == i and r["k"] == 10}) == 1
