@@ -211,7 +211,7 @@ def write(args, results, labels, seconds):
            "verdict": verdict(results), "seconds": round(seconds)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     utils.write_json(rec, args.out + ".json")
-    md = [f"# Multispectral: what 13 Sentinel-2 bands buy over RGB (EuroSAT MS sample)", "",
+    md = ["# Multispectral: what 13 Sentinel-2 bands buy over RGB (EuroSAT MS sample)", "",
           f"`{rec['command']}` at `{rec['git_commit']}`; {rec['n_images']} images, "
           f"{args.splits} stratified 80/20 splits, mean +- sd of top-1 %. Trained rows: "
           f"`{args.preset}`, {epochs} epochs"
