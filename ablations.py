@@ -1635,7 +1635,9 @@ class Budget(TrainingStudy):
              ",".join(map(str, r.get("seeds", [r.get("seed", 0)]))),
              *(cell(r, m) for m in metrics), f"{r.get('train_minutes') or 0:.1f}"] for r in rows])
         return lines + ["", "Each cell: the mean over the seeds +- their sample standard deviation "
-                        "where a configuration has more than one; val: the validation split."]
+                        "where a configuration has more than one; val: the validation split; "
+                        "minutes: the run's wall time, which other work sharing the machine "
+                        "stretches (its epochs were set by the epoch timed alone)."]
 
     def plot(self, axes, rows, grid):
         """Validation kNN@10 against the minutes of training, a curve a configuration (its seed 0
