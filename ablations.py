@@ -1515,8 +1515,10 @@ def budget_timing(study, args, grid, data, extra):
     it has them (a resumed study keeps the epochs it set), else one epoch of each configuration
     timed alone, in <runs>/<preset>/budget/timing/<config>, with the load average before it (other
     work on the machine slows the epoch, and so shortens the epochs set from it)."""
-    recorded = {r["config"]: r for r in (read_study(results_stem(args) + ".json") or {}).get("rows", [])
-                if r.get("timed_epoch_s")}
+    saved = read_study(results_stem(args) + ".json") or {}
+    recorded = {**{g: t for g, t in saved.get("timing", {}).items() if isinstance(t, dict)
+                   and utils.is_number(t.get("timed_epoch_s"))},   # every configuration's
+                **{r["config"]: r for r in saved.get("rows", []) if r.get("timed_epoch_s")}}
     out = {}
     for g in grid:
         if g in recorded:
@@ -1586,7 +1588,7 @@ class Budget(TrainingStudy):
             raise SystemExit(f"--budget-minutes must be > 0, got {args.budget_minutes}")
         grid, data = parse_grid(self, args.grid, args.preset), study_data(self, args)
         seeds, extra = parse_seeds(args), shlex.split(args.train_args)
-        timing = budget_timing(self, args, grid, data, extra)
+        timing = self.timing = budget_timing(self, args, grid, data, extra)
         first = {g: seeds[:1] for g in grid}
         rows, ran = training_study(self, args, budget_points(grid, timing, first, data, args))
         keep = {r["config"] for r in sorted(rows, key=lambda r: -r["knn_val10"])[:2]} | {PRESET_CONFIG}
@@ -1609,7 +1611,11 @@ class Budget(TrainingStudy):
                 "kNN memory bank and probe set); the test split is not read. Seed 0 of every "
                 f"configuration, then seeds {', '.join(map(str, parse_seeds(args)[1:])) or 'none'} of "
                 f"the two best by its validation kNN@10 and of the cpu preset's own ({PRESET_CONFIG}).")
-        return {"notes": [note], "data": utils.rel_path(study_data(self, args))}
+        # every configuration's timed epoch, so that a study resumed elsewhere (its run folders
+        # gone, its rows in this JSON) keeps the epochs it set before training them all
+        timing = {**getattr(self, "timing", {}), **{r["config"]: {
+            k: r[k] for k in ("timed_epoch_s", "timed_load")} for r in rows if "timed_epoch_s" in r}}
+        return {"notes": [note], "data": utils.rel_path(study_data(self, args)), "timing": timing}
 
     @compares_on("knn_val10")
     def verdict(self, rows):

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import sys
 
 import pytest
@@ -726,6 +727,10 @@ def test_budget_study(small_data, tmp_path, inline):
     assert ("minus the cpu preset's 32px-w32" in out["verdict"]) == (first != "32px-w32")
     assert "test split is not read" in md
     assert study("budget", tmp_path, small_data, *args)["ran"] == []
+    assert set(out["timing"]) == set(seed0)       # every configuration's timed epoch, kept
+    shutil.rmtree(runs / "timing")                # elsewhere: the JSON's timings, none again
+    assert study("budget", tmp_path, small_data, *args)["ran"] == []
+    assert not (runs / "timing").exists()
 
 
 def test_budget_study_refuses_what_it_cannot_time(small_data, tmp_path):
