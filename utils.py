@@ -944,21 +944,17 @@ def measure_labeler(O: torch.Tensor, method: str, **settings) -> dict:
     (the rest translate's defaults), so published as the authors run it (init="zero",
     tie_eps=0) is told from it as train_otl.py runs it."""
     import otl_scale    # here: it imports scipy, which no other helper needs (not timed)
-    n, k = O.shape
+    k = O.shape[1]
     synchronize(O.device)
     t0 = time.perf_counter()
     res = otl_scale.translate(O, method=method, **settings)
     synchronize(O.device)
     seconds = time.perf_counter() - t0
-    target = res.target.cpu()
-    counts = torch.bincount(res.labels.cpu(), minlength=k).double()
-    before = torch.bincount(O.argmax(1).cpu(), minlength=k).double()
+    counts, before = res.counts.cpu(), torch.bincount(O.argmax(1).cpu(), minlength=k)
     rec = {"method": method, "settings": settings, "seconds": round(seconds, 4),
-           "iterations": int(res.iterations), "stop_reason": res.stop_reason,
-           "std": (counts - target).pow(2).mean().sqrt().item(),
+           "iterations": int(res.iterations), "stop_reason": res.stop_reason, "std": res.std,
            "max_minus_min": int(counts.max() - counts.min()),
-           "std_before": (before - target).pow(2).mean().sqrt().item(),
-           "std_max": otl.worst_std(target, n)}
+           "std_before": otl.counts_std(before, res.target), "std_max": res.std_max}
     if res.std_history:
         rec["std_history"] = [round(h, 4) for h in res.std_history]
     if method == "exact":
