@@ -100,9 +100,14 @@ def optimisation_flags(g, num):
     g.add_argument("--lr-drops", type=int, nargs="*", help="epochs at which the lr changes (step)")
     g.add_argument("--lr-values", type=num, nargs="*", help="the lr from each of --lr-drops on")
     g.add_argument("--warmup-epochs", type=num, help="linear lr warm-up")
-    g.add_argument("--momentum", type=num, default=0.9, help="SGD momentum (0.9 in the paper)")
-    g.add_argument("--wd", type=num, default=5e-4, help="weight decay (5e-4: ours, as in SeLa's CIFAR script; "
-                   "the paper does not give one)")
+    g.add_argument("--momentum", type=num, default=0.9, help="SGD's and LARS's momentum (0.9 in "
+                   "the paper)")
+    g.add_argument("--wd", type=num, help="weight decay (default 5e-4: ours, as in SeLa's CIFAR "
+                   "script; the paper does not give one; a peer's --recipe sets its own)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="sgd (default), lars (timm's, trust "
+                   "coefficient 0.02, clipped: solo-learn's; needs requirements-peers.txt) or adam; "
+                   "lars and adam leave biases and BatchNorm's weights without weight decay, and "
+                   "lars leaves them unadapted, as solo-learn does")
 
 
 def otl_flags(g, num):
@@ -182,9 +187,20 @@ def otl_flags(g, num):
                    "method a user would pick instead, trained by this loop on the same backbone, "
                    "data and schedule: simclr, byol, swav (peers.py; needs requirements-peers.txt). "
                    "SeLa is otl with --labeler sinkhorn")
-    g.add_argument("--peer-aug", choices=("own", "otl"), default="own", help="a peer's views: "
-                   "its paper's augmentation (own, default) or OTL's (the preset's --aug, --n-ops, "
-                   "--cutout), to tell the method apart from its augmentation")
+    g.add_argument("--peer-aug", choices=peers.VIEW_RECIPES, help="a peer's views: its paper's "
+                   "ImageNet augmentation (own, default), the 32-px recipe (cifar: lightly's "
+                   "CIFAR-10 views, solo-learn's for BYOL) or OTL's (otl: the preset's --aug, "
+                   "--n-ops, --cutout), to tell the method apart from its augmentation")
+    g.add_argument("--recipe", choices=RECIPES, help="a peer's optimisation as published, filling "
+                   "--optimizer, --lr (scaled to --batch-size), --wd, --warmup-epochs, "
+                   "--temperature, --prototypes, --queue and --peer-aug where not given: ours "
+                   "(default: the preset's SGD, for every method), solo-learn (its CIFAR configs: "
+                   "LARS, 1%% warm-up) or lightly (its CIFAR-10 benchmark); peers.RECIPES lists them")
+    g.add_argument("--temperature", type=num, help="SimCLR's NT-Xent and SwAV's softmax "
+                   "temperature (default 0.5 and 0.1, lightly's)")
+    g.add_argument("--prototypes", type=int, help="SwAV's prototypes (default --k)")
+    g.add_argument("--queue", type=int, help="SwAV's queue of earlier projections, in images (default "
+                   "0: none), used after the first 5%% of the epochs (solo-learn's 50 of 1,000)")
 
 
 def run_flags(g, num):
@@ -228,6 +244,11 @@ OTL_ONLY = ("views", "label_views", "labeler", "heads", "label_every", "lct", "l
             "label_bn", "beta", "labeler_start", "labeler_device", "label_batch_size",
             "label_head_rows", "target_x")
 OTL_VIEWS = ("aug", "n_ops", "cutout")
+# a peer's own flags, by the methods that read them
+PEER_ONLY = {"peer_aug": ("simclr", "byol", "swav"), "temperature": ("simclr", "swav"),
+             "prototypes": ("swav",), "queue": ("swav",)}
+OPTIMIZERS = ("sgd", "lars", "adam")
+RECIPES = ("ours", *peers.RECIPES)
 
 
 def unused_flags(args):
@@ -236,17 +257,50 @@ def unused_flags(args):
     p = get_args_parser()
     given = lambda names: [f"--{n.replace('_', '-')}" for n in names
                            if getattr(args, n, None) != p.get_default(n)]
+    if args.method == "otl" and args.peer_aug is not None:
+        return "--peer-aug chooses a peer's views (--method simclr, byol or swav); OTL's are --aug"
+    if args.method == "otl" and args.recipe not in (None, "ours"):
+        return (f"--recipe {args.recipe} is a peer's published optimisation (--method simclr, byol "
+                "or swav); OTL's is its preset's")
+    foreign = [f"--{n.replace('_', '-')}" for n, who in PEER_ONLY.items()
+               if getattr(args, n, None) is not None and args.method not in who]
+    if foreign:
+        return f"--method {args.method} does not use {', '.join(foreign)}: drop them"
     if args.method == "otl":
-        if args.peer_aug != "own":
-            return "--peer-aug chooses a peer's views (--method simclr, byol or swav); OTL's are --aug"
         return None
-    unused = given(OTL_ONLY + (OTL_VIEWS if args.peer_aug == "own" else ()))
+    unused = given(OTL_ONLY + (OTL_VIEWS if args.peer_aug != "otl" else ()))
     if unused:
         why = (" (its views are its own: --peer-aug otl takes OTL's --aug, --n-ops, --cutout)"
                if set(unused) & {"--aug", "--n-ops", "--cutout"} else "")
         return (f"--method {args.method} does not use {', '.join(unused)}: those are OTL's "
                 f"labeler and loss{why}; drop them")
     return None
+
+
+def fill_recipe(args, preset):
+    """--recipe's values (peers.RECIPES) for the flags not given, its lr scaled linearly from its
+    batch to this run's and its warm-up a share of this run's epochs."""
+    args.recipe = args.recipe or "ours"
+    r = peers.RECIPES.get(args.recipe, {}).get(args.method, {})
+    batch = args.batch_size if args.batch_size is not None else preset["batch_size"]
+    epochs = args.epochs if args.epochs is not None else preset["epochs"]
+    fill = {"optimizer": r.get("optimizer"), "wd": r.get("wd"), "temperature": r.get("temperature"),
+            "prototypes": r.get("prototypes"), "queue": r.get("queue"), "peer_aug": r.get("peer_aug"),
+            "lr": r["lr"] * batch / r["batch"] if r else None,
+            "warmup_epochs": r["warmup"] * epochs if r else None}
+    for key, val in fill.items():
+        if getattr(args, key) is None and val is not None:
+            setattr(args, key, val)
+
+
+def fill_defaults(args):
+    """The defaults of the flags no preset holds, after the preset (SwAV's prototypes are --k)."""
+    defaults = {"optimizer": "sgd", "wd": 5e-4, "queue": 0, "peer_aug": "own",
+                "temperature": peers.TEMPERATURE.get(args.method),
+                "prototypes": args.k if args.method == "swav" else None}
+    for key, val in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
 
 
 def resolve_args(args, device):
@@ -261,9 +315,12 @@ def resolve_args(args, device):
     except (OSError, ValueError):
         dataset = None                  # no prepared data there: load_prepared says so later
     args.preset_used = presets.preset_for(args.preset, device.type == "cuda", dataset)
-    for key, val in presets.PRESETS[args.preset_used].items():
+    preset = presets.PRESETS[args.preset_used]
+    fill_recipe(args, preset)
+    for key, val in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, val)
+    fill_defaults(args)
     saved = utils.saved_run_args(args.output) if os.path.isdir(args.output) else None
     if args.amp is None and saved is not None and "amp" in saved:
         args.amp = saved["amp"]             # a resumed run keeps its precision
@@ -280,6 +337,12 @@ def resolve_args(args, device):
         if getattr(args, name) < least:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least {least}, got "
                              f"{getattr(args, name)}")
+    if args.optimizer == "lars":
+        peers.need_timm()
+    if (args.temperature is not None and args.temperature <= 0) or args.queue < 0 or (
+            args.prototypes is not None and args.prototypes < 2):
+        raise SystemExit(f"--temperature must be > 0, --queue >= 0 and --prototypes >= 2, got "
+                         f"{args.temperature}, {args.queue}, {args.prototypes}")
     for name in ("lr", "wd", "warmup_epochs", "max_minutes"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -455,22 +518,49 @@ def peak_mib(device) -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit, 1)
 
 
-def collapse_signal(model, peer, images, args, device, n: int = 1024):
-    """The spread of the features of the first n training images (peers.feature_spread: about 1
-    spread over the sphere, 0 collapsed to a point) and, for SwAV, the prototypes in use;
-    a spread under peers.COLLAPSED is said on stderr and in the log row."""
-    feats = otl.extract_features(model, images[:n], args.img_size, 256, device, progress=False,
+def collapse_sample(labels, n: int = 1024):
+    """The images the collapse signal reads: a fixed (seed 0) stratified random n of the training
+    images, every class in its share (all of them where there are no more than n)."""
+    if len(labels) <= n:
+        return torch.arange(len(labels))
+    return utils.stratified_split(labels, n / len(labels), seed=0)[1]
+
+
+def collapse_signal(model, peer, images, args, device, row: dict, epoch: int) -> dict:
+    """The collapse signal of an epoch on `images` (collapse_sample's): the spread
+    (peers.feature_spread) and effective rank (peers.effective_rank) of the backbone's features
+    (feat_) and of what the loss reads (head_: OTL's logits of its first head, a peer's
+    Peer.head_outputs), for a softmax loss the epoch's loss over ln k, SwAV's prototypes in use,
+    and the verdict (peers.collapse_verdict): a collapsed epoch says why in its log row and on
+    stderr."""
+    feats = otl.extract_features(model, images, args.img_size, 256, device, progress=False,
                                  crop=args.crop, amp=args.amp)
-    row = {"feat_spread": round(peers.feature_spread(feats), 4)}
+    with torch.no_grad():
+        f = feats.to(device)
+        if peer is not None:
+            peer.eval()                  # (the training loop sets train mode again)
+            head = peer.head_outputs(f)
+        else:
+            z = model.embedding(f) if model.embedding is not None else f
+            head = model.head(z) if model.cfg.heads == 1 else model.heads[0](z)
+    head = head.float().cpu()
+    out = {"feat_spread": round(peers.feature_spread(feats), 4),
+           "feat_rank": round(peers.effective_rank(feats), 2),
+           "head_spread": round(peers.feature_spread(head), 4),
+           "head_rank": round(peers.effective_rank(head), 2)}
+    k = (None if args.supervised else args.k if peer is None
+         else args.prototypes if args.method == "swav" else None)
+    if k and utils.is_number(row.get("loss")):
+        out["loss_over_ln_k"] = round(float(row["loss"]) / math.log(k), 4)
     used = peer.clusters(feats.to(device)) if peer is not None else None
     if used is not None:
-        row["clusters_used"] = used
-    if row["feat_spread"] < peers.COLLAPSED:
-        row["collapsed"] = True
-        print(f"warning: the features are collapsing (spread {row['feat_spread']:.3f}, under "
-              f"{peers.COLLAPSED}: every image near one point); the run learns little from here",
-              file=sys.stderr, flush=True)
-    return row
+        out["clusters_used"] = used
+    why = peers.collapse_verdict({**row, **out}, epoch, k)
+    if why:
+        out["collapsed"], out["collapse_why"] = True, why
+        print(f"warning: epoch {epoch} looks collapsed: {why}; the run learns little from here "
+              "and is marked failed if it ends so", file=sys.stderr, flush=True)
+    return out
 
 
 def knn_monitor(model, d, args, device):
@@ -591,6 +681,7 @@ def run(args, ranks, device):
     # ---- the loop: label pass when due, one epoch, then its log line and snapshot, and last the
     # checkpoint, which commits the epoch (a kill before it redoes the epoch, after it loses nothing);
     # only the first process writes
+    sample = collapse_sample(true_labels.cpu())
     t_start = time.time()
     for epoch in range(start_epoch, args.epochs):
         t_epoch = time.time()
@@ -605,7 +696,7 @@ def run(args, ranks, device):
         row["epoch_s"] = round(time.time() - t_epoch, 3)
         row["peak_mib"] = peak_mib(device)
         if ranks.main:          # every method's collapse signal (not counted in epoch_s)
-            row.update(collapse_signal(model, peer, images, args, device))
+            row.update(collapse_signal(model, peer, images[sample], args, device, row, epoch + 1))
         if args.knn_monitor and (epoch + 1) % args.knn_monitor == 0 and ranks.main:
             row.update(knn_monitor(model, d, args, device))
         st = state(epoch + 1)
@@ -676,7 +767,7 @@ def training_split(args, ranks, device):
     n_total = len(rows)
     lo, hi = ranks.shard(n_total)
     images = d["images"][rows[lo:hi]]                       # (n, C, H, W) uint8 or uint16
-    true_labels = d["labels"][rows[lo:hi]]                  # used only with --supervised
+    true_labels = d["labels"][rows[lo:hi]]   # --supervised's, and the collapse sample's strata
     if device.type == "cuda":
         images, true_labels = images.to(device), true_labels.to(device)
     if not args.supervised and args.method == "otl" and n_total < args.k:
@@ -706,23 +797,40 @@ def build(args, n_classes, manifest, ranks, device):
     if args.compile:   # the training steps only (a label pass's other batch sizes would recompile)
         net = torch.compile(net)
     peer = None if args.method == "otl" else peers.Peer(
-        args.method, model, args.k, args.img_size,
+        args.method, model, args.prototypes or args.k, args.img_size,
         own=dict(rot90=args.rot90, flip=args.flip, crop=args.crop),
-        aug=None if args.peer_aug == "own" else utils.augment_options(vars(args))).to(device)
+        aug=utils.augment_options(vars(args)) if args.peer_aug == "otl" else None,
+        recipe=args.peer_aug, temperature=args.temperature, queue=args.queue,
+        queue_start=math.ceil(peers.QUEUE_START * args.epochs)).to(device)
     params = list(model.parameters()) + (peer.trainable() if peer is not None else [])
-    opt = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
-                          nesterov=False, fused=True if device.type == "cuda" else None)
-    return cfg, model, net, peer, opt
+    return cfg, model, net, peer, optimizer(args, params, device)
+
+
+def optimizer(args, params, device):
+    """--optimizer over params: SGD as ever; LARS (timm's, solo-learn's trust coefficient and
+    clipping) and Adam with the biases and BatchNorm's weights (the 1-d parameters) in a group
+    without weight decay, which timm's LARS also leaves unadapted (solo-learn's
+    exclude_bias_n_norm)."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
+                               nesterov=False, fused=True if device.type == "cuda" else None)
+    groups = [{"params": [p for p in params if p.ndim > 1]},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    if args.optimizer == "lars":
+        return peers.need_timm().Lars(groups, lr=args.lr, momentum=args.momentum,
+                                      weight_decay=args.wd, trust_coeff=0.02, trust_clip=True)
+    return torch.optim.Adam(groups, lr=args.lr, weight_decay=args.wd)
 
 
 def write_results(args, ranks, device, commit):
     """results.json of a finished run: what ran, where, and its minutes of training (every
     epoch's, resumed or not)."""
     log_path = os.path.join(args.output, "log.jsonl")
-    epoch_s = []
+    log = []
     if os.path.isfile(log_path):
         with open(log_path) as fh:
-            epoch_s = [json.loads(line).get("epoch_s", 0) for line in fh if line.strip()]
+            log = [json.loads(line) for line in fh if line.strip()]
+    epoch_s = [r.get("epoch_s", 0) for r in log]
     results = {"epochs": args.epochs, "preset": args.preset_used, "method": args.method,
                **({"untrained": True} if args.epochs == 0 else {}),    # --epochs 0: the baseline
                "arch": args.arch,
@@ -731,6 +839,12 @@ def write_results(args, ranks, device, commit):
                "init_from": getattr(args, "init_from", None),
                "train_minutes": round(sum(epoch_s) / 60, 4),   # tiny runs must not round to 0
                "command": utils.command_line(), "git_commit": commit}
+    if args.method != "otl" or args.optimizer != "sgd":
+        results.update(recipe=args.recipe, optimizer=args.optimizer, lr=args.lr, wd=args.wd)
+    if log and log[-1].get("collapsed"):       # ended collapsed (collapse_signal): a failed run
+        results["failed"] = f"collapsed at epoch {log[-1].get('epoch')}: {log[-1].get('collapse_why')}"
+        print(f"warning: the run ended collapsed; results.json marks it failed ({results['failed']})",
+              file=sys.stderr, flush=True)
     utils.write_json(results, os.path.join(args.output, "results.json"))
     return results
 
