@@ -44,6 +44,8 @@
 ##                            schedule (needs requirements-peers.txt), then results/peers.md
 ##   peers-cpu                the same at the cpu preset's whole schedule, one seed a method
 ##   peers-transfer           each method on SIRI-WHU from its own peers-cpu backbone
+##   peers-tune               every method's lr x 4 and view recipes x 3, one seed a trial, chosen
+##                            on the validation split (60 trials: hours on 2 cores)
 ## Benchmarks
 ##   labeler-bench            the labelers on the same outputs: time, balance, memory
 ##   labeler-bench-gpu        the same on a CUDA GPU
@@ -85,7 +87,7 @@ GPU_TABLES = eurosat-gpu $(addsuffix -gpu,$(TRANSFER_SETS)) cifar10-gpu
 
 .PHONY: help setup test eurosat eurosat-supervised eurosat-data data eval-run tables eurosat-ms multispectral \
         $(TRANSFER_SETS) $(SCRATCH_SETS) $(GPU_TABLES) ablations $(addprefix ablation-,$(STUDIES)) peers \
-        peers-cpu peers-transfer \
+        peers-cpu peers-transfer peers-tune \
         labeler-bench labeler-bench-gpu labeler-compare train-bench-gpu clean-runs
 .DELETE_ON_ERROR:
 
@@ -228,6 +230,10 @@ peers: eurosat-data
 # the same at the cpu preset's whole schedule (make eurosat's), one seed a method
 peers-cpu: eurosat-data
 	$(PY) ablations.py peers --preset cpu --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
+
+# every method tuned alike at the study scale, chosen on the validation split (docs/peers.md)
+peers-tune: eurosat-data
+	$(PY) ablations.py peers-tune --preset $(ABL_PRESET) --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
 
 # the transfer protocol on SIRI-WHU (make data DATASET=siri_whu SRC=.. first) from each method's
 # own peers-cpu backbone, each method training on with its own loss

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 import otl
+import peers
 import presets
 import utils
 
@@ -417,12 +418,19 @@ class TrainingStudy(Study):
         costs = [(key, name) for key, name in (("epoch_s", "s / epoch"), ("peak_mib", "peak MiB"))
                  if any(key in r for r in rows)]
         heads = [{"knn_init10": "knn10 before"}.get(m, m) for m in metrics]
-        lines = utils.md_table(keys + heads + ["final loss", "minutes"] + [n for _, n in costs], [
+        failed = any(r.get("failed") for r in rows)
+        lines = utils.md_table(keys + heads + ["final loss", "minutes"] + [n for _, n in costs]
+                               + ["failed"] * failed, [
             [",".join(map(str, r[k])) if k == "seeds" else str(r.get(k, "")) for k in keys]
             + [cell(r, m) for m in metrics]
             + [f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}"]
             + [f"{r[key]:.0f}" if key in r else "" for key, _ in costs]
+            + [failure(r)] * failed
             for r in rows])
+        if failed:
+            lines += ["", "failed: the run ended collapsed by train_otl.py's collapse signal (its "
+                      "log says why; for a run from before the signal, its softmax loss at ln k); "
+                      "its scores are those of a network that learned little."]
         if "seeds" in keys:
             lines += ["", "Each cell: the mean over the seeds +- their sample standard deviation; "
                       "minutes and loss are means."]
@@ -689,6 +697,8 @@ def training_row(run, point, outs, trained=()):
     row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
            "epochs": res.get("epochs"), "preset": res.get("preset"),
            "git_commit": res.get("git_commit"), "command": res.get("command"), **dict(trained)}
+    if res.get("failed"):           # ended collapsed (train_otl.py's collapse signal)
+        row["failed"] = res["failed"]
     for e, path in outs.items():
         r = _read_eval(run, e, path)
         if _kind(e) == "linear":
@@ -734,6 +744,12 @@ def log_figures(log, timed_epoch_s=None):
 METRICS = ("knn10", "knn50", "knn100", "knn200", "linear", "knn_val10", "knn_val50", "linear_val")
 
 
+def failure(row) -> str:
+    """A table's failed cell: why a run ended collapsed, or how many seeds of a point did."""
+    f = row.get("failed") or ""
+    return f if f.startswith("seed") else ("collapsed" if f else "")
+
+
 def seed_means(rows):
     """The runs of each grid point averaged over their seeds (mean, and <metric>_sd the sample
     standard deviation), in grid order; None when every point has one run."""
@@ -747,6 +763,10 @@ def seed_means(rows):
         m = {k: v for k, v in g[0].items() if k not in ("run", "seed", "git_commit", "command",
                                                           "study_point")}
         m["seeds"] = [r.get("seed") for r in g]
+        m.pop("failed", None)
+        failed = [r.get("seed") for r in g if r.get("failed")]
+        if failed:
+            m["failed"] = f"seed(s) {', '.join(map(str, failed))} of {len(g)} ended collapsed"
         for key in (*METRICS, "final_loss", "train_minutes", "epoch_s", "peak_mib"):
             vals = [r[key] for r in g if r.get(key) is not None]
             if vals:
@@ -754,6 +774,10 @@ def seed_means(rows):
                 m[key] = round(mean, 4 if key == "final_loss" else 2)
                 if key in METRICS and len(vals) > 1:    # one run (a study's `once`): no sd
                     m[f"{key}_sd"] = round(sd, 2)
+        by_seed = {key: {str(r.get("seed")): r[key] for r in g if r.get(key) is not None}
+                   for key in METRICS if any(r.get(key) is not None for r in g)}
+        if by_seed:         # each seed's own, for paired comparisons (peers)
+            m["by_seed"] = by_seed
         means.append(m)
     return means
 
@@ -1349,7 +1373,12 @@ class Lct(TrainingStudy):
 
 
 # ==== peers (ours): OTL beside SeLa, SimCLR, BYOL and SwAV on the same backbone, data and schedule ====
-PEERS = ("otl", "sela", "simclr", "byol", "swav", "simclr-otlaug", "byol-otlaug", "swav-otlaug")
+# a method alone: equal epochs; <method>-time: its epochs set so that its minutes match OTL's;
+# <peer>-otlaug: untuned with OTL's views (the comparison before tuning kept its rows)
+PEERS = ("otl", "sela", "simclr", "byol", "swav", "simclr-otlaug", "byol-otlaug", "swav-otlaug",
+         "sela-time", "simclr-time", "byol-time", "swav-time")
+PEER_SEEDS = {"study": (0, 1, 2, 3, 4), "cpu": (0, 1, 2)}
+UNTUNED = {"otl": [], "sela": ["--labeler", "sinkhorn"]}     # a peer: --method <peer>
 
 # Published figures of the peers for scale, each from its own network, schedule and data: ResNet-18
 # on CIFAR-10 in lightly's benchmark table (kNN, 200 epochs, batch 512, one GPU) and solo-learn's
@@ -1360,46 +1389,201 @@ EUROSAT_ANCHORS = ("SeCo ResNet-18 93.1 linear; OTL `fast` (ResNet-18, 112 px, 2
                    "96.4 kNN@10 / 97.0 linear")
 
 
+def peer_seeds(args):
+    """--seeds, else the peers' own (5 at the study scale, 3 at the cpu preset's)."""
+    if getattr(args, "seeds", None) is None and args.seed == 0 and args.preset in PEER_SEEDS:
+        return list(PEER_SEEDS[args.preset])
+    return parse_seeds(args)
+
+
+def tuned_flags(args):
+    """{method: train_otl.py flags} of the trials peers-tune selected (--tuned, default
+    <--out>/peers-tune.json), or None with --tuned none (every method untuned)."""
+    if args.tuned == "none":
+        return None
+    path = args.tuned or os.path.join(args.out, "peers-tune.json")
+    rec = read_study(path) if os.path.isfile(path) else None
+    if rec is None or not rec.get("selected"):
+        raise SystemExit(f"{args.study} trains each method at the recipe peers-tune selected on the "
+                         f"validation split, and {path} holds none: run `make peers-tune` first, "
+                         "pass --tuned <its JSON>, or --tuned none for every method untuned")
+    if rec.get("partial"):
+        raise SystemExit(f"{path} is partial ({rec['partial']}): finish `make peers-tune` first")
+    return {m: list(sel["flags"]) for m, sel in rec["selected"].items()}
+
+
+def paired(a, b, metric):
+    """(mean of a - b over the seeds both have, the half-width of its 95 % t interval or None,
+    the seeds' count): a paired comparison of two grid points' runs seed by seed."""
+    va, vb = _by_seed(a, metric), _by_seed(b, metric)
+    d = [va[s] - vb[s] for s in va if s in vb]
+    if not d:
+        return None, None, 0
+    mean, sd = utils.mean_sd(d)
+    if len(d) < 2:
+        return mean, None, 1
+    from scipy import stats
+    return mean, float(stats.t.ppf(0.975, len(d) - 1)) * sd / math.sqrt(len(d)), len(d)
+
+
+def _by_seed(row, metric):
+    """{seed: the metric} of a row: a seed mean's per-seed values, or one run's."""
+    if "by_seed" in row:
+        return {int(s): v for s, v in row["by_seed"].get(metric, {}).items()}
+    return {int(row.get("seed", 0)): row[metric]} if metric in row else {}
+
+
+def _paired_text(d, half, n):
+    if d is None:
+        return "no common seed"
+    if half is None:
+        return f"{d:+.1f} (one seed: no interval)"
+    verdict = "beyond 0" if abs(d) > half else "within its interval of 0"
+    return f"{d:+.1f} (95% CI {d - half:+.1f} to {d + half:+.1f}, {n} paired seeds: {verdict})"
+
+
+def _flags(row):
+    return (row.get("study_point") or {}).get("train_flags") or []
+
+
+def _uniform_loss(row):
+    """A softmax method's run (OTL, SeLa, SwAV) whose final loss sits at ln k, a uniform
+    prediction (peers.collapse_verdict on its last epoch), for rows whose runs predate the
+    collapse signal in results.json; None otherwise."""
+    if row["method"].partition("-")[0] not in ("otl", "sela", "swav") or "final_loss" not in row:
+        return None
+    f = _flags(row)
+    k = int(f[f.index("--prototypes") + 1]) if "--prototypes" in f else (
+        int(f[f.index("--k") + 1]) if "--k" in f else presets.PRESETS["cpu"]["k"])
+    why = peers.collapse_verdict({"loss": row["final_loss"]}, row.get("epochs") or 0, k)
+    return f"collapsed: {why}" if why else None
+
+
 @register
 class Peers(TrainingStudy):
-    """OTL beside SeLa, SimCLR, BYOL and SwAV on the same backbone, data and schedule (each peer
-    also once with OTL's augmentation): kNN, linear, seconds an epoch, peak memory, and kNN@10
-    against the minutes of training (`make peers`; `make peers-cpu`: the whole cpu schedule,
-    each method once)."""
+    """OTL beside SeLa, SimCLR, BYOL and SwAV on the same backbone and data, each at the recipe
+    peers-tune selected for it on the validation split: at equal epochs and at equal wall-clock
+    (<method>-time: its epochs set so that its minutes match OTL's), 5 seeds at the study scale and
+    3 at the cpu preset's; the test split read once a run, each method against OTL by a paired
+    test over the same seeds (`make peers`, `make peers-cpu`)."""
     name, grid, evals, keys = "peers", PEERS, ("knn", "linear"), {"method": PEERS}
     paper = ("not in the paper, whose tables set OTL beside other methods' published numbers only "
-             "(ours: the same backbone, data, epochs and schedule for every method; the published "
-             "anchors are below the table)")
+             "(ours: the same backbone, data and tuning budget for every method, compared at equal "
+             "epochs and at equal minutes; the published anchors are below the table)")
     once = ("simclr-otlaug", "byol-otlaug", "swav-otlaug")  # a check beside the comparison: one seed
 
+    def more_flags(self, s):
+        s.add_argument("--seeds", help="the seeds of every method (default 0,1,2,3,4 at the study "
+                       "scale, 0,1,2 at the cpu preset's); each method against OTL is paired over them")
+        s.add_argument("--tuned", help="the peers-tune results JSON whose selected trials give each "
+                       "method's flags (default: <--out>/peers-tune.json); 'none': every method at "
+                       "the preset's SGD and its own views, untuned (the comparison before tuning)")
+
     def default_grid(self, preset="study"):
-        return ["otl", "sela", "simclr", "byol", "swav"] if preset == "cpu" else list(self.grid)
+        return ["otl", "sela", "simclr", "byol", "swav", "sela-time", "simclr-time", "byol-time",
+                "swav-time"]
 
     def points(self, grid, data, args, monitor=2):
-        """OTL, SeLa (OTL's loop with Sinkhorn-Knopp's labels) and the peers (train_otl.py --method),
-        a peer-otlaug point with OTL's augmentation instead of its own; the kNN monitor every
-        `monitor` epochs for the curves."""
-        flags = {"otl": [], "sela": ["--labeler", "sinkhorn"]}
+        """Each method at its tuned flags (untuned with --tuned none, and for a -otlaug point:
+        OTL's views), the kNN monitor of the validation split every `monitor` epochs for the
+        curves; a -time point at the epochs that match OTL's minutes (self.epochs), left out
+        until they are known."""
+        tuned = tuned_flags(args)
         out = []
         for g in grid:
-            method, _, aug = g.partition("-")
-            f = flags.get(method, ["--method", method] + (["--peer-aug", "otl"] if aug else []))
+            method, _, variant = g.partition("-")
+            if tuned is None or variant == "otlaug":
+                f = UNTUNED.get(method, ["--method", method] + (["--peer-aug", "otl"] if variant else []))
+            elif method not in tuned:
+                raise SystemExit(f"peers-tune selected no trial for {method} (every one failed or "
+                                 "none ran): tune it first")
+            else:
+                f = list(tuned[method])
+            if variant == "time":
+                epochs = getattr(self, "epochs", {}).get(method)
+                if epochs is None:
+                    continue
+                f = [*f, "--epochs", str(epochs)]
+            elif getattr(self, "base_epochs", None):
+                f = [*f, "--epochs", self.base_epochs]
             out.append((run_name(g), {"method": g}, data, [*f, "--knn-monitor", str(monitor)]))
         return out
 
     def runs(self, args):
-        first, once = parse_seeds(args)[0], {run_name(g) for g in self.once}
-        return [r for r in super().runs(args) if r[1]["point"] not in once or r[1]["seed"] == first]
+        seeds, once = peer_seeds(args), {run_name(g) for g in self.once}
+        scale = SCALES[args.preset]
+        pts = self.points(parse_grid(self, args.grid, args.preset), study_data(self, args), args)
+        return [(name if s == 0 else f"{name}_seed{s}",
+                 {**point, "point": name, "seed": s}, folder,
+                 [*scale.train, *(() if "--method" in flags else scale.otl), *flags, "--seed", str(s)])
+                for name, point, folder, flags in pts for s in seeds
+                if name not in once or s == seeds[0]]
+
+    def train(self, args):
+        """The methods at equal epochs, then each -time point at the epochs that match OTL's
+        minutes: OTL's epochs times its mean epoch over the method's (their runs' median epochs,
+        or the results JSON's where a resumed study set them)."""
+        grid = parse_grid(self, args.grid, args.preset)
+        extra = shlex.split(args.train_args)
+        if "--epochs" in extra[:-1]:    # the equal-epoch points' (a -time point's own must win)
+            i = extra.index("--epochs")
+            self.base_epochs, args.train_args = extra[i + 1], shlex.join(extra[:i] + extra[i + 2:])
+        saved = (read_study(results_stem(args) + ".json") or {}).get("equal_time_epochs") or {}
+        self.epochs = dict(saved)
+        rows, ran = training_study(self, args, self.runs(args))
+        timed = [g.partition("-")[0] for g in grid if g.endswith("-time")]
+        if timed and any(m not in self.epochs for m in timed):
+            sec = {}
+            for r in rows:
+                if "-" not in r["method"] and r.get("epoch_s"):
+                    sec.setdefault(r["method"], []).append(r["epoch_s"])
+            if "otl" not in sec:
+                raise SystemExit("equal wall-clock points need OTL's runs: put otl in --grid")
+            otl_epochs = next(r["epochs"] for r in rows if r["method"] == "otl")
+            t_otl = sum(sec["otl"]) / len(sec["otl"])
+            for m in timed:
+                if m not in self.epochs and m in sec:
+                    self.epochs[m] = max(1, round(otl_epochs * t_otl / (sum(sec[m]) / len(sec[m]))))
+            rows, ran2 = training_study(self, args, self.runs(args))
+            ran += ran2
+        out = write_results(self, args, rows, self.notes(args, rows))
+        out["ran"] = ran
+        return out
+
+    def notes(self, args, rows=()):
+        out = super().notes(args, rows)
+        epochs = getattr(self, "epochs", None) or {}
+        if epochs:
+            out["equal_time_epochs"] = epochs
+            out["notes"].append("")
+            out["notes"].append("Equal wall-clock: each -time point trains " + ", ".join(
+                f"{m} {e} epochs" for m, e in epochs.items()) + ", OTL's epochs times OTL's mean "
+                "seconds an epoch over the method's (from the equal-epoch runs on this machine, "
+                "which other work sharing it makes noisy).")
+        return out
 
     def trained_how(self, args, data):
-        return (super().trained_how(args, data) + "; every method alike (the cpu preset's "
-                "half-width ResNet-18 at 32 px), where the published anchors train a full "
-                "ResNet-18 at 32 px for 200 epochs: compare the methods here, not their levels "
-                "with the anchors'")
+        tuned = "untuned, at the preset's SGD" if getattr(args, "tuned", None) == "none" else (
+            "each method at the trial `peers-tune` selected on the validation split")
+        return (super().trained_how(args, data).replace(
+            f"{len(parse_seeds(args))} seed(s) a grid point", f"{len(peer_seeds(args))} seed(s) a method")
+            + f"; {tuned}; the half-width ResNet-18 of the cpu preset at 32 px for every method, "
+            "where the published anchors train a full ResNet-18 at 32 px for 200 epochs: compare "
+            "the methods here, not their levels with the anchors'")
 
     def table(self, rows):
-        """The training table, then the published anchors beside it and what the scale gives up."""
-        return [*super().table(rows), "", "Published anchors, for scale only (other networks, "
+        """The training table (test-split figures; a run that ended at a uniform prediction marked
+        failed, rows from before the collapse signal included), then the published anchors beside
+        it and what the scale gives up."""
+        rows = [{**r, "failed": r.get("failed") or _uniform_loss(r)} for r in rows]
+        tuned = all("--recipe" in _flags(r) or "--lr" in _flags(r) for r in rows)
+        curves = sorted({r.get("curve_split", "test") for r in rows if r.get("curve")})
+        how = ("after the recipes were chosen on the validation split (peers-tune)" if tuned else
+               "every method untuned, at the preset's SGD, where OTL's preset was chosen on the "
+               "test split: not a fair comparison")
+        return [*super().table(rows), "", f"knn, linear: the test split, read once a run, {how}; "
+                f"the curves: the {'/'.join(curves) or 'validation'} split.",
+                "", "Published anchors, for scale only (other networks, "
                 "schedules and data):", "", *utils.md_table(
                     ["method", "CIFAR-10 kNN, lightly (R18, 200 ep)", "CIFAR-10 linear, solo-learn "
                      "(R18, 1,000 ep)"], [list(a) for a in PEER_ANCHORS]), "",
@@ -1409,16 +1593,18 @@ class Peers(TrainingStudy):
 
     @compares
     def verdict(self, rows):
-        """OTL against each other method by the 2-sd rule (one seed a point: the differences alone),
-        and the methods ranked."""
+        """OTL against each other method, paired over their common seeds (the difference and its
+        95 % t interval), and the methods ranked."""
         m = VERDICT_METRIC
         base = next((r for r in rows if r["method"] == "otl"), None)
         if base is None:
             return "no OTL run to compare with"
         ranked = " > ".join(r["method"] for r in sorted(rows, key=lambda r: -r[m]))
+        failed = [r["method"] for r in rows if r.get("failed") or _uniform_loss(r)]
         return (", ".join(f"{r['method']} {_f_sd(r, m)}" for r in rows) + " kNN@50; OTL minus "
-                + "; ".join(f"{r['method']}: {_judged(*_diff(base, r, m))}" for r in rows
-                            if r is not base) + f"; ranked: {ranked}")
+                + "; ".join(f"{r['method']}: {_paired_text(*paired(base, r, m))}" for r in rows
+                            if r is not base) + f"; ranked: {ranked}"
+                + (f"; failed (collapsed): {', '.join(failed)}" if failed else ""))
 
     def plot(self, axes, rows, grid):
         """kNN@10 against the minutes of training (the kNN monitor of each method's first seed),
@@ -1435,15 +1621,15 @@ class Peers(TrainingStudy):
             axes[1].bar([i + off for i in x], [r.get(metric, float("nan")) for r in rows], width=0.4,
                         yerr=[r.get(metric + "_sd", 0.0) for r in rows], capsize=3, label=metric)
         axes[1].set_xticks(x, names, rotation=30, fontsize=8)
-        axes[1].set(ylabel="top-1 (%)")
+        axes[1].set(ylabel="top-1 (%), test split")
         axes[1].legend(fontsize=8)
 
 
 # ==== peers-transfer (ours): each method on SIRI-WHU from its own peers run's backbone ============
 @register
 class PeersTransfer(TransferStudy):
-    """Each method on SIRI-WHU from its own peers run's backbone (the transfer protocol; `make
-    peers-transfer`): does EuroSAT's ranking hold?"""
+    """Each method on SIRI-WHU from its own peers run's backbone, seed for seed (the transfer
+    protocol; `make peers-transfer`): does EuroSAT's ranking hold?"""
     name, grid, evals, keys = ("peers-transfer", ("otl", "sela", "simclr", "byol", "swav"),
                                ("knn", "linear"), {"method": PEERS})
     paper = ("not in the paper (ours: the transfer protocol on SIRI-WHU from each method's own "
@@ -1454,25 +1640,42 @@ class PeersTransfer(TransferStudy):
     verdict, plot = Peers.verdict, Peers.plot
 
     def more_flags(self, s):
-        """No --init: each point's backbone is its own."""
+        """No --init: each point's backbone is its own, of the same seed."""
+        s.add_argument("--seeds", help="the backbones' seeds, each trained on with the same seed "
+                       "(default: the peers study's at this scale)")
+        s.add_argument("--tuned", help="as the peers study's: the views each method trains on "
+                       "with (its selected trial's, at the transfer preset's SGD)")
 
-    def backbone(self, args, point):
-        return os.path.join(args.runs, args.preset, self.backbones, run_name(point), "checkpoint.pth")
+    def backbone(self, args, point, seed=0):
+        name = run_name(point) + ("" if seed == 0 else f"_seed{seed}")
+        return os.path.join(args.runs, args.preset, self.backbones, name, "checkpoint.pth")
 
     def check(self, args):
-        missing = [f for f in (self.backbone(args, g) for g in parse_grid(self, args.grid, args.preset))
-                   if not os.path.isfile(f)]
+        missing = [f for g in parse_grid(self, args.grid, args.preset) for s in peer_seeds(args)
+                   for f in [self.backbone(args, g, s)] if not os.path.isfile(f)]
         if missing:
             raise SystemExit(f"{self.name} starts each point from its {self.backbones} run at "
                              f"--preset {args.preset}, and these are not there: "
                              f"{', '.join(missing)}; run `python ablations.py {self.backbones} "
-                             f"--preset {args.preset}` first (same --runs)")
+                             f"--preset {args.preset}` first (same --runs and --seeds)")
 
     def points(self, grid, data, args):
-        """Each method from its own EuroSAT peers run, trained further by the same method at the
-        transfer flags; the kNN monitor every 8 of its 64 epochs."""
-        return [(name, point, folder, [*flags, "--init", self.backbone(args, point["method"])])
-                for name, point, folder, flags in Peers.points(self, grid, data, args, monitor=8)]
+        """Each method from its own EuroSAT peers run of each seed, trained further by the same
+        method (its tuned views, the transfer preset's SGD) with that seed; the kNN monitor every
+        8 of its 64 epochs."""
+        out = []
+        for name, point, folder, flags in Peers.points(self, grid, data, args, monitor=8):
+            keep, skip = [], False
+            for f in flags:          # the recipe and lr are EuroSAT's; the transfer preset's here
+                if skip or f in ("--lr", "--recipe"):
+                    skip = not skip
+                    continue
+                keep.append(f)
+            for s in peer_seeds(args):
+                out.append((name if s == 0 else f"{name}_seed{s}", {**point, "point": name, "seed": s},
+                            folder, [*keep, "--seed", str(s), "--init",
+                                     self.backbone(args, point["method"], s)]))
+        return out
 
     def evaluations(self, run, i):      # every point's backbone before training on this set
         return super().evaluations(run, 0)
@@ -1480,12 +1683,141 @@ class PeersTransfer(TransferStudy):
     def trained_how(self, args, data):
         runs = utils.rel_path(os.path.join(args.runs, args.preset, self.backbones))
         return (trained_on(data, SCALES[args.preset].transfer) + f", each point from its own "
-                f"`{self.backbones}` run's backbone at this scale (`{runs}`)")
+                f"`{self.backbones}` run's backbone of the same seed at this scale (`{runs}`)")
 
     def table(self, rows):
         return super().table(rows, hide=(), start=None, more=("knn_init10",)) + [
             "", f"knn10 before: each point's {self.backbones} backbone on this set before any "
             "training on it (its run's checkpoint0000.pth): the backbone transferred frozen."]
+
+
+# ==== peers-tune (ours): every method's recipe chosen alike, on the validation split ===============
+TUNE_METHODS = ("otl", "sela", "simclr", "byol", "swav")
+TUNE_LR = (0.5, 1.0, 2.0, 4.0)      # times each method's reference lr
+# three view recipes a method: OTL's and SeLa's the preset's strong augmentation (2 ops), the
+# paper's 10 ops and the simple one; a peer's own (its paper's ImageNet views), cifar (32 px) and
+# OTL's
+TUNE_VIEWS = {"otl": {"strong2": ["--aug", "strong", "--n-ops", "2"],
+                      "strong10": ["--aug", "strong", "--n-ops", "10"], "simple": ["--aug", "simple"]},
+              "peer": {v: ["--peer-aug", v] for v in ("own", "cifar", "otl")}}
+TUNE_RECIPE = "solo-learn"          # the peers' reference recipe: its optimiser, wd, warm-up ...
+TUNE_GRID = tuple(f"{m}:{v}:{x:g}" for m in TUNE_METHODS
+                  for v in TUNE_VIEWS["otl" if m in ("otl", "sela") else "peer"] for x in TUNE_LR)
+
+
+def tune_point(g):
+    """A peers-tune grid value, 'method:views:lr multiple', as its fields and train_otl.py flags:
+    OTL and SeLa at the preset's SGD, a peer at its TUNE_RECIPE, the lr its reference's multiple
+    (at the cpu preset's batch)."""
+    method, views, x = g.split(":")
+    ours = method in ("otl", "sela")
+    ref = peers.RECIPES[TUNE_RECIPE].get(method)
+    base = (presets.PRESETS["cpu"]["lr"] if ours else
+            ref["lr"] * presets.PRESETS["cpu"]["batch_size"] / ref["batch"])
+    lr = round(base * float(x), 6)
+    flags = ({"otl": [], "sela": ["--labeler", "sinkhorn"]}[method] if ours else
+             ["--method", method, "--recipe", TUNE_RECIPE])
+    return ({"method": method, "views": views, "lr_x": float(x), "lr": lr},
+            [*flags, *TUNE_VIEWS["otl" if ours else "peer"][views], "--lr", f"{lr:g}"])
+
+
+@register
+class PeersTune(TrainingStudy):
+    """Every method tuned alike at the study scale: each of OTL, SeLa, SimCLR, BYOL and SwAV with
+    its lr at 0.5, 1, 2 and 4 times its reference, times its three view recipes (12 trials a
+    method, one seed each), scored on the validation split; the best trial a method by validation
+    kNN@10 is its recipe for the comparison (`make peers-tune`; needs requirements-peers.txt)."""
+    name, grid, evals, keys = "peers-tune", TUNE_GRID, ("knn_val", "linear_val"), {"method": TUNE_METHODS}
+    paper = ("not in the paper (ours: the same tuning budget for every method, OTL and SeLa "
+             "included, chosen on the validation split, so that no method's recipe is tuned where "
+             "another's is not)")
+
+    def more_flags(self, s):
+        s.add_argument("--seeds", help="the trials' seed (one; default 0)")
+
+    def points(self, grid, data, args):
+        """A trial a grid value, named method_views_multiple."""
+        out = []
+        for g in grid:
+            fields, flags = tune_point(g)
+            out.append((g.replace(":", "_").replace(".", "p"), fields, data, flags))
+        return out
+
+    def runs(self, args):
+        seed = parse_seeds(args)[0]
+        return [r for r in super().runs(args) if r[1]["seed"] == seed]
+
+    def selected(self, rows):
+        """{method: its best trial by validation kNN@10} of the methods with a scored trial."""
+        best = {}
+        for r in rows:
+            if "knn_val10" in r and not r.get("failed") and (
+                    r["method"] not in best or r["knn_val10"] > best[r["method"]]["knn_val10"]):
+                best[r["method"]] = r
+        return best
+
+    def rows_notes(self, rows):
+        """The selected trials and what the tuning cost."""
+        best = self.selected(rows)
+        hours = sum(r.get("train_minutes") or 0 for r in rows) / 60
+        return {"notes": [f"{len(rows)} trial(s), {hours:.1f} hours of training on "
+                          f"{os.cpu_count()} CPU core(s) ({hours * (os.cpu_count() or 1):.1f} CPU "
+                          "hours), evaluations not counted."],
+                "selected": {m: {"views": r["views"], "lr_x": r["lr_x"], "lr": r["lr"],
+                                 "flags": r["study_point"]["train_flags"] if r.get("study_point") else None,
+                                 "knn_val10": r["knn_val10"]} for m, r in best.items()}}
+
+    def notes(self, args, rows=()):
+        out = super().notes(args, rows)
+        out["notes"][0] = out["notes"][0].rstrip(".") + (
+            "; one seed a trial, every figure of the validation split (the training split less "
+            "its validation part as kNN memory bank and probe set), the test split unread.")
+        return out
+
+    @compares_on("knn_val10")
+    def verdict(self, rows):
+        """Each method's selected trial and its margin over its second best."""
+        out = []
+        for m, r in self.selected(rows).items():
+            rest = sorted((o["knn_val10"] for o in rows if o["method"] == m and o is not r
+                           and "knn_val10" in o), reverse=True)
+            out.append(f"{m} {r['views']} lr x{r['lr_x']:g} {r['knn_val10']:.1f}"
+                       + (f" (+{r['knn_val10'] - rest[0]:.1f} over its next)" if rest else ""))
+        failed = sum(bool(r.get("failed")) for r in rows)
+        return ("selected by validation kNN@10: " + "; ".join(out)
+                + (f"; {failed} trial(s) ended collapsed" if failed else ""))
+
+    def table(self, rows):
+        """A row a trial: method, views, lr (its multiple), validation scores, loss, minutes, and
+        whether it was selected or failed."""
+        best = {id(r) for r in self.selected(rows).values()}
+        metrics = [m for m in ("knn_val10", "knn_val50", "linear_val") if any(m in r for r in rows)]
+        return utils.md_table(
+            ["method", "views", "lr (x ref)", *(m.replace("_val", " val") for m in metrics),
+             "final loss", "minutes", "selected", "failed"],
+            [[r["method"], r["views"], f"{r['lr']:g} (x{r['lr_x']:g})",
+              *(f"{r[m]:.1f}" if m in r else "" for m in metrics),
+              f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}",
+              "yes" if id(r) in best else "", failure(r)] for r in rows]) + [
+            "", "val: the validation split; x ref: the multiple of the method's reference lr "
+            f"(OTL's and SeLa's the cpu preset's, a peer's {TUNE_RECIPE}'s); failed: the run "
+            "ended collapsed (train_otl.py's collapse signal), never selected."]
+
+    def plot(self, axes, rows, grid):
+        """Validation kNN@10 against the lr multiple, a line per method and view recipe; each
+        method's selected trial."""
+        for m in TUNE_METHODS:
+            for v in dict.fromkeys(r["views"] for r in rows if r["method"] == m):
+                pts = sorted((r["lr_x"], r["knn_val10"]) for r in rows
+                             if r["method"] == m and r["views"] == v and "knn_val10" in r)
+                if pts:
+                    axes[0].plot(*zip(*pts), "o-", ms=3, label=f"{m} {v}")
+        axes[0].set(xscale="log", xlabel="lr (x the method's reference)",
+                    ylabel="validation kNN@10 top-1 (%)")
+        axes[0].legend(fontsize=6, ncol=2)
+        best = self.selected(rows)
+        axes[1].bar(list(best), [r["knn_val10"] for r in best.values()])
+        axes[1].set(ylabel="selected trial's validation kNN@10 (%)")
 
 
 # ==== budget (ours): which network and image size the cpu preset's minutes on 2 CPU cores buy =====

@@ -436,7 +436,7 @@ def test_lct_study(small_data, tmp_path, inline):
 def test_peers_study(small_data, tmp_path, inline):
     pytest.importorskip("lightly")
     study("peers", tmp_path, small_data, "--grid", "otl,simclr-otlaug", "--seeds", "0,1",
-          "--train-args", TINY_TRAIN + " --epochs 2")
+          "--tuned", "none", "--train-args", TINY_TRAIN + " --epochs 2")
     out, md = saved(tmp_path, "peers")
     # a peer with OTL's augmentation is a check beside the comparison: its first seed only
     assert [(r["method"], r["seed"]) for r in out["rows"]] == [("otl", 0), ("otl", 1),
@@ -449,19 +449,90 @@ def test_peers_study(small_data, tmp_path, inline):
     assert ck["args"]["method"] == "simclr" and ck["args"]["peer_aug"] == "otl"
 
 
+def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_data, tmp_path, inline):
+    """A trial a grid value (method, view recipe, multiple of its reference lr), one seed each,
+    scored on the validation split; each method's best trial by validation kNN@10 selected, with
+    its flags; what the tuning cost; a rerun trains nothing."""
+    pytest.importorskip("lightly")
+    pytest.importorskip("timm")
+    grid = "otl:strong2:1,sela:simple:2,simclr:cifar:0.5,simclr:otl:1"
+    args = ["--grid", grid, "--train-args", TINY_TRAIN]
+    study("peers-tune", tmp_path, small_data, *args)
+    out, md = saved(tmp_path, "peers-tune")
+    rows = {(r["method"], r["views"], r["lr_x"]): r for r in out["rows"]}
+    assert set(rows) == {("otl", "strong2", 1), ("sela", "simple", 2), ("simclr", "cifar", 0.5),
+                         ("simclr", "otl", 1)} and {r["seed"] for r in out["rows"]} == {0}
+    runs = tmp_path / "runs" / "study" / "peers-tune"
+    ck = utils.load_file(runs / "simclr_cifar_0p5" / "checkpoint.pth")["args"]
+    assert (ck["optimizer"], ck["peer_aug"], ck["recipe"]) == ("lars", "cifar", "solo-learn")
+    assert ck["lr"] == pytest.approx(0.4 * 0.5) and ck["wd"] == 1e-4     # solo-learn's, at batch 256
+    ck = utils.load_file(runs / "sela_simple_2" / "checkpoint.pth")["args"]
+    assert (ck["labeler"], ck["aug"], ck["optimizer"]) == ("sinkhorn", "simple", "sgd")
+    assert ck["lr"] == pytest.approx(2 * 0.05)                            # the cpu preset's x 2
+    for r in out["rows"]:
+        assert 0 <= r["knn_val10"] <= 100 and 0 <= r["linear_val"] <= 100 and "knn10" not in r
+    sel = out["selected"]
+    assert set(sel) == {"otl", "sela", "simclr"}
+    simclr = max((r for r in out["rows"] if r["method"] == "simclr"), key=lambda r: r["knn_val10"])
+    assert sel["simclr"]["views"] == simclr["views"] and "--lr" in sel["simclr"]["flags"]
+    assert out["verdict"].startswith("selected by validation kNN@10: otl strong2 lr x1")
+    assert "CPU hours" in md and "test split unread" in md and "| selected |" in md
+    assert study("peers-tune", tmp_path, small_data, *args)["ran"] == []
+
+
+def test_peers_at_their_tuned_recipes_at_equal_epochs_and_equal_time(small_data, tmp_path, inline):
+    """Each method at the trial peers-tune selected, a -time point at the epochs that match OTL's
+    minutes, OTL against each method paired over the seeds; then SIRI-WHU's protocol from each
+    seed's own backbone."""
+    pytest.importorskip("lightly")
+    pytest.importorskip("timm")
+    with pytest.raises(SystemExit, match="run `make peers-tune` first"):
+        study("peers", tmp_path, small_data, "--grid", "otl,simclr")
+    study("peers-tune", tmp_path, small_data, "--grid", "otl:strong2:2,simclr:cifar:0.5",
+          "--train-args", TINY_TRAIN)
+    study("peers", tmp_path, small_data, "--grid", "otl,simclr,simclr-time", "--seeds", "0,1",
+          "--train-args", TINY_TRAIN.replace("--epochs 1", "--epochs 2"))
+    out, md = saved(tmp_path, "peers")
+    runs = tmp_path / "runs" / "study" / "peers"
+    ck = utils.load_file(runs / "simclr_seed1" / "checkpoint.pth")["args"]
+    assert (ck["recipe"], ck["optimizer"], ck["peer_aug"], ck["seed"]) == ("solo-learn", "lars", "cifar", 1)
+    assert ck["lr"] == pytest.approx(0.2) and ck["epochs"] == 2
+    assert utils.load_file(runs / "otl" / "checkpoint.pth")["args"]["lr"] == pytest.approx(0.1)
+    means = {r["method"]: r for r in out["seed_means"]}
+    sec = {m: [r["epoch_s"] for r in out["rows"] if r["method"] == m] for m in ("otl", "simclr")}
+    sec = {m: sum(v) / len(v) for m, v in sec.items()}        # each method's mean epoch
+    assert out["equal_time_epochs"] == {"simclr": max(1, round(2 * sec["otl"] / sec["simclr"]))}
+    timed = utils.load_file(runs / "simclr_time" / "checkpoint.pth")["args"]
+    assert timed["epochs"] == out["equal_time_epochs"]["simclr"]
+    assert "OTL minus simclr: " in out["verdict"] and "2 paired seeds" in out["verdict"]
+    assert set(means["otl"]["by_seed"]["knn50"]) == {"0", "1"}
+    assert "the test split, read once a run" in md and "Equal wall-clock" in md
+    assert study("peers", tmp_path, small_data, "--grid", "otl,simclr,simclr-time", "--seeds", "0,1",
+                 "--train-args", TINY_TRAIN.replace("--epochs 1", "--epochs 2"))["ran"] == []
+    study("peers-transfer", tmp_path, small_data, "--grid", "simclr", "--seeds", "0,1",
+          "--train-args", TINY_TRAIN)
+    out, _ = saved(tmp_path, "peers-transfer")
+    for r in out["rows"]:       # each seed from its own backbone, the recipe's lr left behind
+        name = "simclr" if r["seed"] == 0 else "simclr_seed1"
+        ck = utils.load_file(tmp_path / "runs" / "study" / "peers-transfer" / name / "checkpoint.pth")["args"]
+        assert ck["init"].endswith(os.path.join("peers", name, "checkpoint.pth")) and ck["seed"] == r["seed"]
+        assert ck["peer_aug"] == "cifar" and ck["recipe"] == "ours" and ck["optimizer"] == "sgd"
+
+
 def test_peers_at_the_cpu_scale_then_on_another_set_from_each_backbone(small_data, tmp_path, inline):
     pytest.importorskip("lightly")
     with pytest.raises(SystemExit, match="run `python ablations.py peers --preset cpu` first"):
-        study("peers-transfer", tmp_path, small_data, "--preset", "cpu", "--grid", "otl,byol")
+        study("peers-transfer", tmp_path, small_data, "--preset", "cpu", "--grid", "otl,byol",
+              "--tuned", "none", "--seeds", "0")
     study("peers", tmp_path, small_data, "--preset", "cpu", "--grid", "otl,byol", "--train-args",
-          TINY_TRAIN)
+          TINY_TRAIN, "--tuned", "none", "--seeds", "0")
     out, _ = saved(tmp_path, "peers_cpu")
     assert [r["method"] for r in out["rows"]] == ["otl", "byol"] and out["rows"][1]["seed"] == 0
-    assert "(no sd)" in out["verdict"] and "ranked: " in out["verdict"]
+    assert "(one seed: no interval)" in out["verdict"] and "ranked: " in out["verdict"]
     runs = tmp_path / "runs" / "cpu"
     assert utils.load_file(runs / "peers" / "otl" / "checkpoint.pth")["args"]["epochs"] == 1
     study("peers-transfer", tmp_path, small_data, "--preset", "cpu", "--grid", "otl,byol",
-          "--train-args", TINY_TRAIN)
+          "--train-args", TINY_TRAIN, "--tuned", "none", "--seeds", "0")
     out, md = saved(tmp_path, "peers-transfer_cpu")
     for r in out["rows"]:       # each method from its own backbone, trained on by its own loss
         ck = utils.load_file(runs / "peers-transfer" / r["method"] / "checkpoint.pth")
