@@ -1861,8 +1861,9 @@ def budget_timing(study, args, grid, data, extra):
         if not utils.read_log(log):
             load = round(os.getloadavg()[0], 2)
             if load > 0.5:
-                print(f"note: load average {load} before timing {g}: other work on the machine "
-                      "slows the epoch, and the epochs set from it are fewer", flush=True)
+                print(f"note: load average {load} before timing {g} (the 1-minute average, which "
+                      "still counts the timing before it); other work on the machine would slow "
+                      "the epoch, and so shorten the epochs set from it", flush=True)
             os.makedirs(run, exist_ok=True)
             run_stage([sys.executable, "train_otl.py", "--data", data, "--output", run, "--device",
                        args.device, "--no-progress", *BUDGET_FLAGS[:2],
@@ -1937,7 +1938,8 @@ class Budget(TrainingStudy):
         note = (f"Trained on `{utils.rel_path(study_data(self, args))}` with `{' '.join(BUDGET_FLAGS)}` "
                 f"and each configuration's flags, for the epochs that fit {args.budget_minutes:g} "
                 "minutes of training (label passes included) at its epoch as timed once, alone, "
-                "before its runs (load average before the timings: "
+                "before its runs (1-minute load average before the timings, which still counts "
+                "the timing before each: "
                 + (f"{min(loads):g} to {max(loads):g}" if loads else "not recorded") + "). Every "
                 "figure is of the validation split (the training split less its validation part as "
                 "kNN memory bank and probe set); the test split is not read. Seed 0 of every "
