@@ -366,7 +366,11 @@ class TrainingStudy(Study):
         pts = self.points(parse_grid(self, args.grid, args.preset), study_data(self, args), args)
         return [(name if s == 0 else f"{name}_seed{s}", {**point, "point": name, "seed": s}, folder,
                  [*scale.train, *(() if "--method" in flags else scale.otl), *flags, "--seed", str(s)])
-                for name, point, folder, flags in pts for s in parse_seeds(args)]
+                for name, point, folder, flags in pts for s in self.seeds(args)]
+
+    def seeds(self, args):
+        """The training seeds of every grid point (parse_seeds: --seeds, else the scale's)."""
+        return parse_seeds(args)
 
     def check(self, args):
         """Stop before training where what the runs start from is missing."""
@@ -400,7 +404,7 @@ class TrainingStudy(Study):
         mean where the data are not the paper's."""
         scale = SCALES[args.preset]
         note = (trained_on(data, (*scale.train, *scale.otl))
-                + f", {len(parse_seeds(args))} seed(s) a grid point")
+                + f", {len(self.seeds(args))} seed(s) a grid point")
         if not self.paper.startswith("not in the paper") and "cifar10" not in _base(data):
             note += ("; the paper's study trained AlexNet on CIFAR-10, so its numbers are its own "
                      "scale's: compare the directions and the differences beyond 2 sd, not the "
@@ -1509,15 +1513,12 @@ class Peers(TrainingStudy):
             out.append((run_name(g), {"method": g}, data, [*f, "--knn-monitor", str(monitor)]))
         return out
 
+    def seeds(self, args):
+        return peer_seeds(args)
+
     def runs(self, args):
-        seeds, once = peer_seeds(args), {run_name(g) for g in self.once}
-        scale = SCALES[args.preset]
-        pts = self.points(parse_grid(self, args.grid, args.preset), study_data(self, args), args)
-        return [(name if s == 0 else f"{name}_seed{s}",
-                 {**point, "point": name, "seed": s}, folder,
-                 [*scale.train, *(() if "--method" in flags else scale.otl), *flags, "--seed", str(s)])
-                for name, point, folder, flags in pts for s in seeds
-                if name not in once or s == seeds[0]]
+        first, once = self.seeds(args)[0], {run_name(g) for g in self.once}
+        return [r for r in super().runs(args) if r[1]["point"] not in once or r[1]["seed"] == first]
 
     def train(self, args):
         """The methods at equal epochs, then each -time point at the epochs that match OTL's
@@ -1565,9 +1566,7 @@ class Peers(TrainingStudy):
     def trained_how(self, args, data):
         tuned = "untuned, at the preset's SGD" if getattr(args, "tuned", None) == "none" else (
             "each method at the trial `peers-tune` selected on the validation split")
-        return (super().trained_how(args, data).replace(
-            f"{len(parse_seeds(args))} seed(s) a grid point", f"{len(peer_seeds(args))} seed(s) a method")
-            + f"; {tuned}; the half-width ResNet-18 of the cpu preset at 32 px for every method, "
+        return (super().trained_how(args, data) + f"; {tuned}; the half-width ResNet-18 of the cpu preset at 32 px for every method, "
             "where the published anchors train a full ResNet-18 at 32 px for 200 epochs: compare "
             "the methods here, not their levels with the anchors'")
 

@@ -275,15 +275,6 @@ class Peer(nn.Module):
             self._update_momentum(model, self.target, m)
             self._update_momentum(self.projection, self.target_projection, m)
 
-    def clusters(self, feats: torch.Tensor) -> int | None:
-        """SwAV: the prototypes in use, each image on its nearest; None for the others."""
-        if self.method != "swav":
-            return None
-        self.eval()                  # (the training loop sets train mode again)
-        with torch.no_grad():
-            z = F.normalize(self.projection(feats), dim=1)
-            return int(self.prototypes(z).argmax(1).unique().numel())
-
 
 class _Queues(nn.Module):
     """SwAV's queue: lightly's memory banks, one a view, with their contents (which lightly does

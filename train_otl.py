@@ -530,7 +530,8 @@ def collapse_signal(model, peer, images, args, device, row: dict, epoch: int) ->
     """The collapse signal of an epoch on `images` (collapse_sample's): the spread
     (peers.feature_spread) and effective rank (peers.effective_rank) of the backbone's features
     (feat_) and of what the loss reads (head_: OTL's logits of its first head, a peer's
-    Peer.head_outputs), for a softmax loss the epoch's loss over ln k, SwAV's prototypes in use,
+    Peer.head_outputs), for a softmax loss the epoch's loss over ln k, SwAV's prototypes in use
+    (its head's argmax),
     and the verdict (peers.collapse_verdict): a collapsed epoch says why in its log row and on
     stderr."""
     feats = otl.extract_features(model, images, args.img_size, 256, device, progress=False,
@@ -552,9 +553,8 @@ def collapse_signal(model, peer, images, args, device, row: dict, epoch: int) ->
          else args.prototypes if args.method == "swav" else None)
     if k and utils.is_number(row.get("loss")):
         out["loss_over_ln_k"] = round(float(row["loss"]) / math.log(k), 4)
-    used = peer.clusters(feats.to(device)) if peer is not None else None
-    if used is not None:
-        out["clusters_used"] = used
+    if args.method == "swav":       # the prototypes in use, each image on its nearest
+        out["clusters_used"] = int(head.argmax(1).unique().numel())
     why = peers.collapse_verdict({**row, **out}, epoch, k)
     if why:
         out["collapsed"], out["collapse_why"] = True, why
