@@ -331,6 +331,7 @@ class TrainingStudy(Study):
     evals = ()
     keys = {}
     xkey = ""
+    kept = ()       # fields of the results JSON a rewrite keeps as recorded (budget's timings)
 
     def add_flags(self, s):
         super().add_flags(s)
@@ -700,6 +701,7 @@ def training_row(run, point, outs, trained=()):
     res = utils.read_results(run)
     row = {**point, "run": utils.rel_path(run), "train_minutes": res.get("train_minutes"),
            "epochs": res.get("epochs"), "preset": res.get("preset"),
+           **({"amp": res["amp"]} if "amp" in res else {}),   # bf16 autocast or float32
            "git_commit": res.get("git_commit"), "command": res.get("command"), **dict(trained)}
     if res.get("failed"):           # ended collapsed (train_otl.py's collapse signal)
         row["failed"] = res["failed"]
@@ -748,6 +750,16 @@ def log_figures(log, timed_epoch_s=None):
 METRICS = ("knn10", "knn50", "knn100", "knn200", "linear", "knn_val10", "knn_val50", "linear_val")
 
 
+def precision(row) -> str:
+    """A table's precision cell: bf16 (autocast) or fp32, a seed's each where they differ, blank
+    for runs from before results.json recorded it."""
+    name = {True: "bf16", False: "fp32", None: "?"}
+    amp = row.get("amp")
+    if isinstance(amp, list):
+        return ", ".join(name.get(a, "?") for a in amp)
+    return name.get(amp, "?") if "amp" in row else ""
+
+
 def failure(row) -> str:
     """A table's failed cell: why a run ended collapsed, or how many seeds of a point did."""
     f = row.get("failed") or ""
@@ -767,6 +779,8 @@ def seed_means(rows):
         m = {k: v for k, v in g[0].items() if k not in ("run", "seed", "git_commit", "command",
                                                           "study_point")}
         m["seeds"] = [r.get("seed") for r in g]
+        if len({r.get("amp") for r in g}) > 1:      # seeds run on machines with and without bf16
+            m["amp"] = [r.get("amp") for r in g]
         m.pop("failed", None)
         failed = [r.get("seed") for r in g if r.get("failed")]
         if failed:
@@ -924,6 +938,7 @@ def rewrite(study, args):
                       "trained."] + ([""] + extra["notes"] if extra["notes"] else [])
     if recorded.get("data"):
         extra["data"] = recorded["data"]
+    extra.update({k: recorded[k] for k in study.kept if k in recorded})
     grid = parse_grid(study, args.grid, args.preset) if args.grid else recorded.get("grid", [])
     return write_results(study, args, rows, extra, grid=grid, partial=total and int(total[2]))
 
@@ -1932,23 +1947,42 @@ class Budget(TrainingStudy):
 
     def notes(self, args, rows=()):
         """Where the epochs came from, and what the study reads."""
-        first = {r["config"]: r for r in rows if r.get("seed", 0) == 0}
-        loads = [r["timed_load"] for r in first.values() if utils.is_number(r.get("timed_load"))]
-        note = (f"Trained on `{utils.rel_path(study_data(self, args))}` with `{' '.join(BUDGET_FLAGS)}` "
-                f"and each configuration's flags, for the epochs that fit {args.budget_minutes:g} "
-                "minutes of training (label passes included) at its epoch as timed once, alone, "
-                "before its runs (1-minute load average before the timings, which still counts "
-                "the timing before each: "
-                + (f"{min(loads):g} to {max(loads):g}" if loads else "not recorded") + "). Every "
-                "figure is of the validation split (the training split less its validation part as "
-                "kNN memory bank and probe set); the test split is not read. Seed 0 of every "
-                f"configuration, then seeds {', '.join(map(str, parse_seeds(args)[1:])) or 'none'} of "
-                f"the two best by its validation kNN@10 and of the cpu preset's own ({PRESET_CONFIG}).")
+        more = parse_seeds(args)[1:]
+        note = self.protocol(utils.rel_path(study_data(self, args)), args.budget_minutes, rows,
+                             f"seeds {', '.join(map(str, more))}" if more else "no more seeds")
         # every configuration's timed epoch, so that a study resumed elsewhere (its run folders
         # gone, its rows in this JSON) keeps the epochs it set before training them all
         timing = {**getattr(self, "timing", {}), **{r["config"]: {
             k: r[k] for k in ("timed_epoch_s", "timed_load")} for r in rows if "timed_epoch_s" in r}}
         return {"notes": [note], "data": utils.rel_path(study_data(self, args)), "timing": timing}
+
+    kept = ("timing",)      # a rewrite of a partial study keeps the timings of the runs to come
+
+    def rows_notes(self, rows):
+        """The protocol note from the rows (a rewrite's), their budget and seeds."""
+        data = {(r.get("study_point") or {}).get("data", "?") for r in rows}
+        minutes = {r.get("budget_minutes") for r in rows}
+        more = sorted({r.get("seed", 0) for r in rows} - {0})
+        return {"notes": [self.protocol(", ".join(sorted(data)), ", ".join(
+            f"{m:g}" for m in minutes if utils.is_number(m)), rows,
+            f"seeds {', '.join(map(str, more))}" if more else "further seeds")]}
+
+    @staticmethod
+    def protocol(data, minutes, rows, more):
+        """The note on how the configurations trained: the data, their budget in minutes, the
+        load before the timings, the splits read and the seeds (more: the seeds after 0)."""
+        first = {r["config"]: r for r in rows if r.get("seed", 0) == 0}
+        loads = [r["timed_load"] for r in first.values() if utils.is_number(r.get("timed_load"))]
+        minutes = f"{minutes:g}" if utils.is_number(minutes) else minutes
+        return (f"Trained on `{data}` with `{' '.join(BUDGET_FLAGS)}` and each configuration's "
+                f"flags, for the epochs that fit {minutes} minutes of training (label passes "
+                "included) at its epoch as timed once, alone, before its runs (1-minute load "
+                "average before the timings, which still counts the timing before each: "
+                + (f"{min(loads):g} to {max(loads):g}" if loads else "not recorded") + "). Every "
+                "figure is of the validation split (the training split less its validation part as "
+                "kNN memory bank and probe set); the test split is not read. Seed 0 of every "
+                f"configuration, then {more} of the two best by its validation kNN@10 and of "
+                f"the cpu preset's own ({PRESET_CONFIG}).")
 
     @compares_on("knn_val10")
     def verdict(self, rows):
@@ -1968,15 +2002,20 @@ class Budget(TrainingStudy):
         metrics = [m for m in ("knn_val10", "knn_val50", "linear_val") if any(m in r for r in rows)]
         cell = lambda r, m: _f_sd(r, m) if m in r else ""     # noqa: E731
         lines = utils.md_table(["config", "px", "width", "stem", "epochs", "s / epoch (timed)", "seeds",
-                                *(m.replace("_val", " val") for m in metrics), "minutes"], [
+                                *(m.replace("_val", " val") for m in metrics), "minutes",
+                                "precision"], [
             [r["config"], str(r["img_size"]), str(r["width"]), r["stem"], str(r.get("epochs_fit", "")),
              f"{r.get('timed_epoch_s', float('nan')):.0f}",
              ",".join(map(str, r.get("seeds", [r.get("seed", 0)]))),
-             *(cell(r, m) for m in metrics), f"{r.get('train_minutes') or 0:.1f}"] for r in rows])
+             *(cell(r, m) for m in metrics), f"{r.get('train_minutes') or 0:.1f}", precision(r)]
+            for r in rows])
         return lines + ["", "Each cell: the mean over the seeds +- their sample standard deviation "
                         "where a configuration has more than one; val: the validation split; "
-                        "minutes: the run's wall time, which other work sharing the machine "
-                        "stretches (its epochs were set by the epoch timed alone)."]
+                        "minutes: the run's wall time, which other work sharing the machine or a "
+                        "machine without bf16 stretches (its epochs were set by the epoch timed "
+                        "alone); precision: the run's arithmetic, bf16 autocast where its machine "
+                        "has native bf16, else fp32 (train_otl.py --amp), blank where the run "
+                        "predates its record."]
 
     def plot(self, axes, rows, grid):
         """Validation kNN@10 against the minutes of training, a curve a configuration (its seed 0

@@ -834,7 +834,7 @@ def write_results(args, ranks, device, commit):
     results = {"epochs": args.epochs, "preset": args.preset_used, "method": args.method,
                **({"untrained": True} if args.epochs == 0 else {}),    # --epochs 0: the baseline
                "arch": args.arch,
-               "device": str(device), "processes": ranks.world,
+               "device": str(device), "amp": bool(args.amp), "processes": ranks.world,
                "checkpoint": utils.rel_path(os.path.join(args.output, "checkpoint.pth")),
                "init_from": getattr(args, "init_from", None),
                "train_minutes": round(sum(epoch_s) / 60, 4),   # tiny runs must not round to 0

@@ -797,11 +797,34 @@ def test_budget_study(small_data, tmp_path, inline):
     first = out["verdict"].split(" ")[0]                     # the best by its seeds' mean
     assert ("minus the cpu preset's 32px-w32" in out["verdict"]) == (first != "32px-w32")
     assert "test split is not read" in md
+    amp = {r["config"]: r["amp"] for r in out["rows"]}      # each run's arithmetic, recorded
+    assert all(isinstance(a, bool) for a in amp.values()) and " precision |" in md
+    assert f"| {ablations.precision({'amp': amp['32px-w32']})} |" in md
     assert study("budget", tmp_path, small_data, *args)["ran"] == []
     assert set(out["timing"]) == set(seed0)       # every configuration's timed epoch, kept
     shutil.rmtree(runs / "timing")                # elsewhere: the JSON's timings, none again
     assert study("budget", tmp_path, small_data, *args)["ran"] == []
     assert not (runs / "timing").exists()
+    # a partial study written again (--rewrite) keeps the timings of the runs still to come
+    path = tmp_path / "out" / "budget.json"
+    part = json.loads(path.read_text())
+    part["rows"] = [r for r in part["rows"] if r["config"] != "48px-w32"]
+    part["partial"] = f"{len(part['rows'])} of {len(out['rows'])} runs"
+    path.write_text(json.dumps(part))
+    again = study("budget", tmp_path, small_data, *args, "--rewrite", "--no-plot")
+    assert again["timing"] == out["timing"] and again["partial"] == part["partial"]
+    assert any(n.startswith("Trained on") and "0.05 minutes" in n for n in again["notes"])
+
+
+def test_precision_cell_names_each_seeds_arithmetic():
+    rows = [{"point": "p", "run": f"r{s}", "seed": s, "knn_val10": 70.0 + s, "amp": a}
+            for s, a in enumerate([True, False, False])]
+    mean = ablations.seed_means(rows)[0]
+    assert mean["amp"] == [True, False, False]
+    assert ablations.precision(mean) == "bf16, fp32, fp32"
+    same = ablations.seed_means([dict(r, amp=False) for r in rows])[0]
+    assert same["amp"] is False and ablations.precision(same) == "fp32"
+    assert ablations.precision({"knn10": 1.0}) == ""        # a run from before the record
 
 
 def test_budget_study_refuses_what_it_cannot_time(small_data, tmp_path):

@@ -115,6 +115,11 @@ def test_finished_run_is_not_rewritten_or_shortened(small_data, tmp_path):
     assert utils.load_file(tmp_path / "f" / "checkpoint.pth")["epoch"] == 2
 
 
+def test_results_record_the_runs_arithmetic(small_data, tmp_path):
+    # a study's rows say which runs had bf16 autocast (machines differ), so results.json does
+    assert train(small_data, tmp_path / "p", "--epochs", "1", "--amp", "false")["amp"] is False
+
+
 def test_truncated_checkpoint_falls_back_to_the_newest_snapshot(small_data, tmp_path):
     train(small_data, tmp_path / "a", "--epochs", "3")
     b = tmp_path / "b"
