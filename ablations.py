@@ -1913,6 +1913,7 @@ class Budget(TrainingStudy):
     against minutes; the best two with 3 seeds.  Chosen and reported on the validation split
     (`make ablation-budget`)."""
     name, grid, evals = "budget", BUDGET_GRID, ("knn_val", "linear_val")
+    kept = ("timing",)      # a rewrite of a partial study keeps the timings of the runs to come
     paper = ("not in the paper (ours: within the cpu preset's minutes on 2 CPU cores, which image "
              "size, width and stem, at the epochs that fit, learn most? Chosen on the validation "
              "split, for the cpu preset)")
@@ -1955,8 +1956,6 @@ class Budget(TrainingStudy):
         timing = {**getattr(self, "timing", {}), **{r["config"]: {
             k: r[k] for k in ("timed_epoch_s", "timed_load")} for r in rows if "timed_epoch_s" in r}}
         return {"notes": [note], "data": utils.rel_path(study_data(self, args)), "timing": timing}
-
-    kept = ("timing",)      # a rewrite of a partial study keeps the timings of the runs to come
 
     def rows_notes(self, rows):
         """The protocol note from the rows (a rewrite's), their budget and seeds."""
