@@ -1948,9 +1948,8 @@ class Budget(TrainingStudy):
 
     def notes(self, args, rows=()):
         """Where the epochs came from, and what the study reads."""
-        more = parse_seeds(args)[1:]
         note = self.protocol(utils.rel_path(study_data(self, args)), args.budget_minutes, rows,
-                             f"seeds {', '.join(map(str, more))}" if more else "no more seeds")
+                             parse_seeds(args)[1:], "no more seeds")
         # every configuration's timed epoch, so that a study resumed elsewhere (its run folders
         # gone, its rows in this JSON) keeps the epochs it set before training them all
         timing = {**getattr(self, "timing", {}), **{r["config"]: {
@@ -1963,13 +1962,14 @@ class Budget(TrainingStudy):
         minutes = {r.get("budget_minutes") for r in rows}
         more = sorted({r.get("seed", 0) for r in rows} - {0})
         return {"notes": [self.protocol(", ".join(sorted(data)), ", ".join(
-            f"{m:g}" for m in minutes if utils.is_number(m)), rows,
-            f"seeds {', '.join(map(str, more))}" if more else "further seeds")]}
+            f"{m:g}" for m in minutes if utils.is_number(m)), rows, more, "further seeds")]}
 
     @staticmethod
-    def protocol(data, minutes, rows, more):
+    def protocol(data, minutes, rows, more, none):
         """The note on how the configurations trained: the data, their budget in minutes, the
-        load before the timings, the splits read and the seeds (more: the seeds after 0)."""
+        load before the timings, the splits read and the seeds (more: the seeds after 0; none:
+        what to say when there are none)."""
+        more = f"seeds {', '.join(map(str, more))}" if more else none
         first = {r["config"]: r for r in rows if r.get("seed", 0) == 0}
         loads = [r["timed_load"] for r in first.values() if utils.is_number(r.get("timed_load"))]
         minutes = f"{minutes:g}" if utils.is_number(minutes) else minutes
