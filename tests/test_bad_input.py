@@ -45,6 +45,13 @@ def _eval_knn(*argv):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+def _eval_main(script, *argv):
+    """eval_knn.py's or eval_linear.py's main in this process, as its command line would call it
+    (a refusal is a SystemExit carrying the message a user sees, never another exception)."""
+    mod = __import__(script)
+    return mod.main(mod.get_args_parser().parse_args([*argv, "--device", "cpu", "--no-progress"]))
+
+
 def test_crafted_checkpoint_is_refused(tmp_path):
     marker = tmp_path / "ran"
     ckpt = tmp_path / "evil.pth"
@@ -63,13 +70,15 @@ def test_crafted_data_cache_and_feature_cache_are_refused(tmp_path):
     # a feature file beside a clean checkpoint, made to match the cache key
     feats = tmp_path / "run" / "features_checkpoint.pt"
     _crafted(feats, marker)
-    p = _eval_knn("--checkpoint", ckpt)
-    assert p.returncode != 0 and not marker.exists() and "refusing to load" in p.stderr
+    with pytest.raises(SystemExit, match="refusing to load"):
+        _eval_main("eval_knn", "--checkpoint", ckpt)
+    assert not marker.exists()
     os.remove(feats)
     cache = data_dir / "cache.pt"
     _crafted(cache, marker)
-    p = _eval_knn("--checkpoint", ckpt)
-    assert p.returncode != 0 and not marker.exists() and "refusing to load" in p.stderr
+    with pytest.raises(SystemExit, match="refusing to load"):
+        _eval_main("eval_knn", "--checkpoint", ckpt)
+    assert not marker.exists()
 
 
 def test_clean_files_still_load(tmp_path):
@@ -162,11 +171,9 @@ def test_empty_test_split_says_so(tmp_path):
     split = json.loads((data_dir / "split.json").read_text())
     split["train"], split["test"] = sorted(split["train"] + split["test"]), []
     (data_dir / "split.json").write_text(json.dumps(split))
-    for script in ("eval_knn.py", "eval_linear.py"):
-        p = subprocess.run([sys.executable, script, "--checkpoint", ckpt, "--device", "cpu",
-                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert p.returncode != 0 and "test split" in p.stderr and "empty" in p.stderr, p.stderr[-500:]
-        assert "Traceback" not in p.stderr
+    for script in ("eval_knn", "eval_linear"):
+        with pytest.raises(SystemExit, match="test split.*empty|empty.*test split"):
+            _eval_main(script, "--checkpoint", ckpt)
 
 
 def test_feature_cache_follows_the_checkpoint_content(tmp_path):
@@ -197,7 +204,7 @@ def _train_tiny(data, out, cwd):
                           timeout=300)
 
 
-def test_checkpoint_knows_its_data_set(small_data, tmp_path):
+def test_checkpoint_knows_its_data_set(small_data, tmp_path, monkeypatch):
     work = tmp_path / "work"
     os.makedirs(work)
     shutil.copytree(small_data, work / "data")
@@ -207,22 +214,20 @@ def test_checkpoint_knows_its_data_set(small_data, tmp_path):
     assert res["command"].startswith("python ") and "--data data" in res["command"]
 
     def knn(cwd, *extra):
-        return subprocess.run([sys.executable, os.path.join(ROOT, "eval_knn.py"), "--checkpoint",
-                               str(work / "run" / "checkpoint.pth"), "--device", "cpu",
-                               "--no-progress", *extra], cwd=cwd, capture_output=True, text=True,
-                              timeout=300)
+        monkeypatch.chdir(cwd)
+        return _eval_main("eval_knn", "--checkpoint", str(work / "run" / "checkpoint.pth"), *extra)
     # run from elsewhere: the relative data path leads nowhere; the message says to pass --data
-    p = knn(tmp_path)
-    assert p.returncode != 0 and "pass --data" in p.stderr and "Traceback" not in p.stderr
-    assert knn(tmp_path, "--data", str(work / "data")).returncode == 0
+    with pytest.raises(SystemExit, match="pass --data"):
+        knn(tmp_path)
+    assert knn(tmp_path, "--data", str(work / "data"))["n_test"] > 0
     # another data set at the same relative path is refused, not silently evaluated
     other = tmp_path / "other"
     os.makedirs(other)
     _, _, _, _ = untrained_checkpoint(other)           # a 3-class prepared set in other/data
     shutil.rmtree(work / "data")
     shutil.copytree(other / "data", work / "data")
-    p = knn(work)
-    assert p.returncode != 0 and "is not the data set" in p.stderr, p.stderr[-1000:]
+    with pytest.raises(SystemExit, match="is not the data set"):
+        knn(work)
 
 
 def test_results_paths_are_relative_to_the_repository():

@@ -100,20 +100,29 @@ def test_bench_labeler_networks_outputs(small_data, tmp_path):
     assert sorted(os.listdir(saved)) == sorted(f"{name}_{k}.pt" for name, k in nets)
 
 
-def test_bench_labeler_rejects_bad_arguments(tmp_path):
+def bench_labeler_main(*args):
+    """bench_labeler.py's main in this process (its argument checks run before any work)."""
+    import bench_labeler
+    return bench_labeler.main(bench_labeler.get_args_parser().parse_args(list(args)))
+
+
+def test_bench_labeler_rejects_bad_arguments(tmp_path, capsys):
+    out = str(tmp_path / "x.json")
     for args, said in ((["--n", "100", "--ks", "200"], "--ks must lie in"),
-                       (["--methods", "exact,nope"], "unknown ['nope']"),
-                       (["--large-k", "50", "--ref-n", "20"], "need --large-k <= --ref-n"),
-                       (["--net", "nope"], "invalid choice")):
-        p = run_bench(*args, "--out", str(tmp_path / "x.json"))
-        assert p.returncode != 0 and said in p.stderr, p.stderr
+                       (["--methods", "exact,nope"], r"unknown \['nope'\]"),
+                       (["--large-k", "50", "--ref-n", "20"], "need --large-k <= --ref-n")):
+        with pytest.raises(SystemExit, match=said):
+            bench_labeler_main(*args, "--out", out)
+    with pytest.raises(SystemExit):
+        bench_labeler_main("--net", "nope", "--out", out)
+    assert "invalid choice" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_bench_labeler_gpu_flag_without_a_gpu(tmp_path):
-    p = run_bench("--device", "cuda", "--out", str(tmp_path / "x.json"))
-    assert p.returncode != 0 and "CUDA is not available" in p.stderr
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        bench_labeler_main("--device", "cuda", "--out", str(tmp_path / "x.json"))
     assert not (tmp_path / "x.json").exists()
 
 
