@@ -550,36 +550,64 @@ def training_study(study, args, pts=None):
     taking the old run for the new point.  A point whose run folder is gone (another machine, a
     later checkout) but whose row is in the study's results JSON with the same data and flags is
     taken from there: so a study spans interruptions and machines through its committed results.
-    The results are written after every run made, marked partial until the last point is in."""
+    The results are written after every run made, marked partial until the last point is in;
+    such a partial file holds every row finished so far, those of points further on included."""
     study.check(args)
     pts = study.runs(args) if pts is None else pts
     folder = os.path.join(args.runs, args.preset, study.name)
     extra = shlex.split(args.train_args)
     recorded = recorded_rows(args)
+    ident = lambda data, flags: {"data": utils.rel_path(data), "train_flags": [*flags, *extra]}  # noqa: E731
     rows, ran, carried = [], [], []
     for i, (name, point, data, flags) in enumerate(pts):
         run = os.path.join(folder, name)
-        ident = {"data": utils.rel_path(data), "train_flags": [*flags, *extra]}
         outs = study.evaluations(run, i)
-        old = recorded.get(name)
-        if not os.path.isdir(run) and old and old["study_point"] == ident and all(
-                (e if _kind(e) == "linear" else f"{e}10") in old for e in outs):
+        old = carried_row(recorded.get(name), run, ident(data, flags), outs)
+        if old:
             print(f"[{study.name}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
                   f"(trained at commit {str(old.get('git_commit'))[:12]}; its run folder is not here)",
                   flush=True)
             rows.append(old)
             carried.append(name)
             continue
-        made = make_run(args, run, data, ident, outs, f"[{study.name}] {name} ({i + 1}/{len(pts)})")
+        made = make_run(args, run, data, ident(data, flags), outs,
+                        f"[{study.name}] {name} ({i + 1}/{len(pts)})")
         if made:
             ran.append(name)
-        rows.append({**study.row(run, point, outs), "study_point": ident})
+        rows.append({**study.row(run, point, outs), "study_point": ident(data, flags)})
         if made and i + 1 < len(pts):   # nothing finished is lost if the study stops here
-            write_results(study, args, rows, study.notes(args, rows), partial=len(pts))
+            later = [finished_row(study, recorded.get(n), os.path.join(folder, n), p,
+                                  ident(d, f), study.evaluations(os.path.join(folder, n), j))
+                     for j, (n, p, d, f) in enumerate(pts) if j > i]
+            done = rows + [r for r in later if r]
+            write_results(study, args, done, study.notes(args, done), partial=len(pts))
     skipped = [n for n, *_ in pts if n not in ran]
     print(f"{study.name}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before"
           + (f" ({len(carried)} of them taken from the results JSON)" if carried else ""), flush=True)
     return rows, ran
+
+
+def carried_row(old, run, ident, outs):
+    """The results JSON's row `old` of a point whose run folder is gone, where it was made with
+    the point's data and flags and holds every evaluation; else None."""
+    if not os.path.isdir(run) and old and old.get("study_point") == ident and all(
+            (e if _kind(e) == "linear" else f"{e}10") in old for e in outs):
+        return old
+    return None
+
+
+def finished_row(study, old, run, point, ident, outs):
+    """A later point's row for a partial results file, where it needs no more work: carried from
+    the results JSON, or read from its run folder made for this point, trained and evaluated."""
+    if carried_row(old, run, ident, outs):
+        return old
+    try:        # a damaged record waits for the loop to reach its point, which names it
+        had = utils.read_json(os.path.join(run, "study_point.json"), "", error=ValueError)
+    except ValueError:
+        return None
+    if had == ident and os.path.isfile(os.path.join(run, "results.json")) and evaluated(run, outs):
+        return {**study.row(run, point, outs), "study_point": ident}
+    return None
 
 
 def make_run(args, run, data, ident, outs, say):
@@ -1940,8 +1968,11 @@ class Budget(TrainingStudy):
         first = {g: seeds[:1] for g in grid}
         rows, ran = training_study(self, args, budget_points(grid, timing, first, data, args))
         keep = {r["config"] for r in sorted(rows, key=lambda r: -r["knn_val10"])[:2]} | {PRESET_CONFIG}
-        more = {g: seeds if g in keep else seeds[:1] for g in grid}
-        rows, ran2 = training_study(self, args, budget_points(grid, timing, more, data, args))
+        more = budget_points(grid, timing, {g: seeds if g in keep else seeds[:1] for g in grid},
+                             data, args)
+        if ran and len(more) > len(rows):     # the first pass's last run, kept before the next
+            write_results(self, args, rows, self.notes(args, rows), partial=len(more))
+        rows, ran2 = training_study(self, args, more)
         out = write_results(self, args, rows, self.notes(args, rows))
         out["ran"] = ran + ran2
         return out

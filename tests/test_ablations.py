@@ -423,6 +423,41 @@ def test_partial_results_and_resume_from_results_json(small_data, tmp_path, inli
     assert again["ran"] == ["x0"]
 
 
+def partial_writes(monkeypatch):
+    """[(rows' run names, partial)] of every partial results file the study writes."""
+    calls, real = [], ablations.write_results
+
+    def spy(st, args, rows, extra=None, partial=None, grid=None):
+        if partial:
+            calls.append(([os.path.basename(r["run"]) for r in rows], partial))
+        return real(st, args, rows, extra, partial, grid)
+    monkeypatch.setattr(ablations, "write_results", spy)
+    return calls
+
+
+def test_a_partial_results_file_keeps_the_rows_of_points_further_on(small_data, tmp_path, inline,
+                                                                    monkeypatch):
+    """A run made before points that are finished (their run folders here, or their rows in the
+    results JSON) writes a partial file that keeps those later rows: a study stopped there loses
+    none of them."""
+    args = ["--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN]
+    study("uneven", tmp_path, small_data, *args)
+    path, writes = tmp_path / "out" / "uneven.json", partial_writes(monkeypatch)
+    # x2's run folder is here and finished; x0's folder and the results file are gone
+    shutil.rmtree(tmp_path / "runs" / "study" / "uneven" / "x0")
+    path.unlink()
+    assert study("uneven", tmp_path, small_data, *args)["ran"] == ["x0"]
+    assert writes == [(["x0", "x2"], 2)]
+    # another machine: no run folders, and the results file holds x2's row but not x0's
+    shutil.rmtree(tmp_path / "runs")
+    rec = json.loads(path.read_text())
+    rec["rows"], rec["partial"] = [r for r in rec["rows"] if r["x"] == 2], "1 of 2 runs"
+    path.write_text(json.dumps(rec))
+    del writes[:]
+    assert study("uneven", tmp_path, small_data, *args)["ran"] == ["x0"]
+    assert writes == [(["x0", "x2"], 2)]
+
+
 def test_lct_study(small_data, tmp_path, inline):
     study("lct", tmp_path, small_data, "--grid", "1-mean,2-sum", "--seeds", "0,1", "--train-args",
           TINY_TRAIN)
@@ -769,7 +804,7 @@ def test_the_k_verdict_on_a_tie_names_no_best():
     assert verdict(rows).startswith("kNN@50 best at k = 32 (65.0), worst at k = 16 (60.0)")
 
 
-def test_budget_study(small_data, tmp_path, inline):
+def test_budget_study(small_data, tmp_path, inline, monkeypatch):
     """Each configuration's epoch timed once, its epochs set to fit the budget, trained with the
     validation kNN logged every epoch; then the two best by validation kNN@10 and the cpu preset's
     own with the other seeds; every figure of the validation split, the test split unread; a rerun trains nothing."""
@@ -777,9 +812,15 @@ def test_budget_study(small_data, tmp_path, inline):
     args = ["--grid", "32px-w32,48px-w32,32px-w32-small", "--seeds", "0,1", "--budget-minutes",
             "0.01", "--train-args",
             "--width 8 --batch-size 64 --k 16 --views 1 --label-views 1 --lct false --aug simple"]
+    writes = partial_writes(monkeypatch)
     study("budget", tmp_path, small_data, *args)
     out, md = saved(tmp_path, "budget")
     seed0 = {r["config"]: r for r in out["rows"] if r["seed"] == 0}
+    # every partial file holds every run finished so far, the first pass's last one included
+    names = [os.path.basename(r["run"]) for r in out["rows"]]
+    assert ([n for n in names if "seed" not in n], len(names)) in writes
+    assert all(p in (3, len(names)) and set(w) <= set(names) for w, p in writes)
+    assert [len(w) for w, _ in writes] == sorted(len(w) for w, _ in writes)
     assert set(seed0) == {"32px-w32", "48px-w32", "32px-w32-small"}
     best = sorted(seed0.values(), key=lambda r: -r["knn_val10"])[:2]
     more = {r["config"] for r in best} | {"32px-w32"}       # and the cpu preset's own
