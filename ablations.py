@@ -337,6 +337,9 @@ class TrainingStudy(Study):
         super().add_flags(s)
         s.add_argument("--train-args", default="", help="extra train_otl.py flags for every "
                        "run, e.g. \"--epochs 4\" (they win over the preset's)")
+        s.add_argument("--max-runs", type=int, default=None, help="train at most this many "
+                       "runs, then write every finished run (a partial results file) and stop: a "
+                       "session that must end soon ends cleanly; the same command continues")
         s.add_argument("--rewrite", action="store_true", help="train nothing: write the "
                        "table, verdict and plot again from the rows of the study's results "
                        "JSON as they are (after a change to how studies are summarised)")
@@ -559,6 +562,13 @@ def training_study(study, args, pts=None):
     recorded = recorded_rows(args)
     ident = lambda data, flags: {"data": utils.rel_path(data), "train_flags": [*flags, *extra]}  # noqa: E731
     rows, ran, carried = [], [], []
+
+    def keep_finished(after):       # a partial file: the rows so far and every later one finished
+        later = [finished_row(study, recorded.get(n), os.path.join(folder, n), p, ident(d, f),
+                              study.evaluations(os.path.join(folder, n), j))
+                 for j, (n, p, d, f) in enumerate(pts) if j > after]
+        done = rows + [r for r in later if r]
+        write_results(study, args, done, study.notes(args, done), partial=len(pts))
     for i, (name, point, data, flags) in enumerate(pts):
         run = os.path.join(folder, name)
         outs = study.evaluations(run, i)
@@ -570,17 +580,21 @@ def training_study(study, args, pts=None):
             rows.append(old)
             carried.append(name)
             continue
+        left = getattr(args, "max_runs", None)      # runs --max-runs still allows, every pass's
+        if left is not None and left <= 0 and not finished_row(
+                study, None, run, point, ident(data, flags), outs):
+            keep_finished(i - 1)
+            raise SystemExit(f"[{study.name}] stopped before {name}: --max-runs reached; the same "
+                             "command continues")
         made = make_run(args, run, data, ident(data, flags), outs,
                         f"[{study.name}] {name} ({i + 1}/{len(pts)})")
         if made:
             ran.append(name)
+            if left is not None:
+                args.max_runs = left - 1
         rows.append({**study.row(run, point, outs), "study_point": ident(data, flags)})
         if made and i + 1 < len(pts):   # nothing finished is lost if the study stops here
-            later = [finished_row(study, recorded.get(n), os.path.join(folder, n), p,
-                                  ident(d, f), study.evaluations(os.path.join(folder, n), j))
-                     for j, (n, p, d, f) in enumerate(pts) if j > i]
-            done = rows + [r for r in later if r]
-            write_results(study, args, done, study.notes(args, done), partial=len(pts))
+            keep_finished(i)
     skipped = [n for n, *_ in pts if n not in ran]
     print(f"{study.name}: {len(ran)} run(s) trained or evaluated, {len(skipped)} finished before"
           + (f" ({len(carried)} of them taken from the results JSON)" if carried else ""), flush=True)

@@ -439,9 +439,14 @@ def test_a_partial_results_file_keeps_the_rows_of_points_further_on(small_data, 
                                                                     monkeypatch):
     """A run made before points that are finished (their run folders here, or their rows in the
     results JSON) writes a partial file that keeps those later rows: a study stopped there loses
-    none of them."""
+    none of them; --max-runs stops a study cleanly with such a file."""
     args = ["--grid", "0,2", "--seeds", "0", "--train-args", TINY_TRAIN]
-    study("uneven", tmp_path, small_data, *args)
+    # --max-runs: a session that must end trains that many, writes what is finished and stops
+    with pytest.raises(SystemExit, match="stopped before x2: --max-runs reached"):
+        study("uneven", tmp_path, small_data, *args, "--max-runs", "1")
+    out, _ = saved(tmp_path, "uneven")
+    assert out["partial"] == "1 of 2 runs" and [r["x"] for r in out["rows"]] == [0]
+    assert study("uneven", tmp_path, small_data, *args, "--max-runs", "1")["ran"] == ["x2"]
     path, writes = tmp_path / "out" / "uneven.json", partial_writes(monkeypatch)
     # x2's run folder is here and finished; x0's folder and the results file are gone
     shutil.rmtree(tmp_path / "runs" / "study" / "uneven" / "x0")
