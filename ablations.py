@@ -2058,8 +2058,8 @@ class Budget(TrainingStudy):
                         "minutes: the run's wall time, which other work sharing the machine or a "
                         "machine without bf16 stretches (its epochs were set by the epoch timed "
                         "alone); precision: the run's arithmetic, bf16 autocast where its machine "
-                        "has native bf16, else fp32 (train_otl.py --amp), blank where the run "
-                        "predates its record."]
+                        "has native bf16, else fp32 (train_otl.py --amp), a seed's each where they "
+                        "differ; blank, or ? for one seed, where the run predates its record."]
 
     def plot(self, axes, rows, grid):
         """Validation kNN@10 against the minutes of training, a curve a configuration (its seed 0
