@@ -571,8 +571,8 @@ def training_study(study, args, pts=None):
         write_results(study, args, done, study.notes(args, done), partial=len(pts))
     for i, (name, point, data, flags) in enumerate(pts):
         run = os.path.join(folder, name)
-        outs = study.evaluations(run, i)
-        old = carried_row(recorded.get(name), run, ident(data, flags), outs)
+        outs, own = study.evaluations(run, i), ident(data, flags)
+        old = carried_row(recorded.get(name), run, own, outs)
         if old:
             print(f"[{study.name}] {name}: taken from {utils.rel_path(results_stem(args))}.json "
                   f"(trained at commit {str(old.get('git_commit'))[:12]}; its run folder is not here)",
@@ -581,18 +581,16 @@ def training_study(study, args, pts=None):
             carried.append(name)
             continue
         left = getattr(args, "max_runs", None)      # runs --max-runs still allows, every pass's
-        if left is not None and left <= 0 and not finished_row(
-                study, None, run, point, ident(data, flags), outs):
+        if left is not None and left <= 0 and not finished_row(study, None, run, point, own, outs):
             keep_finished(i - 1)
             raise SystemExit(f"[{study.name}] stopped before {name}: --max-runs reached; the same "
                              "command continues")
-        made = make_run(args, run, data, ident(data, flags), outs,
-                        f"[{study.name}] {name} ({i + 1}/{len(pts)})")
+        made = make_run(args, run, data, own, outs, f"[{study.name}] {name} ({i + 1}/{len(pts)})")
         if made:
             ran.append(name)
             if left is not None:
                 args.max_runs = left - 1
-        rows.append({**study.row(run, point, outs), "study_point": ident(data, flags)})
+        rows.append({**study.row(run, point, outs), "study_point": own})
         if made and i + 1 < len(pts):   # nothing finished is lost if the study stops here
             keep_finished(i)
     skipped = [n for n, *_ in pts if n not in ran]
