@@ -245,7 +245,7 @@ OURS = {
 }
 # What a run here gives up against the paper's protocol, by preset (docs/presets.md measures it)
 SHORT = {
-    "cpu": "compute: 2 CPU cores, so 32 px instead of 224, half width, 20 epochs instead of 300 "
+    "cpu": "compute: 2 CPU cores, so 32 px instead of 224, half width, tens of epochs instead of 300 "
            "(the paper's network on one GPU, preset fast, meets the paper: table eur)",
     "transfer-cpu": "compute: the cpu preset's backbone (32 px, half width), pretrained on "
                     "EuroSAT (the paper's best: PatternNet, NWPU-RESISC45, not at hand)",
