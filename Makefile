@@ -35,7 +35,7 @@
 ##   ablation-k ablation-uneven ablation-imbalanced ablation-labeler-in-training ablation-lct
 ##                            training studies (EuroSAT, 3 seeds a point; ABL_PRESET=paper: the
 ##                            paper's CIFAR-10 scale, for a GPU)
-##   ablation-budget          image size, width and stem within the cpu preset's 20 minutes on 2
+##   ablation-budget          image size, width and stem within 20 minutes of training on 2
 ##                            cores, chosen on the validation split (hours: a machine doing
 ##                            nothing else, as each configuration's epoch is timed once)
 ##   ablation-splits          five divisions of SIRI-WHU from INIT's backbone
