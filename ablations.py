@@ -1797,9 +1797,9 @@ class PeersTune(TrainingStudy):
             out.append((g.replace(":", "_").replace(".", "p"), fields, data, flags))
         return out
 
-    def runs(self, args):
-        seed = parse_seeds(args)[0]
-        return [r for r in super().runs(args) if r[1]["seed"] == seed]
+    def seeds(self, args):
+        """One seed a trial: the first of --seeds, else the scale's first."""
+        return parse_seeds(args)[:1]
 
     def selected(self, rows):
         """{method: its best trial by validation kNN@10} of the methods with a scored trial."""
@@ -1823,7 +1823,7 @@ class PeersTune(TrainingStudy):
 
     def notes(self, args, rows=()):
         out = super().notes(args, rows)
-        out["notes"][0] = out["notes"][0].rstrip(".") + (
+        out["notes"][0] = out["notes"][0].rstrip(".").replace(", 1 seed(s) a grid point", "") + (
             "; one seed a trial, every figure of the validation split (the training split less "
             "its validation part as kNN memory bank and probe set), the test split unread.")
         return out

@@ -517,6 +517,7 @@ def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_dat
     assert sel["simclr"]["views"] == simclr["views"] and "--lr" in sel["simclr"]["flags"]
     assert out["verdict"].startswith("selected by validation kNN@10: otl strong2 lr x1")
     assert "CPU hours" in md and "test split unread" in md and "| selected |" in md
+    assert "one seed a trial" in md and "a grid point" not in md
     assert study("peers-tune", tmp_path, small_data, *args)["ran"] == []
 
 
