@@ -1754,6 +1754,7 @@ TUNE_LR = (0.5, 1.0, 2.0, 4.0)      # times each method's reference lr
 TUNE_VIEWS = {"otl": {"strong2": ["--aug", "strong", "--n-ops", "2"],
                       "strong10": ["--aug", "strong", "--n-ops", "10"], "simple": ["--aug", "simple"]},
               "peer": {v: ["--peer-aug", v] for v in ("own", "cifar", "otl")}}
+TUNE_SEEDS = (0, 1)     # each trial's; scored by their mean (PeersTune)
 TUNE_RECIPE = "solo-learn"          # the peers' reference recipe: its optimiser, wd, warm-up ...
 TUNE_GRID = tuple(f"{m}:{v}:{x:g}" for m in TUNE_METHODS
                   for v in TUNE_VIEWS["otl" if m in ("otl", "sela") else "peer"] for x in TUNE_LR)
@@ -1780,14 +1781,17 @@ class PeersTune(TrainingStudy):
     """Every method tuned alike at the study scale: each of OTL, SeLa, SimCLR, BYOL and SwAV with
     its lr at 0.5, 1, 2 and 4 times its reference, times its three view recipes (12 trials a
     method, one seed each), scored on the validation split; the best trial a method by validation
-    kNN@10 is its recipe for the comparison (`make peers-tune`; needs requirements-peers.txt)."""
+    kNN@10 is its recipe for the comparison (`make peers-tune`; needs requirements-peers.txt).
+    Each trial trains with TUNE_SEEDS and is scored by their mean: at the study scale one OTL
+    run's validation kNN@10 moved by about 5 points from seed to seed, more than most lr steps."""
     name, grid, evals, keys = "peers-tune", TUNE_GRID, ("knn_val", "linear_val"), {"method": TUNE_METHODS}
     paper = ("not in the paper (ours: the same tuning budget for every method, OTL and SeLa "
              "included, chosen on the validation split, so that no method's recipe is tuned where "
              "another's is not)")
 
     def more_flags(self, s):
-        s.add_argument("--seeds", help="the trials' seed (one; default 0)")
+        s.add_argument("--seeds", help="the seeds each trial trains with, scored by their mean "
+                       f"(default {','.join(map(str, TUNE_SEEDS))})")
 
     def points(self, grid, data, args):
         """A trial a grid value, named method_views_multiple."""
@@ -1798,13 +1802,14 @@ class PeersTune(TrainingStudy):
         return out
 
     def seeds(self, args):
-        """One seed a trial: the first of --seeds, else the scale's first."""
-        return parse_seeds(args)[:1]
+        """Every trial's seeds: --seeds, else TUNE_SEEDS."""
+        return parse_seeds(args) if args.seeds is not None else list(TUNE_SEEDS)
 
     def selected(self, rows):
-        """{method: its best trial by validation kNN@10} of the methods with a scored trial."""
-        best = {}
-        for r in rows:
+        """{method: its best trial by validation kNN@10, the mean over the trial's seeds} of the
+        methods with a scored trial (rows: the runs, or seed_means' rows)."""
+        best, runs = {}, all("run" in r for r in rows)     # the runs, not seed_means' rows
+        for r in (seed_means(rows) if runs else None) or rows:
             if "knn_val10" in r and not r.get("failed") and (
                     r["method"] not in best or r["knn_val10"] > best[r["method"]]["knn_val10"]):
                 best[r["method"]] = r
@@ -1813,19 +1818,28 @@ class PeersTune(TrainingStudy):
     def rows_notes(self, rows):
         """The selected trials and what the tuning cost."""
         best = self.selected(rows)
+        first = {}      # each trial's flags: its first seed's, less the seed
+        for r in rows:
+            flags = (r.get("study_point") or {}).get("train_flags")
+            if flags and r.get("point", r["run"]) not in first:
+                i = flags.index("--seed") if "--seed" in flags else len(flags)
+                first[r.get("point", r["run"])] = flags[:i] + flags[i + 2:]
         hours = sum(r.get("train_minutes") or 0 for r in rows) / 60
         return {"notes": [f"{len(rows)} trial(s), {hours:.1f} hours of training on "
                           f"{os.cpu_count()} CPU core(s) ({hours * (os.cpu_count() or 1):.1f} CPU "
                           "hours), evaluations not counted."],
                 "selected": {m: {"views": r["views"], "lr_x": r["lr_x"], "lr": r["lr"],
-                                 "flags": r["study_point"]["train_flags"] if r.get("study_point") else None,
+                                 "flags": first.get(r.get("point", r.get("run"))),
+                                 "seeds": r.get("seeds", [r.get("seed")]),
                                  "knn_val10": r["knn_val10"]} for m, r in best.items()}}
 
     def notes(self, args, rows=()):
         out = super().notes(args, rows)
-        out["notes"][0] = out["notes"][0].rstrip(".").replace(", 1 seed(s) a grid point", "") + (
-            "; one seed a trial, every figure of the validation split (the training split less "
-            "its validation part as kNN memory bank and probe set), the test split unread.")
+        seeds = self.seeds(args)
+        out["notes"][0] = out["notes"][0].rstrip(".").replace(f", {len(seeds)} seed(s) a grid point", "") + (
+            f"; seeds {', '.join(map(str, seeds))} a trial, scored by their mean; every figure of the "
+            "validation split (the training split less its validation part as kNN memory bank and "
+            "probe set), the test split unread.")
         return out
 
     @compares_on("knn_val10")
@@ -1847,10 +1861,11 @@ class PeersTune(TrainingStudy):
         best = {id(r) for r in self.selected(rows).values()}
         metrics = [m for m in ("knn_val10", "knn_val50", "linear_val") if any(m in r for r in rows)]
         return utils.md_table(
-            ["method", "views", "lr (x ref)", *(m.replace("_val", " val") for m in metrics),
+            ["method", "views", "lr (x ref)", "seeds", *(m.replace("_val", " val") for m in metrics),
              "final loss", "minutes", "selected", "failed"],
             [[r["method"], r["views"], f"{r['lr']:g} (x{r['lr_x']:g})",
-              *(f"{r[m]:.1f}" if m in r else "" for m in metrics),
+              ",".join(map(str, r.get("seeds", [r.get("seed")]))),
+              *(_f_sd(r, m) if m in r else "" for m in metrics),
               f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}",
               "yes" if id(r) in best else "", failure(r)] for r in rows]) + [
             "", "val: the validation split; x ref: the multiple of the method's reference lr "

@@ -490,21 +490,22 @@ def test_peers_study(small_data, tmp_path, inline):
 
 
 def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_data, tmp_path, inline):
-    """A trial a grid value (method, view recipe, multiple of its reference lr), one seed each,
-    scored on the validation split; each method's best trial by validation kNN@10 selected, with
-    its flags; what the tuning cost; a rerun trains nothing."""
+    """A trial a grid value (method, view recipe, multiple of its reference lr), each trained with
+    two seeds and scored on the validation split by their mean; each method's best trial by that
+    mean selected, with its flags less the seed; what the tuning cost; a rerun trains nothing."""
     pytest.importorskip("lightly")
     pytest.importorskip("timm")
-    grid = "otl:strong2:1,sela:simple:2,simclr:cifar:0.5,simclr:otl:1"
+    grid = "otl:strong2:1,otl:simple:1,sela:simple:2,simclr:cifar:0.5,simclr:otl:1"
     args = ["--grid", grid, "--train-args", TINY_TRAIN]
     study("peers-tune", tmp_path, small_data, *args)
     out, md = saved(tmp_path, "peers-tune")
-    rows = {(r["method"], r["views"], r["lr_x"]): r for r in out["rows"]}
-    assert set(rows) == {("otl", "strong2", 1), ("sela", "simple", 2), ("simclr", "cifar", 0.5),
-                         ("simclr", "otl", 1)} and {r["seed"] for r in out["rows"]} == {0}
+    rows = {(r["method"], r["views"], r["lr_x"], r["seed"]): r for r in out["rows"]}
+    trials = {("otl", "strong2", 1), ("otl", "simple", 1), ("sela", "simple", 2),
+              ("simclr", "cifar", 0.5), ("simclr", "otl", 1)}
+    assert set(rows) == {(*t, s) for t in trials for s in (0, 1)}
     runs = tmp_path / "runs" / "study" / "peers-tune"
-    ck = utils.load_file(runs / "simclr_cifar_0p5" / "checkpoint.pth")["args"]
-    assert (ck["optimizer"], ck["peer_aug"], ck["recipe"]) == ("lars", "cifar", "solo-learn")
+    ck = utils.load_file(runs / "simclr_cifar_0p5_seed1" / "checkpoint.pth")["args"]
+    assert (ck["optimizer"], ck["peer_aug"], ck["recipe"], ck["seed"]) == ("lars", "cifar", "solo-learn", 1)
     assert ck["lr"] == pytest.approx(0.4 * 0.5) and ck["wd"] == 1e-4     # solo-learn's, at batch 256
     ck = utils.load_file(runs / "sela_simple_2" / "checkpoint.pth")["args"]
     assert (ck["labeler"], ck["aug"], ck["optimizer"]) == ("sinkhorn", "simple", "sgd")
@@ -513,11 +514,18 @@ def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_dat
         assert 0 <= r["knn_val10"] <= 100 and 0 <= r["linear_val"] <= 100 and "knn10" not in r
     sel = out["selected"]
     assert set(sel) == {"otl", "sela", "simclr"}
-    simclr = max((r for r in out["rows"] if r["method"] == "simclr"), key=lambda r: r["knn_val10"])
-    assert sel["simclr"]["views"] == simclr["views"] and "--lr" in sel["simclr"]["flags"]
-    assert out["verdict"].startswith("selected by validation kNN@10: otl strong2 lr x1")
+    for method in sel:      # the best mean over the two seeds, not the best single run
+        mean = {t: (rows[(*t, 0)]["knn_val10"] + rows[(*t, 1)]["knn_val10"]) / 2
+                for t in trials if t[0] == method}
+        best = max(mean, key=mean.get)
+        assert (sel[method]["views"], sel[method]["lr_x"]) == best[1:]
+        assert sel[method]["knn_val10"] == pytest.approx(mean[best], abs=0.01)
+        assert sel[method]["seeds"] == [0, 1] and "--seed" not in sel[method]["flags"]
+    assert "--lr" in sel["simclr"]["flags"]
+    assert out["verdict"].startswith(f"selected by validation kNN@10: otl {sel['otl']['views']} "
+                                     f"lr x{sel['otl']['lr_x']:g}")
     assert "CPU hours" in md and "test split unread" in md and "| selected |" in md
-    assert "one seed a trial" in md and "a grid point" not in md
+    assert "seeds 0, 1 a trial, scored by their mean" in md and "a grid point" not in md
     assert study("peers-tune", tmp_path, small_data, *args)["ran"] == []
 
 
@@ -530,7 +538,7 @@ def test_peers_at_their_tuned_recipes_at_equal_epochs_and_equal_time(small_data,
     with pytest.raises(SystemExit, match="run `make peers-tune` first"):
         study("peers", tmp_path, small_data, "--grid", "otl,simclr")
     study("peers-tune", tmp_path, small_data, "--grid", "otl:strong2:2,simclr:cifar:0.5",
-          "--train-args", TINY_TRAIN)
+          "--seeds", "0", "--train-args", TINY_TRAIN)
     study("peers", tmp_path, small_data, "--grid", "otl,simclr,simclr-time", "--seeds", "0,1",
           "--train-args", TINY_TRAIN.replace("--epochs 1", "--epochs 2"))
     out, md = saved(tmp_path, "peers")
