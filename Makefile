@@ -44,8 +44,8 @@
 ##                            schedule (needs requirements-peers.txt), then results/peers.md
 ##   peers-cpu                the same at the cpu preset's whole schedule, one seed a method
 ##   peers-transfer           each method on SIRI-WHU from its own peers-cpu backbone
-##   peers-tune               every method's lr x 4 and view recipes x 3, one seed a trial, chosen
-##                            on the validation split (60 trials: hours on 2 cores)
+##   peers-tune               every method's lr x 4 and view recipes x 3, two seeds a trial, chosen
+##                            on the validation split (120 runs of several minutes each on 2 cores)
 ## Benchmarks
 ##   labeler-bench            the labelers on the same outputs: time, balance, memory
 ##   labeler-bench-gpu        the same on a CUDA GPU
