@@ -1825,8 +1825,9 @@ class PeersTune(TrainingStudy):
                 i = flags.index("--seed") if "--seed" in flags else len(flags)
                 first[r.get("point", r["run"])] = flags[:i] + flags[i + 2:]
         hours = sum(r.get("train_minutes") or 0 for r in rows) / 60
-        return {"notes": [f"{len(rows)} trial(s), {hours:.1f} hours of training on "
-                          f"{os.cpu_count()} CPU core(s) ({hours * (os.cpu_count() or 1):.1f} CPU "
+        trials = len({r.get("point", r["run"]) for r in rows})
+        return {"notes": [f"{trials} trial(s) in {len(rows)} run(s), {hours:.1f} hours of training "
+                          f"on {os.cpu_count()} CPU core(s) ({hours * (os.cpu_count() or 1):.1f} CPU "
                           "hours), evaluations not counted."],
                 "selected": {m: {"views": r["views"], "lr_x": r["lr_x"], "lr": r["lr"],
                                  "flags": first.get(r.get("point", r.get("run"))),

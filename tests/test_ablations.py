@@ -525,6 +525,7 @@ def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_dat
     assert out["verdict"].startswith(f"selected by validation kNN@10: otl {sel['otl']['views']} "
                                      f"lr x{sel['otl']['lr_x']:g}")
     assert "CPU hours" in md and "test split unread" in md and "| selected |" in md
+    assert "5 trial(s) in 10 run(s)" in md
     assert "seeds 0, 1 a trial, scored by their mean" in md and "a grid point" not in md
     assert study("peers-tune", tmp_path, small_data, *args)["ran"] == []
 
