@@ -1780,10 +1780,11 @@ def tune_point(g):
 class PeersTune(TrainingStudy):
     """Every method tuned alike at the study scale: each of OTL, SeLa, SimCLR, BYOL and SwAV with
     its lr at 0.5, 1, 2 and 4 times its reference, times its three view recipes (12 trials a
-    method, one seed each), scored on the validation split; the best trial a method by validation
-    kNN@10 is its recipe for the comparison (`make peers-tune`; needs requirements-peers.txt).
+    method), scored on the validation split; the best trial a method by validation kNN@10 is its
+    recipe for the comparison (`make peers-tune`; needs requirements-peers.txt).
     Each trial trains with TUNE_SEEDS and is scored by their mean: at the study scale one OTL
-    run's validation kNN@10 moved by about 5 points from seed to seed, more than most lr steps."""
+    run's validation kNN@10 moved by about 5 points from seed to seed, which one seed a trial
+    would take for the lr's effect."""
     name, grid, evals, keys = "peers-tune", TUNE_GRID, ("knn_val", "linear_val"), {"method": TUNE_METHODS}
     paper = ("not in the paper (ours: the same tuning budget for every method, OTL and SeLa "
              "included, chosen on the validation split, so that no method's recipe is tuned where "
@@ -1837,7 +1838,8 @@ class PeersTune(TrainingStudy):
     def notes(self, args, rows=()):
         out = super().notes(args, rows)
         seeds = self.seeds(args)
-        out["notes"][0] = out["notes"][0].rstrip(".").replace(f", {len(seeds)} seed(s) a grid point", "") + (
+        first = out["notes"][0].rstrip(".").replace(f", {len(seeds)} seed(s) a grid point", "")
+        out["notes"][0] = first + (
             f"; seeds {', '.join(map(str, seeds))} a trial, scored by their mean; every figure of the "
             "validation split (the training split less its validation part as kNN memory bank and "
             "probe set), the test split unread.")
