@@ -1847,13 +1847,17 @@ class PeersTune(TrainingStudy):
 
     @compares_on("knn_val10")
     def verdict(self, rows):
-        """Each method's selected trial and its margin over its second best."""
+        """Each method's selected trial, its margin over its second best, and a warning where its
+        lr is the smallest or largest multiple tried (the best may lie beyond the grid)."""
         out = []
         for m, r in self.selected(rows).items():
             rest = sorted((o["knn_val10"] for o in rows if o["method"] == m and o is not r
                            and "knn_val10" in o), reverse=True)
+            tried = [o["lr_x"] for o in rows if o["method"] == m]
+            edge = len(set(tried)) > 1 and r["lr_x"] in (min(tried), max(tried))
             out.append(f"{m} {r['views']} lr x{r['lr_x']:g} {r['knn_val10']:.1f}"
-                       + (f" (+{r['knn_val10'] - rest[0]:.1f} over its next)" if rest else ""))
+                       + (f" (+{r['knn_val10'] - rest[0]:.1f} over its next)" if rest else "")
+                       + (", at the edge of the lrs tried" if edge else ""))
         failed = sum(bool(r.get("failed")) for r in rows)
         return ("selected by validation kNN@10: " + "; ".join(out)
                 + (f"; {failed} trial(s) ended collapsed" if failed else ""))

@@ -524,6 +524,10 @@ def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_dat
     assert "--lr" in sel["simclr"]["flags"]
     assert out["verdict"].startswith(f"selected by validation kNN@10: otl {sel['otl']['views']} "
                                      f"lr x{sel['otl']['lr_x']:g}")
+    # simclr tried x0.5 and x1: its pick is at an edge either way; otl tried x1 alone
+    simclr_part = out["verdict"].split("simclr ")[1]
+    assert "at the edge of the lrs tried" in simclr_part.split(";")[0]
+    assert "at the edge" not in out["verdict"].split("otl ")[1].split(";")[0]
     assert "CPU hours" in md and "test split unread" in md and "| selected |" in md
     assert "5 trial(s) in 10 run(s)" in md
     assert "seeds 0, 1 a trial, scored by their mean" in md and "a grid point" not in md
