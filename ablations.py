@@ -1807,10 +1807,10 @@ class PeersTune(TrainingStudy):
         return parse_seeds(args) if args.seeds is not None else list(TUNE_SEEDS)
 
     def selected(self, rows):
-        """{method: its best trial by validation kNN@10, the mean over the trial's seeds} of the
-        methods with a scored trial (rows: the runs, or seed_means' rows)."""
-        best, runs = {}, all("run" in r for r in rows)     # the runs, not seed_means' rows
-        for r in (seed_means(rows) if runs else None) or rows:
+        """{method: its best trial by validation kNN@10} of the methods with a scored trial (rows:
+        a row a trial, seed_means' where the trials have several seeds, as the verdict's)."""
+        best = {}
+        for r in rows:
             if "knn_val10" in r and not r.get("failed") and (
                     r["method"] not in best or r["knn_val10"] > best[r["method"]]["knn_val10"]):
                 best[r["method"]] = r
@@ -1818,18 +1818,18 @@ class PeersTune(TrainingStudy):
 
     def rows_notes(self, rows):
         """The selected trials and what the tuning cost."""
-        best = self.selected(rows)
+        trials = seed_means(rows) or rows       # rows: the runs, a trial's seeds apart
+        best = self.selected(trials)
         first = {}      # each trial's flags: its first seed's, less the seed
         for r in rows:
-            flags = (r.get("study_point") or {}).get("train_flags")
-            if flags and r.get("point", r["run"]) not in first:
+            flags, point = _flags(r), r.get("point", r["run"])
+            if flags and point not in first:
                 i = flags.index("--seed") if "--seed" in flags else len(flags)
-                first[r.get("point", r["run"])] = flags[:i] + flags[i + 2:]
+                first[point] = flags[:i] + flags[i + 2:]
         hours = sum(r.get("train_minutes") or 0 for r in rows) / 60
-        trials = len({r.get("point", r["run"]) for r in rows})
-        return {"notes": [f"{trials} trial(s) in {len(rows)} run(s), {hours:.1f} hours of training "
-                          f"on {os.cpu_count()} CPU core(s) ({hours * (os.cpu_count() or 1):.1f} CPU "
-                          "hours), evaluations not counted."],
+        return {"notes": [f"{len(trials)} trial(s) in {len(rows)} run(s), {hours:.1f} hours of "
+                          f"training on {os.cpu_count()} CPU core(s) ({hours * (os.cpu_count() or 1):.1f} "
+                          "CPU hours), evaluations not counted."],
                 "selected": {m: {"views": r["views"], "lr_x": r["lr_x"], "lr": r["lr"],
                                  "flags": first.get(r.get("point", r.get("run"))),
                                  "seeds": r.get("seeds", [r.get("seed")]),
