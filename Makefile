@@ -42,7 +42,7 @@
 ##   ablation-label-bn        the label pass's BatchNorm mode
 ##   peers                    OTL beside SeLa, SimCLR, BYOL and SwAV, same network, data and
 ##                            schedule (needs requirements-peers.txt), then results/peers.md
-##   peers-cpu                the same at the cpu preset's whole schedule, one seed a method
+##   peers-cpu                the same at the cpu preset's whole schedule, 3 seeds a method
 ##   peers-transfer           each method on SIRI-WHU from its own peers-cpu backbone
 ##   peers-tune               every method's lr x 4 and view recipes x 3, two seeds a trial, chosen
 ##                            on the validation split (120 runs of several minutes each on 2 cores)
