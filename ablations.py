@@ -1577,33 +1577,59 @@ class Peers(TrainingStudy):
 
     def train(self, args):
         """The methods at equal epochs, then each -time point at the epochs that match OTL's
-        minutes: OTL's epochs times its mean epoch over the method's (their runs' median epochs,
-        or the results JSON's where a resumed study set them)."""
+        minutes: OTL's epochs times OTL's seconds an epoch over the method's, both from the timing
+        pass (or the results JSON's epochs where a resumed study set them)."""
         grid = parse_grid(self, args.grid, args.preset)
         extra = shlex.split(args.train_args)
         if "--epochs" in extra[:-1]:    # the equal-epoch points' (a -time point's own must win)
             i = extra.index("--epochs")
             self.base_epochs, args.train_args = extra[i + 1], shlex.join(extra[:i] + extra[i + 2:])
-        saved = (read_study(results_stem(args) + ".json") or {}).get("equal_time_epochs") or {}
-        self.epochs = dict(saved)
+        saved = read_study(results_stem(args) + ".json") or {}
+        self.epochs = dict(saved.get("equal_time_epochs") or {})
+        self.timed = dict(saved.get("timing") or {})
         rows, ran = training_study(self, args, self.runs(args))
         timed = [g.partition("-")[0] for g in grid if g.endswith("-time")]
         if timed and any(m not in self.epochs for m in timed):
-            sec = {}
-            for r in rows:
-                if "-" not in r["method"] and r.get("epoch_s"):
-                    sec.setdefault(r["method"], []).append(r["epoch_s"])
-            if "otl" not in sec:
+            if not any(r["method"] == "otl" for r in rows):
                 raise SystemExit("equal wall-clock points need OTL's runs: put otl in --grid")
             otl_epochs = next(r["epochs"] for r in rows if r["method"] == "otl")
-            t_otl = sum(sec["otl"]) / len(sec["otl"])
+            self.timed = self.timing(args, ["otl", *timed])
+            t_otl = self.timed["otl"]["timed_epoch_s"]
             for m in timed:
-                if m not in self.epochs and m in sec:
-                    self.epochs[m] = max(1, round(otl_epochs * t_otl / (sum(sec[m]) / len(sec[m]))))
+                self.epochs.setdefault(m, max(1, round(otl_epochs * t_otl / self.timed[m]["timed_epoch_s"])))
             rows, ran2 = training_study(self, args, self.runs(args))
             ran += ran2
         out = write_results(self, args, rows, self.notes(args, rows))
         out["ran"] = ran
+        return out
+
+    def timing(self, args, methods, epochs=2):
+        """{method: {timed_epoch_s, timed_load}}: each method at its study flags for `epochs`
+        epochs, one after another in <runs>/<preset>/peers/timing/<method>, its last epoch timed
+        (the first carries the start's warm-up) with the load average before it.  The equal-epoch
+        runs may span sessions on machines of other speeds: ratios taken in one sitting keep that
+        out of the -time points."""
+        scale, data, extra = SCALES[args.preset], study_data(self, args), shlex.split(args.train_args)
+        out = {}
+        for m in methods:
+            _, _, _, flags = self.points([m], data, args)[0]
+            run = os.path.join(args.runs, args.preset, self.name, "timing", run_name(m))
+            log = os.path.join(run, "log.jsonl")
+            if len(utils.read_log(log)) < epochs:
+                load = round(os.getloadavg()[0], 2)
+                if load > 0.5:
+                    print(f"note: load average {load} before timing {m} (the 1-minute average, "
+                          "which still counts the run before it); other work on the machine would "
+                          "slow its epoch and so skew the equal wall-clock epochs", flush=True)
+                os.makedirs(run, exist_ok=True)
+                run_stage([sys.executable, "train_otl.py", "--data", data, "--output", run,
+                           "--device", args.device, "--no-progress", *scale.train, *flags, *extra,
+                           "--knn-monitor", "0", "--epochs", str(epochs), "--seed", "0"],
+                          os.path.join(run, "timing.log"))
+                utils.write_json({"load_before": load}, os.path.join(run, "load.json"))
+            with open(os.path.join(run, "load.json")) as fh:
+                load = json.load(fh)["load_before"]
+            out[m] = {"timed_epoch_s": utils.read_log(log)[-1]["epoch_s"], "timed_load": load}
         return out
 
     def notes(self, args, rows=()):
@@ -1611,11 +1637,15 @@ class Peers(TrainingStudy):
         epochs = getattr(self, "epochs", None) or {}
         if epochs:
             out["equal_time_epochs"] = epochs
+            timed = getattr(self, "timed", None) or {}
+            if timed:
+                out["timing"] = timed
             out["notes"].append("")
             out["notes"].append("Equal wall-clock: each -time point trains " + ", ".join(
-                f"{m} {e} epochs" for m, e in epochs.items()) + ", OTL's epochs times OTL's mean "
-                "seconds an epoch over the method's (from the equal-epoch runs on this machine, "
-                "which other work sharing it makes noisy).")
+                f"{m} {e} epochs" for m, e in epochs.items()) + ", OTL's epochs times OTL's "
+                "seconds an epoch over the method's, each method's epoch timed one after another "
+                "in one sitting" + (" (" + ", ".join(f"{m} {t['timed_epoch_s']:.1f} s" for m, t in
+                                                     timed.items()) + ")" if timed else "") + ".")
         return out
 
     def trained_how(self, args, data):

@@ -553,11 +553,18 @@ def test_peers_at_their_tuned_recipes_at_equal_epochs_and_equal_time(small_data,
     assert ck["lr"] == pytest.approx(0.2) and ck["epochs"] == 2
     assert utils.load_file(runs / "otl" / "checkpoint.pth")["args"]["lr"] == pytest.approx(0.1)
     means = {r["method"]: r for r in out["seed_means"]}
-    sec = {m: [r["epoch_s"] for r in out["rows"] if r["method"] == m] for m in ("otl", "simclr")}
-    sec = {m: sum(v) / len(v) for m, v in sec.items()}        # each method's mean epoch
+    # the epochs of equal minutes: from OTL's and SimCLR's epochs timed one after another, each
+    # at its tuned flags, not from the equal-epoch runs
+    sec = {}
+    for m in ("otl", "simclr"):
+        log = utils.read_log(runs / "timing" / m / "log.jsonl")
+        assert len(log) == 2 and out["timing"][m]["timed_epoch_s"] == log[-1]["epoch_s"]
+        sec[m] = log[-1]["epoch_s"]
+    assert utils.load_file(runs / "timing" / "simclr" / "checkpoint.pth")["args"]["lr"] == pytest.approx(0.2)
     assert out["equal_time_epochs"] == {"simclr": max(1, round(2 * sec["otl"] / sec["simclr"]))}
     timed = utils.load_file(runs / "simclr_time" / "checkpoint.pth")["args"]
     assert timed["epochs"] == out["equal_time_epochs"]["simclr"]
+    assert "simclr " in md.split("Equal wall-clock")[1].split("\n")[0]
     assert "OTL minus simclr: " in out["verdict"] and "2 paired seeds" in out["verdict"]
     assert set(means["otl"]["by_seed"]["knn50"]) == {"0", "1"}
     assert "the test split, read once a run" in md and "Equal wall-clock" in md
