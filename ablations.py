@@ -806,12 +806,17 @@ def failure(row) -> str:
     return f if f.startswith("seed") else ("collapsed" if f else "")
 
 
+def trial_of(row):
+    """The grid point a run row belongs to (its seeds share it): its point, else its run."""
+    return row.get("point", row.get("run"))
+
+
 def seed_means(rows):
     """The runs of each grid point averaged over their seeds (mean, and <metric>_sd the sample
     standard deviation), in grid order; None when every point has one run."""
     groups = {}
     for r in rows:
-        groups.setdefault(r.get("point", r["run"]), []).append(r)
+        groups.setdefault(trial_of(r), []).append(r)
     if all(len(g) == 1 for g in groups.values()):
         return None
     means = []
@@ -1852,7 +1857,7 @@ class PeersTune(TrainingStudy):
         best = self.selected(trials)
         first = {}      # each trial's flags: its first seed's, less the seed
         for r in rows:
-            flags, point = _flags(r), r.get("point", r["run"])
+            flags, point = _flags(r), trial_of(r)
             if flags and point not in first:
                 i = flags.index("--seed") if "--seed" in flags else len(flags)
                 first[point] = flags[:i] + flags[i + 2:]
@@ -1861,7 +1866,7 @@ class PeersTune(TrainingStudy):
                           f"training on {os.cpu_count()} CPU core(s) ({hours * (os.cpu_count() or 1):.1f} "
                           "CPU hours), evaluations not counted."],
                 "selected": {m: {"views": r["views"], "lr_x": r["lr_x"], "lr": r["lr"],
-                                 "flags": first.get(r.get("point", r.get("run"))),
+                                 "flags": first.get(trial_of(r)),
                                  "seeds": r.get("seeds", [r.get("seed")]),
                                  "knn_val10": r["knn_val10"]} for m, r in best.items()}}
 
