@@ -1462,7 +1462,8 @@ def peer_seeds(args):
 
 def tuned_flags(args):
     """{method: train_otl.py flags} of the trials peers-tune selected (--tuned, default
-    <--out>/peers-tune.json), or None with --tuned none (every method untuned)."""
+    <--out>/peers-tune.json), less the preset and epochs the tuning ran at, or None with --tuned
+    none (every method untuned)."""
     if args.tuned == "none":
         return None
     path = args.tuned or os.path.join(args.out, "peers-tune.json")
@@ -1473,7 +1474,21 @@ def tuned_flags(args):
                          "pass --tuned <its JSON>, or --tuned none for every method untuned")
     if rec.get("partial"):
         raise SystemExit(f"{path} is partial ({rec['partial']}): finish `make peers-tune` first")
-    return {m: list(sel["flags"]) for m, sel in rec["selected"].items()}
+    return {m: _drop(sel["flags"], "--preset", "--epochs") for m, sel in rec["selected"].items()}
+
+
+def _drop(flags, *names):
+    """flags less each of names and its value: a trial's recipe without the tuning's scale, which
+    the comparison's own scale sets (the cpu preset's whole schedule, not the study's 8 epochs)."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in names:
+            skip = True
+        else:
+            out.append(f)
+    return out
 
 
 def paired(a, b, metric):

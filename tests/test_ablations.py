@@ -544,6 +544,13 @@ def test_peers_at_their_tuned_recipes_at_equal_epochs_and_equal_time(small_data,
         study("peers", tmp_path, small_data, "--grid", "otl,simclr")
     study("peers-tune", tmp_path, small_data, "--grid", "otl:strong2:2,simclr:cifar:0.5",
           "--seeds", "0", "--train-args", TINY_TRAIN)
+    # at the cpu preset, a selected trial keeps its recipe but not the tuning's preset and epochs
+    args = ablations.get_args_parser().parse_args(
+        ["peers", "--preset", "cpu", "--out", str(tmp_path / "out"), "--data", str(small_data),
+         "--grid", "otl,simclr"])
+    for name, _, _, flags in ablations.STUDIES["peers"].runs(args):
+        assert flags[:2] == ["--preset", "cpu"] and flags.count("--preset") == 1, name
+        assert "--epochs" not in flags and "--lr" in flags, name
     study("peers", tmp_path, small_data, "--grid", "otl,simclr,simclr-time", "--seeds", "0,1",
           "--train-args", TINY_TRAIN.replace("--epochs 1", "--epochs 2"))
     out, md = saved(tmp_path, "peers")
