@@ -227,7 +227,7 @@ ablation-label-bn: eurosat-data
 peers: eurosat-data
 	$(PY) ablations.py peers --preset $(ABL_PRESET) --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
 
-# the same at the cpu preset's whole schedule (make eurosat's), one seed a method
+# the same at the cpu preset's whole schedule (make eurosat's), 3 seeds a method (PEER_SEEDS)
 peers-cpu: eurosat-data
 	$(PY) ablations.py peers --preset cpu --device $(DEVICE) --out $(OUT) $(ABL_ARGS)
 
