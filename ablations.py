@@ -1830,8 +1830,9 @@ def tune_point(g):
 class PeersTune(TrainingStudy):
     """Every method tuned alike at the study scale: each of OTL, SeLa, SimCLR, BYOL and SwAV with
     its lr at 0.5, 1, 2 and 4 times its reference, times its three view recipes (12 trials a
-    method), scored on the validation split; the best trial a method by validation kNN@10 is its
-    recipe for the comparison (`make peers-tune`; needs requirements-peers.txt).
+    method), scored on the validation split, and one step beyond the lrs where a method's pick
+    lies at their edge; the best trial a method by validation kNN@10 is its recipe for the
+    comparison (`make peers-tune`; needs requirements-peers.txt).
     Each trial trains with TUNE_SEEDS and is scored by their mean: at the study scale one OTL
     run's validation kNN@10 moved by about 5 points from seed to seed, which one seed a trial
     would take for the lr's effect."""
@@ -1845,12 +1846,42 @@ class PeersTune(TrainingStudy):
                        f"(default {','.join(map(str, TUNE_SEEDS))})")
 
     def points(self, grid, data, args):
-        """A trial a grid value, named method_views_multiple."""
+        """A trial a grid value, named method_views_multiple; then the steps beyond the grid's
+        edge (self.beyond: train sets them once the grid's trials are scored)."""
+        beyond = getattr(self, "beyond", [])
         out = []
-        for g in grid:
+        for g in [*grid, *beyond]:
             fields, flags = tune_point(g)
-            out.append((g.replace(":", "_").replace(".", "p"), fields, data, flags))
+            out.append((g.replace(":", "_").replace(".", "p"),
+                        {**fields, **({"beyond": True} if g in beyond else {})}, data, flags))
         return out
+
+    def train(self, args):
+        """The grid, then one step beyond its edge for each method whose pick lies there (its lr
+        halved below the smallest multiple it tried, or doubled above the largest, on the picked
+        views, every seed), and the pick made again over both: the same rule for every method, one
+        step only, so that a pick still at the edge is said so by the verdict."""
+        self.beyond = []
+        rows, ran = training_study(self, args, self.runs(args))
+        self.beyond = self.edge_steps(rows)
+        if self.beyond:
+            rows, more = training_study(self, args, self.runs(args))
+            ran += more
+        out = write_results(self, args, rows, self.notes(args, rows))
+        out["ran"] = ran
+        return out
+
+    def edge_steps(self, rows):
+        """The grid values one lr step beyond each method's pick where it is the smallest or the
+        largest multiple the method tried (of several)."""
+        trials = seed_means(rows) or rows
+        steps = []
+        for m, r in self.selected(trials).items():
+            tried = {o["lr_x"] for o in trials if o["method"] == m}
+            if len(tried) > 1 and r["lr_x"] in (min(tried), max(tried)):
+                x = r["lr_x"] * 2 if r["lr_x"] == max(tried) else r["lr_x"] / 2
+                steps.append(f"{m}:{r['views']}:{x:g}")
+        return steps
 
     def seeds(self, args):
         """Every trial's seeds: --seeds, else TUNE_SEEDS."""
@@ -1920,13 +1951,14 @@ class PeersTune(TrainingStudy):
         return utils.md_table(
             ["method", "views", "lr (x ref)", "seeds", *(m.replace("_val", " val") for m in metrics),
              "final loss", "minutes", "selected", "failed"],
-            [[r["method"], r["views"], f"{r['lr']:g} (x{r['lr_x']:g})",
+            [[r["method"], r["views"], f"{r['lr']:g} (x{r['lr_x']:g}{', beyond' if r.get('beyond') else ''})",
               ",".join(map(str, r.get("seeds", [r.get("seed")]))),
               *(_f_sd(r, m) if m in r else "" for m in metrics),
               f"{r.get('final_loss', float('nan')):.3f}", f"{r.get('train_minutes') or 0:.1f}",
               "yes" if id(r) in best else "", failure(r)] for r in rows]) + [
             "", "val: the validation split; x ref: the multiple of the method's reference lr "
-            f"(OTL's and SeLa's the cpu preset's, a peer's {TUNE_RECIPE}'s); failed: the run "
+            f"(OTL's and SeLa's the cpu preset's, a peer's {TUNE_RECIPE}'s); beyond: a step past "
+            "the grid's edge, tried where the method's pick on the grid lay there; failed: the run "
             "ended collapsed (train_otl.py's collapse signal), never selected."]
 
     def plot(self, axes, rows, grid):

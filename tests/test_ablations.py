@@ -500,9 +500,17 @@ def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_dat
     study("peers-tune", tmp_path, small_data, *args)
     out, md = saved(tmp_path, "peers-tune")
     rows = {(r["method"], r["views"], r["lr_x"], r["seed"]): r for r in out["rows"]}
-    trials = {("otl", "strong2", 1), ("otl", "simple", 1), ("sela", "simple", 2),
-              ("simclr", "cifar", 0.5), ("simclr", "otl", 1)}
-    assert set(rows) == {(*t, s) for t in trials for s in (0, 1)}
+    trials = [("otl", "strong2", 1), ("otl", "simple", 1), ("sela", "simple", 2),
+              ("simclr", "cifar", 0.5), ("simclr", "otl", 1)]   # grid order: a tie goes to the first
+    mean = {t: (rows[(*t, 0)]["knn_val10"] + rows[(*t, 1)]["knn_val10"]) / 2 for t in trials}
+    ok = lambda t: not any(rows[(*t, s)].get("failed") for s in (0, 1))   # noqa: E731 (collapsed: never picked)
+    # simclr tried x0.5 and x1, so its pick lies at an edge: one step past it on its views, both
+    # seeds; otl and sela tried one lr each, no edge
+    grid_pick = max((t for t in trials if t[0] == "simclr" and ok(t)), key=mean.get)
+    step = ("simclr", grid_pick[1], 2.0 if grid_pick[2] == 1 else 0.25)
+    assert set(rows) == {(*t, s) for t in [*trials, step] for s in (0, 1)}
+    assert rows[(*step, 1)]["beyond"] and not any(rows[(*t, 0)].get("beyond") for t in trials)
+    trials.append(step)
     runs = tmp_path / "runs" / "study" / "peers-tune"
     ck = utils.load_file(runs / "simclr_cifar_0p5_seed1" / "checkpoint.pth")["args"]
     assert (ck["optimizer"], ck["peer_aug"], ck["recipe"], ck["seed"]) == ("lars", "cifar", "solo-learn", 1)
@@ -515,21 +523,21 @@ def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_dat
     sel = out["selected"]
     assert set(sel) == {"otl", "sela", "simclr"}
     for method in sel:      # the best mean over the two seeds, not the best single run
-        mean = {t: (rows[(*t, 0)]["knn_val10"] + rows[(*t, 1)]["knn_val10"]) / 2
-                for t in trials if t[0] == method}
-        best = max(mean, key=mean.get)
+        mine = {t: (rows[(*t, 0)]["knn_val10"] + rows[(*t, 1)]["knn_val10"]) / 2
+                for t in trials if t[0] == method and ok(t)}
+        best = max(mine, key=mine.get)
         assert (sel[method]["views"], sel[method]["lr_x"]) == best[1:]
-        assert sel[method]["knn_val10"] == pytest.approx(mean[best], abs=0.01)
+        assert sel[method]["knn_val10"] == pytest.approx(mine[best], abs=0.01)
         assert sel[method]["seeds"] == [0, 1] and "--seed" not in sel[method]["flags"]
     assert "--lr" in sel["simclr"]["flags"]
     assert out["verdict"].startswith(f"selected by validation kNN@10: otl {sel['otl']['views']} "
                                      f"lr x{sel['otl']['lr_x']:g}")
-    # simclr tried x0.5 and x1: its pick is at an edge either way; otl tried x1 alone
-    simclr_part = out["verdict"].split("simclr ")[1]
-    assert "at the edge of the lrs tried" in simclr_part.split(";")[0]
+    # still at the edge where the step beyond won; otl tried x1 alone
+    simclr_part = out["verdict"].split("simclr ")[1].split(";")[0]
+    assert ("at the edge of the lrs tried" in simclr_part) == (sel["simclr"]["lr_x"] == step[2])
     assert "at the edge" not in out["verdict"].split("otl ")[1].split(";")[0]
     assert "CPU hours" in md and "test split unread" in md and "| selected |" in md
-    assert "5 trial(s) in 10 run(s)" in md
+    assert "6 trial(s) in 12 run(s)" in md and f"(x{step[2]:g}, beyond)" in md
     assert "seeds 0, 1 a trial, scored by their mean" in md and "a grid point" not in md
     assert study("peers-tune", tmp_path, small_data, *args)["ran"] == []
 
@@ -585,6 +593,7 @@ def test_peers_at_their_tuned_recipes_at_equal_epochs_and_equal_time(small_data,
         ck = utils.load_file(tmp_path / "runs" / "study" / "peers-transfer" / name / "checkpoint.pth")["args"]
         assert ck["init"].endswith(os.path.join("peers", name, "checkpoint.pth")) and ck["seed"] == r["seed"]
         assert ck["peer_aug"] == "cifar" and ck["recipe"] == "ours" and ck["optimizer"] == "sgd"
+        assert ck["preset"] == "transfer-cpu"       # not the tuning's cpu preset
 
 
 def test_peers_at_the_cpu_scale_then_on_another_set_from_each_backbone(small_data, tmp_path, inline):
