@@ -45,7 +45,8 @@
 ##   peers-cpu                the same at the cpu preset's whole schedule, 3 seeds a method
 ##   peers-transfer           each method on SIRI-WHU from its own peers-cpu backbone
 ##   peers-tune               every method's lr x 4 and view recipes x 3, two seeds a trial, chosen
-##                            on the validation split (120 runs of several minutes each on 2 cores)
+##                            on the validation split, a step past the lrs where a pick lies at their
+##                            edge (120 runs and up to 10 more, minutes each on 2 cores)
 ## Benchmarks
 ##   labeler-bench            the labelers on the same outputs: time, balance, memory
 ##   labeler-bench-gpu        the same on a CUDA GPU
