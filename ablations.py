@@ -1583,8 +1583,8 @@ class Peers(TrainingStudy):
                 if epochs is None:
                     continue
                 f = [*f, "--epochs", str(epochs)]
-            elif getattr(self, "base_epochs", None):
-                f = [*f, "--epochs", self.base_epochs]
+            elif getattr(args, "base_epochs", None):
+                f = [*f, "--epochs", args.base_epochs]
             out.append((run_name(g), {"method": g}, data, [*f, "--knn-monitor", str(monitor)]))
         return out
 
@@ -1603,7 +1603,7 @@ class Peers(TrainingStudy):
         extra = shlex.split(args.train_args)
         if "--epochs" in extra[:-1]:    # the equal-epoch points' (a -time point's own must win)
             i = extra.index("--epochs")
-            self.base_epochs, args.train_args = extra[i + 1], shlex.join(extra[:i] + extra[i + 2:])
+            args.base_epochs, args.train_args = extra[i + 1], shlex.join(extra[:i] + extra[i + 2:])
         saved = read_study(results_stem(args) + ".json") or {}
         self.epochs = dict(saved.get("equal_time_epochs") or {})
         self.timed = dict(saved.get("timing") or {})
