@@ -1630,27 +1630,9 @@ class Peers(TrainingStudy):
         runs may span sessions on machines of other speeds: ratios taken in one sitting keep that
         out of the -time points."""
         scale, data, extra = SCALES[args.preset], study_data(self, args), shlex.split(args.train_args)
-        out = {}
-        for m in methods:
-            _, _, _, flags = self.points([m], data, args)[0]
-            run = os.path.join(args.runs, args.preset, self.name, "timing", run_name(m))
-            log = os.path.join(run, "log.jsonl")
-            if len(utils.read_log(log)) < epochs:
-                load = round(os.getloadavg()[0], 2)
-                if load > 0.5:
-                    print(f"note: load average {load} before timing {m} (the 1-minute average, "
-                          "which still counts the run before it); other work on the machine would "
-                          "slow its epoch and so skew the equal wall-clock epochs", flush=True)
-                os.makedirs(run, exist_ok=True)
-                run_stage([sys.executable, "train_otl.py", "--data", data, "--output", run,
-                           "--device", args.device, "--no-progress", *scale.train, *flags, *extra,
-                           "--knn-monitor", "0", "--epochs", str(epochs), "--seed", "0"],
-                          os.path.join(run, "timing.log"))
-                utils.write_json({"load_before": load}, os.path.join(run, "load.json"))
-            with open(os.path.join(run, "load.json")) as fh:
-                load = json.load(fh)["load_before"]
-            out[m] = {"timed_epoch_s": utils.read_log(log)[-1]["epoch_s"], "timed_load": load}
-        return out
+        return {m: timed_run(self, args, m, data, [*scale.train, *self.points([m], data, args)[0][3],
+                                                   *extra, "--knn-monitor", "0"], epochs)
+                for m in methods}
 
     def notes(self, args, rows=()):
         out = super().notes(args, rows)
@@ -2014,24 +1996,32 @@ def budget_timing(study, args, grid, data, extra):
         if g in recorded:
             out[g] = {k: recorded[g][k] for k in ("timed_epoch_s", "timed_load")}
             continue
-        run = os.path.join(args.runs, args.preset, study.name, "timing", run_name(g))
-        log = os.path.join(run, "log.jsonl")
-        if not utils.read_log(log):
-            load = round(os.getloadavg()[0], 2)
-            if load > 0.5:
-                print(f"note: load average {load} before timing {g} (the 1-minute average, which "
-                      "still counts the timing before it); other work on the machine would slow "
-                      "the epoch, and so shorten the epochs set from it", flush=True)
-            os.makedirs(run, exist_ok=True)
-            run_stage([sys.executable, "train_otl.py", "--data", data, "--output", run, "--device",
-                       args.device, "--no-progress", *BUDGET_FLAGS[:2],
-                       *budget_flags(budget_config(g)), *extra, "--epochs", "1", "--seed", "0"],
-                      os.path.join(run, "timing.log"))
-            utils.write_json({"load_before": load}, os.path.join(run, "load.json"))
-        with open(os.path.join(run, "load.json")) as fh:
-            load = json.load(fh)["load_before"]
-        out[g] = {"timed_epoch_s": utils.read_log(log)[0]["epoch_s"], "timed_load": load}
+        out[g] = timed_run(study, args, g, data,
+                           [*BUDGET_FLAGS[:2], *budget_flags(budget_config(g)), *extra], epochs=1)
     return out
+
+
+def timed_run(study, args, g, data, flags, epochs):
+    """{timed_epoch_s, timed_load}: train_otl.py with flags for `epochs` epochs (seed 0) in
+    <runs>/<preset>/<study>/timing/<g>, unless its log has them, its last epoch timed, with the
+    1-minute load average before it (other work on the machine slows the epoch, and so skews the
+    epochs set from it)."""
+    run = os.path.join(args.runs, args.preset, study.name, "timing", run_name(g))
+    log = os.path.join(run, "log.jsonl")
+    if len(utils.read_log(log)) < epochs:
+        load = round(os.getloadavg()[0], 2)
+        if load > 0.5:
+            print(f"note: load average {load} before timing {g} (the 1-minute average, which "
+                  "still counts the run before it); other work on the machine would slow the "
+                  "epoch, and so skew the epochs set from it", flush=True)
+        os.makedirs(run, exist_ok=True)
+        run_stage([sys.executable, "train_otl.py", "--data", data, "--output", run, "--device",
+                   args.device, "--no-progress", *flags, "--epochs", str(epochs), "--seed", "0"],
+                  os.path.join(run, "timing.log"))
+        utils.write_json({"load_before": load}, os.path.join(run, "load.json"))
+    with open(os.path.join(run, "load.json")) as fh:
+        load = json.load(fh)["load_before"]
+    return {"timed_epoch_s": utils.read_log(log)[-1]["epoch_s"], "timed_load": load}
 
 
 def budget_points(grid, timing, seeds, data, args):
