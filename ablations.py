@@ -602,8 +602,9 @@ def training_study(study, args, pts=None):
 def carried_row(old, run, ident, outs):
     """The results JSON's row `old` of a point whose run folder is gone, where it was made with
     the point's data and flags and holds every evaluation; else None."""
-    if not os.path.isdir(run) and old and old.get("study_point") == ident and all(
-            (e if _kind(e) == "linear" else f"{e}10") in old for e in outs):
+    if not os.path.isdir(run) and old and old.get("study_point") == ident and (all(
+            (e if _kind(e) == "linear" else f"{e}10") in old for e in outs)
+            or str(old.get("failed")).startswith("diverged")):
         return old
     return None
 
@@ -617,7 +618,8 @@ def finished_row(study, old, run, point, ident, outs):
         had = utils.read_json(os.path.join(run, "study_point.json"), "", error=ValueError)
     except ValueError:
         return None
-    if had == ident and os.path.isfile(os.path.join(run, "results.json")) and evaluated(run, outs):
+    if had == ident and os.path.isfile(os.path.join(run, "results.json")) and (
+            diverged(run) or evaluated(run, outs)):
         return {**study.row(run, point, outs), "study_point": ident}
     return None
 
@@ -627,7 +629,7 @@ def make_run(args, run, data, ident, outs, say):
     os.makedirs(os.path.dirname(run), exist_ok=True)
     foreign = claim_run(run, ident)
     todo = (foreign or not os.path.isfile(os.path.join(run, "results.json"))
-            or not evaluated(run, outs))
+            or not (diverged(run) or evaluated(run, outs)))
     if todo:
         print(say, flush=True)
         train_and_evaluate(args, run, data, ident["train_flags"] + ["--same-flags"] * foreign, outs,
@@ -641,8 +643,14 @@ def train_and_evaluate(args, run, data, flags, outs, log):
     """train_otl.py in run (which resumes or finds it finished), then each evaluation of outs
     ({name: path}) not there or of other weights."""
     py = [sys.executable]
-    run_stage(py + ["train_otl.py", "--data", data, "--output", run, "--device", args.device,
-                    "--no-progress", *flags], log)
+    try:
+        run_stage(py + ["train_otl.py", "--data", data, "--output", run, "--device", args.device,
+                        "--no-progress", *flags], log)
+    except SystemExit:
+        if not diverged(run):
+            raise
+        print(f"  {diverged(run)}: a failed run, not evaluated (its log: {log})", flush=True)
+        return
     evaluated(run, outs)    # those made before this training are of other weights
     for e, path in outs.items():
         if not os.path.isfile(path):
@@ -721,6 +729,13 @@ def _read_eval(run, e, path):
                             f"evaluates {_checkpoint_of(run, e)} again")
 
 
+def diverged(run):
+    """How the run's loss diverged, where its results.json says so (train_otl.py marks it): a
+    failed run, nothing to evaluate; else None."""
+    why = (utils.read_results(run) or {}).get("failed") or ""
+    return why if why.startswith("diverged") else None
+
+
 def evaluated(run, outs):
     """Whether every evaluation JSON of outs ({name: path}) is there and of the run's checkpoint
     as it is now.  One of other weights (the run trained again since) is deleted, with a line
@@ -747,6 +762,8 @@ def training_row(run, point, outs, trained=()):
         row["failed"] = res["failed"]
     for e, path in outs.items():
         r = _read_eval(run, e, path)
+        if r is None and diverged(run):     # a failed run: no scores
+            continue
         if _kind(e) == "linear":
             row[e] = round(r["linear_top1"], 2)
         else:
@@ -801,9 +818,11 @@ def precision(row) -> str:
 
 
 def failure(row) -> str:
-    """A table's failed cell: why a run ended collapsed, or how many seeds of a point did."""
+    """A table's failed cell: whether a run ended collapsed or diverged, or how many seeds of a
+    point did."""
     f = row.get("failed") or ""
-    return f if f.startswith("seed") else ("collapsed" if f else "")
+    return f if f.startswith("seed") else ("diverged" if f.startswith("diverged") else
+                                           "collapsed" if f else "")
 
 
 def trial_of(row):
@@ -827,9 +846,11 @@ def seed_means(rows):
         if len({r.get("amp") for r in g}) > 1:      # seeds run on machines with and without bf16
             m["amp"] = [r.get("amp") for r in g]
         m.pop("failed", None)
-        failed = [r.get("seed") for r in g if r.get("failed")]
+        failed = [r for r in g if r.get("failed")]
         if failed:
-            m["failed"] = f"seed(s) {', '.join(map(str, failed))} of {len(g)} ended collapsed"
+            how = sorted({"diverged" if failure(r) == "diverged" else "ended collapsed" for r in failed})
+            m["failed"] = (f"seed(s) {', '.join(str(r.get('seed')) for r in failed)} of {len(g)} "
+                           + " or ".join(how))
         for key in (*METRICS, "final_loss", "train_minutes", "epoch_s", "peak_mib"):
             vals = [r[key] for r in g if r.get(key) is not None]
             if vals:
@@ -1550,6 +1571,7 @@ class Peers(TrainingStudy):
              "(ours: the same backbone, data and tuning budget for every method, compared at equal "
              "epochs and at equal minutes; the published anchors are below the table)")
     once = ("simclr-otlaug", "byol-otlaug", "swav-otlaug")  # a check beside the comparison: one seed
+    kept = ("equal_time_epochs", "timing")  # a rewrite keeps the epochs a resumed study trains to
 
     def more_flags(self, s):
         s.add_argument("--seeds", help="the seeds of every method (default 0,1,2,3,4 at the study "
@@ -1908,10 +1930,14 @@ class PeersTune(TrainingStudy):
             "probe set), the test split unread.")
         return out
 
-    @compares_on("knn_val10")
     def verdict(self, rows):
         """Each method's selected trial, its margin over its second best, and a warning where its
-        lr is the smallest or largest multiple tried (the best may lie beyond the grid)."""
+        lr is the smallest or largest multiple tried (the best may lie beyond the grid); the
+        failed trials counted, the diverged ones (no scores) among them."""
+        failed = sum(bool(r.get("failed")) for r in rows)
+        rows = [r for r in rows if "knn_val10" in r]
+        if len(rows) < 2:
+            return "one grid point: nothing to compare"
         out = []
         for m, r in self.selected(rows).items():
             rest = sorted((o["knn_val10"] for o in rows if o["method"] == m and o is not r
@@ -1921,9 +1947,8 @@ class PeersTune(TrainingStudy):
             out.append(f"{m} {r['views']} lr x{r['lr_x']:g} {r['knn_val10']:.1f}"
                        + (f" (+{r['knn_val10'] - rest[0]:.1f} over its next)" if rest else "")
                        + (", at the edge of the lrs tried" if edge else ""))
-        failed = sum(bool(r.get("failed")) for r in rows)
         return ("selected by validation kNN@10: " + "; ".join(out)
-                + (f"; {failed} trial(s) ended collapsed" if failed else ""))
+                + (f"; {failed} trial(s) failed (collapsed or diverged)" if failed else ""))
 
     def table(self, rows):
         """A row a trial: method, views, lr (its multiple), validation scores, loss, minutes, and
@@ -1941,7 +1966,7 @@ class PeersTune(TrainingStudy):
             "", "val: the validation split; x ref: the multiple of the method's reference lr "
             f"(OTL's and SeLa's the cpu preset's, a peer's {TUNE_RECIPE}'s); beyond: a step past "
             "the grid's edge, tried where the method's pick on the grid lay there; failed: the run "
-            "ended collapsed (train_otl.py's collapse signal), never selected."]
+            "ended collapsed (train_otl.py's collapse signal) or its loss diverged, never selected."]
 
     def plot(self, axes, rows, grid):
         """Validation kNN@10 against the lr multiple, a line per method and view recipe; each

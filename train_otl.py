@@ -481,9 +481,6 @@ def train_one_epoch(net, opt, images, targets, epoch, args, device, gen, ranks, 
     tot, seen = ranks.sum(torch.stack([tot, torch.tensor(float(seen), dtype=torch.float64,
                                                          device=device)])).tolist()
     train_s = time.time() - t0
-    if not math.isfinite(tot):
-        raise SystemExit(f"the loss became {tot / seen} in epoch {epoch + 1}: lower --lr; the "
-                         f"last good checkpoint is in {args.output}")
     return {"loss": tot / seen, "lr": lr, "train_s": round(train_s, 1),
             "img_per_s": round(seen * args.views / train_s, 1)}
 
@@ -693,6 +690,12 @@ def run(args, ranks, device):
             row.update(label_log)
         row.update(train_one_epoch(net, opt, images, true_labels if args.supervised else labels,
                                    epoch, args, device, gen, ranks, n_total, peer, model))
+        if not math.isfinite(row["loss"]):  # diverged: results.json says so, so a study records
+            why = f"the loss became {row['loss']} in epoch {epoch + 1}"   # a failed run and goes on
+            if ranks.main:
+                write_results(args, ranks, device, commit, diverged=why)
+            raise SystemExit(f"{why}: lower --lr; the last good checkpoint is in {args.output} "
+                             "(results.json marks the run failed; rerunning resumes from it)")
         row["epoch_s"] = round(time.time() - t_epoch, 3)
         row["peak_mib"] = peak_mib(device)
         if ranks.main:          # every method's collapse signal (not counted in epoch_s)
@@ -822,9 +825,10 @@ def optimizer(args, params, device):
     return torch.optim.Adam(groups, lr=args.lr, weight_decay=args.wd)
 
 
-def write_results(args, ranks, device, commit):
+def write_results(args, ranks, device, commit, diverged=None):
     """results.json of a finished run: what ran, where, and its minutes of training (every
-    epoch's, resumed or not)."""
+    epoch's, resumed or not); of a run whose loss diverged (diverged: how), marked failed with the
+    epochs it finished."""
     log_path = os.path.join(args.output, "log.jsonl")
     log = []
     if os.path.isfile(log_path):
@@ -845,6 +849,8 @@ def write_results(args, ranks, device, commit):
         results["failed"] = f"collapsed at epoch {log[-1].get('epoch')}: {log[-1].get('collapse_why')}"
         print(f"warning: the run ended collapsed; results.json marks it failed ({results['failed']})",
               file=sys.stderr, flush=True)
+    if diverged:
+        results.update(epochs=log[-1]["epoch"] if log else 0, failed=f"diverged: {diverged}")
     utils.write_json(results, os.path.join(args.output, "results.json"))
     return results
 

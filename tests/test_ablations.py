@@ -542,6 +542,31 @@ def test_peers_tune_tries_every_method_alike_and_selects_on_validation(small_dat
     assert study("peers-tune", tmp_path, small_data, *args)["ran"] == []
 
 
+def test_a_diverged_trial_is_a_failed_row_and_the_tune_goes_on(small_data, tmp_path, inline,
+                                                               monkeypatch):
+    """A trial whose loss diverges (here SeLa's, its lr made absurd) is recorded failed, without
+    scores, never selected; the trials after it train; a rerun neither trains nor evaluates it."""
+    point = ablations.tune_point
+    monkeypatch.setattr(ablations, "tune_point", lambda g: (lambda f: (
+        f[0], f[1] + ["--lr", "1e30"] * g.startswith("sela")))(point(g)))
+    grid = "sela:simple:1,otl:simple:1,otl:strong2:1"
+    args = ["--grid", grid, "--train-args", TINY_TRAIN]
+    study("peers-tune", tmp_path, small_data, *args)
+    out, md = saved(tmp_path, "peers-tune")
+    rows = {(r["method"], r["seed"]): r for r in out["rows"]}
+    rows = {(r["method"], r["views"], r["seed"]): r for r in out["rows"]}
+    trials = [("sela", "simple"), ("otl", "simple"), ("otl", "strong2")]
+    assert set(rows) == {(*t, s) for t in trials for s in (0, 1)} and "partial" not in out
+    for s in (0, 1):
+        assert rows[("sela", "simple", s)]["failed"].startswith("diverged: the loss became")
+        assert "knn_val10" not in rows[("sela", "simple", s)]
+        assert all("knn_val10" in rows[(*t, s)] for t in trials[1:])
+    assert set(out["selected"]) == {"otl"}
+    assert "1 trial(s) failed (collapsed or diverged)" in out["verdict"]
+    assert "| seed(s) 0, 1 of 2 diverged |" in md
+    assert study("peers-tune", tmp_path, small_data, *args)["ran"] == []
+
+
 def test_peers_at_their_tuned_recipes_at_equal_epochs_and_equal_time(small_data, tmp_path, inline):
     """Each method at the trial peers-tune selected, a -time point at the epochs that match OTL's
     minutes, OTL against each method paired over the seeds; then SIRI-WHU's protocol from each
@@ -821,6 +846,22 @@ def test_rewrite_keeps_a_partial_study_partial(tmp_path):
     assert made["partial"] == "12 of 21 runs" and "Partial: 12 of the grid's 21 runs" in md
     with pytest.raises(SystemExit, match=r'"partial" is \'5 of 21 runs\', not "12 of M runs"'):
         _rewrite_of(tmp_path, "k", lambda js: (cut(js), js.update(partial="5 of 21 runs")))
+
+
+def test_rewrite_of_peers_keeps_the_epochs_a_resumed_study_trains_to(tmp_path):
+    """A resumed `make peers` reads its -time points' epochs and their timing from the results
+    JSON; a --rewrite in between must not drop them, or the resumed study would time anew."""
+    with open(os.path.join(ablations.HERE, "results", "peers.json")) as fh:
+        js = json.load(fh)
+    epochs, timing = {"simclr": 6}, {"otl": {"timed_epoch_s": 9.0}, "simclr": {"timed_epoch_s": 12.0}}
+    js.update(equal_time_epochs=epochs, timing=timing)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "peers.json").write_text(json.dumps(js))
+    made = run("peers", "--rewrite", "--out", str(out), "--no-plot", "--no-progress")
+    again = json.loads((out / "peers.json").read_text())
+    assert made["equal_time_epochs"] == again["equal_time_epochs"] == epochs
+    assert again["timing"] == timing and again["rows"] == js["rows"]
 
 
 @pytest.mark.parametrize("name, edit, says", [

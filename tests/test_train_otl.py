@@ -238,9 +238,14 @@ def test_compiled_training_matches_eager_and_saves_plain_weights(small_data, tmp
 
 
 def test_a_diverging_loss_stops_before_its_checkpoint(small_data, tmp_path):
+    """The epoch whose loss is not finite commits nothing, and results.json marks the run failed
+    with the epochs it finished, so that a study records it and goes on."""
     with pytest.raises(SystemExit, match="lower --lr"):
         train(small_data, tmp_path / "d", "--epochs", "1", "--lr", "1e30")
     assert not (tmp_path / "d" / "checkpoint.pth").exists()
+    res = utils.read_results(str(tmp_path / "d"))
+    assert res["failed"].startswith("diverged: the loss became") and "in epoch 1" in res["failed"]
+    assert res["epochs"] == 0
 
 
 def test_init_takes_another_runs_backbone_and_a_fresh_head(small_data, tmp_path):
