@@ -604,7 +604,7 @@ def carried_row(old, run, ident, outs):
     the point's data and flags and holds every evaluation; else None."""
     if not os.path.isdir(run) and old and old.get("study_point") == ident and (all(
             (e if _kind(e) == "linear" else f"{e}10") in old for e in outs)
-            or str(old.get("failed")).startswith("diverged")):
+            or failure(old) == "diverged"):
         return old
     return None
 
@@ -647,9 +647,10 @@ def train_and_evaluate(args, run, data, flags, outs, log):
         run_stage(py + ["train_otl.py", "--data", data, "--output", run, "--device", args.device,
                         "--no-progress", *flags], log)
     except SystemExit:
-        if not diverged(run):
+        why = diverged(run)
+        if not why:
             raise
-        print(f"  {diverged(run)}: a failed run, not evaluated (its log: {log})", flush=True)
+        print(f"  {why}: a failed run, not evaluated (its log: {log})", flush=True)
         return
     evaluated(run, outs)    # those made before this training are of other weights
     for e, path in outs.items():
@@ -732,8 +733,8 @@ def _read_eval(run, e, path):
 def diverged(run):
     """How the run's loss diverged, where its results.json says so (train_otl.py marks it): a
     failed run, nothing to evaluate; else None."""
-    why = (utils.read_results(run) or {}).get("failed") or ""
-    return why if why.startswith("diverged") else None
+    res = utils.read_results(run) or {}
+    return res["failed"] if failure(res) == "diverged" else None
 
 
 def evaluated(run, outs):
@@ -762,7 +763,7 @@ def training_row(run, point, outs, trained=()):
         row["failed"] = res["failed"]
     for e, path in outs.items():
         r = _read_eval(run, e, path)
-        if r is None and diverged(run):     # a failed run: no scores
+        if r is None and failure(res) == "diverged":     # a failed run: no scores
             continue
         if _kind(e) == "linear":
             row[e] = round(r["linear_top1"], 2)

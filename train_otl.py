@@ -845,12 +845,12 @@ def write_results(args, ranks, device, commit, diverged=None):
                "command": utils.command_line(), "git_commit": commit}
     if args.method != "otl" or args.optimizer != "sgd":
         results.update(recipe=args.recipe, optimizer=args.optimizer, lr=args.lr, wd=args.wd)
-    if log and log[-1].get("collapsed"):       # ended collapsed (collapse_signal): a failed run
+    if diverged:
+        results.update(epochs=log[-1]["epoch"] if log else 0, failed=f"diverged: {diverged}")
+    elif log and log[-1].get("collapsed"):     # ended collapsed (collapse_signal): a failed run
         results["failed"] = f"collapsed at epoch {log[-1].get('epoch')}: {log[-1].get('collapse_why')}"
         print(f"warning: the run ended collapsed; results.json marks it failed ({results['failed']})",
               file=sys.stderr, flush=True)
-    if diverged:
-        results.update(epochs=log[-1]["epoch"] if log else 0, failed=f"diverged: {diverged}")
     utils.write_json(results, os.path.join(args.output, "results.json"))
     return results
 
